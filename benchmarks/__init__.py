@@ -1,0 +1,1 @@
+"""Benchmarks: see issue-specific scripts; run as python -m benchmarks.<name>."""

@@ -1,0 +1,42 @@
+"""Count the collectives a region of code issues, by kind, with bytes per rank.
+
+Works on anything that dispatches ``torch.ops._c10d_functional`` ops: fxtp's graphs in
+eager mode, forward and backward alike::
+
+    with fxtp.count_collectives() as fwd:
+        loss = gm(x).sum()
+    with fxtp.count_collectives() as bwd:
+        loss.backward()
+    fwd.counts  # {"all_reduce": 2}
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_c10d = torch.ops._c10d_functional
+KINDS = {
+    _c10d.all_reduce.default: "all_reduce",
+    _c10d.all_gather_into_tensor.default: "all_gather",
+    _c10d.reduce_scatter_tensor.default: "reduce_scatter",
+    _c10d.all_to_all_single.default: "all_to_all",
+}
+
+
+class count_collectives(TorchDispatchMode):
+    """``counts``: kind -> number of calls; ``bytes``: kind -> bytes of the local inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: Counter = Counter()
+        self.bytes: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kind = KINDS.get(func)
+        if kind is not None:
+            x = args[0]
+            self.counts[kind] += 1
+            self.bytes[kind] += x.numel() * x.element_size()
+        return func(*args, **(kwargs or {}))

@@ -1,0 +1,17 @@
+"""Exceptions fxtp raises. Each message names the module FQN, op or parameter and the fix."""
+
+
+class FxtpError(Exception):
+    """Base class for fxtp errors."""
+
+
+class PlanError(FxtpError, ValueError):
+    """The parallelize plan does not fit the model."""
+
+
+class ShardingError(FxtpError, RuntimeError):
+    """An op cannot be sharded as planned (raised in strict mode instead of a fallback)."""
+
+
+class TraceError(FxtpError, RuntimeError):
+    """The model could not be traced to a graph."""

@@ -1,0 +1,38 @@
+"""Resolve the ``mesh`` argument to the process group fxtp's collectives run on."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from .errors import PlanError
+
+
+@dataclass(frozen=True)
+class Group:
+    """A 1-D tensor-parallel group: its registered name, this rank's index, its size."""
+
+    name: str
+    rank: int
+    world: int
+
+
+def resolve_group(mesh: Union[DeviceMesh, dist.ProcessGroup, None]) -> Group:
+    if not dist.is_initialized():
+        raise PlanError("fxtp.parallelize needs an initialized process group: call "
+                        "torch.distributed.init_process_group() first (or run under torchrun)")
+    if isinstance(mesh, DeviceMesh):
+        if mesh.ndim != 1:
+            names = mesh.mesh_dim_names or ()
+            hint = f'mesh["{names[-1]}"]' if names else "a 1-D slice such as mesh['tp']"
+            raise PlanError(f"fxtp shards over a 1-D mesh; got a {mesh.ndim}-D DeviceMesh "
+                            f"{tuple(mesh.shape)}. Pass the tensor-parallel dim: {hint}")
+        pg: Optional[dist.ProcessGroup] = mesh.get_group()
+    elif mesh is None or isinstance(mesh, dist.ProcessGroup):
+        pg = mesh or dist.group.WORLD
+    else:
+        raise PlanError(f"mesh must be a 1-D DeviceMesh, a ProcessGroup or None, got "
+                        f"{type(mesh).__name__}")
+    return Group(pg.group_name, dist.get_rank(pg), dist.get_world_size(pg))

@@ -1,0 +1,57 @@
+"""``parallelize``: trace -> seed -> propagate -> rewrite -> localize."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch.fx as fx
+import torch.nn as nn
+
+from passes.localize import localize
+from passes.meta import PLACEMENT
+from passes.propagate import propagate
+from passes.rewrite import rewrite
+from passes.seed import seed
+
+from .mesh import resolve_group
+from .plan import Plan, resolve_plan
+from .trace import trace
+
+
+@dataclass
+class ParallelInfo:
+    """What fxtp did, attached to the result as ``gm.fxtp``."""
+
+    plan: dict
+    group: str
+    rank: int
+    world_size: int
+    fallbacks: list[str] = field(default_factory=list)
+    output_placements: tuple = ()
+    param_placements: dict = field(default_factory=dict)
+
+
+def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequence,
+                example_kwargs: Optional[dict] = None, strict: bool = False) -> fx.GraphModule:
+    """Return this rank's tensor-parallel ``GraphModule`` for ``model`` under ``plan``.
+
+    ``example_inputs`` / ``example_kwargs`` are full (single-device) inputs used for
+    tracing. At run time every rank passes the same full inputs, except root inputs whose
+    plan layout is ``Shard``: those are passed as local shards. Outputs come back
+    replicated, or as local shards where the plan leaves them sharded. Parameters keep
+    their FQNs and hold local shards. ``model`` is not modified.
+    """
+    shardings = resolve_plan(model, plan)
+    group = resolve_group(mesh)
+    gm, calls = trace(model, tuple(example_inputs), example_kwargs, shardings)
+    seed(gm, shardings, calls)
+    fallbacks = propagate(gm, group.world, strict=strict)
+    rewrite(gm, group.name, group.rank, group.world)
+    localize(gm, group.rank, group.world)
+    outputs = next(iter(reversed(gm.graph.nodes))).args[0]
+    gm.fxtp = ParallelInfo({k: s.style for k, s in shardings.items()}, group.name, group.rank,
+                           group.world, fallbacks,
+                           tuple(getattr(o, "meta", {}).get(PLACEMENT) for o in outputs),
+                           {n.target: n.meta[PLACEMENT] for n in gm.graph.nodes
+                            if n.op == "get_attr"})
+    return gm

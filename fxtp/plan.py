@@ -1,0 +1,57 @@
+"""Plan resolution: a style or a dict of FQN patterns -> styles, matched against a model.
+
+Keys split on ``.``; each part is matched with ``fnmatch`` against the child names at that
+depth (``layers.*.attention.wq``, ``net[1-2]``); ``""`` is the root module.
+"""
+from __future__ import annotations
+
+import difflib
+from fnmatch import fnmatchcase
+from typing import Mapping, Union
+
+import torch.nn as nn
+
+from .errors import PlanError
+from .styles import ModuleSharding, ParallelStyle
+
+Plan = Union[ParallelStyle, Mapping[str, ParallelStyle]]
+
+
+def _matches(key: str, fqn: str) -> bool:
+    if key == "" or fqn == "":
+        return key == fqn
+    parts, names = key.split("."), fqn.split(".")
+    return len(parts) == len(names) and all(map(fnmatchcase, names, parts))
+
+
+def resolve_plan(model: nn.Module, plan: Plan) -> dict[str, ModuleSharding]:
+    """Return FQN -> :class:`ModuleSharding` for every module the plan names.
+
+    Raises :class:`PlanError` for a key that matches no module (naming the closest FQNs),
+    a module matched by two keys, or a style that cannot handle the module's type.
+    """
+    if isinstance(plan, ParallelStyle):
+        plan = {"": plan}
+    if not isinstance(plan, Mapping):
+        raise PlanError(f"plan must be a ParallelStyle or a dict FQN -> ParallelStyle, "
+                        f"got {type(plan).__name__}")
+    modules = dict(model.named_modules())
+    resolved: dict[str, ModuleSharding] = {}
+    matched_by: dict[str, str] = {}
+    for key, style in plan.items():
+        if not isinstance(style, ParallelStyle):
+            raise PlanError(f"plan[{key!r}] must be an fxtp parallel style "
+                            f"(ColwiseParallel(), RowwiseParallel(), ...), got {style!r}")
+        fqns = [fqn for fqn in modules if _matches(key, fqn)]
+        if not fqns:
+            close = difflib.get_close_matches(key, [f for f in modules if f], n=3, cutoff=0.3)
+            hint = f"; closest module FQNs: {', '.join(close)}" if close else ""
+            raise PlanError(f"plan key {key!r} matches no module of "
+                            f"{type(model).__name__}{hint}")
+        for fqn in fqns:
+            if fqn in resolved:
+                raise PlanError(f"module '{fqn}' is matched by plan keys "
+                                f"{matched_by[fqn]!r} and {key!r}; give each module one style")
+            resolved[fqn] = style.shard(fqn, modules[fqn])
+            matched_by[fqn] = key
+    return resolved

@@ -1,0 +1,197 @@
+"""Parallel styles: what a plan says about one module.
+
+The constructors mirror ``torch.distributed.tensor.parallel`` (same keyword arguments and
+defaults). fxtp tracks the true placement of every value, so a style reduces to a
+:class:`ModuleSharding`: how the module's parameters are split and which layouts its
+inputs and outputs must have at the module boundary. ``use_local_output`` is accepted for
+compatibility; fxtp's graph always computes the single-device program.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+import torch.nn as nn
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from .errors import PlanError
+
+Layouts = Optional[tuple[Optional[Placement], ...]]
+
+
+@dataclass
+class ModuleSharding:
+    """The contract between a style and the seed pass.
+
+    ``params``: parameter name (relative to the module) -> placement.
+    ``input_layouts``: how each positional input is laid out when the module is the root
+    (what every rank passes in). ``desired_inputs`` / ``desired_kwargs``: layouts the inputs
+    are redistributed to on entry. ``desired_outputs``: layouts outputs are redistributed to
+    on exit. ``None`` entries leave a value as it is.
+    """
+
+    fqn: str
+    style: "ParallelStyle"
+    params: dict[str, Placement] = field(default_factory=dict)
+    input_layouts: Layouts = None
+    input_kwarg_layouts: dict[str, Placement] = field(default_factory=dict)
+    desired_inputs: Layouts = None
+    desired_kwargs: dict[str, Placement] = field(default_factory=dict)
+    desired_outputs: Layouts = None
+
+
+def _check_placement(p, what: str):
+    if p is None:
+        return None
+    if not isinstance(p, Placement):
+        raise PlanError(f"{what} must be a torch.distributed.tensor placement "
+                        f"(Shard(d), Replicate() or Partial()), got {p!r}")
+    if isinstance(p, Partial) and p.reduce_op != "sum":
+        raise PlanError(f"{what}: only Partial('sum') is supported, got {p!r}")
+    return p
+
+
+def _layouts(value, what: str) -> Layouts:
+    if value is None:
+        return None
+    if isinstance(value, Placement):
+        value = (value,)
+    return tuple(_check_placement(p, f"{what}[{i}]") for i, p in enumerate(value))
+
+
+def _kwarg_layouts(value, what: str) -> dict[str, Placement]:
+    return {k: _check_placement(p, f"{what}[{k!r}]") for k, p in (value or {}).items()}
+
+
+class ParallelStyle:
+    """Base class. Subclasses implement :meth:`shard`."""
+
+    def shard(self, fqn: str, module: nn.Module) -> ModuleSharding:
+        raise NotImplementedError
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({args})"
+
+    def _unsupported(self, fqn: str, module: nn.Module, supported: str):
+        name = fqn or "<root>"
+        return PlanError(
+            f"{type(self).__name__} cannot shard module '{name}' of type "
+            f"{type(module).__name__}: it supports {supported}. Plan its child modules "
+            f"instead, or use PrepareModuleInput/PrepareModuleOutput to change layouts "
+            f"at this module's boundary.")
+
+
+class ColwiseParallel(ParallelStyle):
+    """Shard ``nn.Linear`` on output features (``nn.Embedding`` on the embedding dim).
+    Input must be Replicate; output is Shard(-1) unless ``output_layouts`` says otherwise."""
+
+    def __init__(self, *, input_layouts: Optional[Placement] = None,
+                 output_layouts: Optional[Placement] = None, use_local_output: bool = True):
+        self.input_layouts = _check_placement(input_layouts, "input_layouts") or Replicate()
+        self.output_layouts = _check_placement(output_layouts, "output_layouts") or Shard(-1)
+        self.use_local_output = use_local_output
+
+    def shard(self, fqn, module):
+        if isinstance(module, nn.Linear):
+            params = {"weight": Shard(0), "bias": Shard(0)}
+        elif isinstance(module, nn.Embedding):
+            params = {"weight": Shard(1)}
+        else:
+            raise self._unsupported(fqn, module, "nn.Linear and nn.Embedding")
+        return ModuleSharding(fqn, self, params, input_layouts=(self.input_layouts,),
+                              desired_inputs=(Replicate(),),
+                              desired_outputs=(self.output_layouts,))
+
+
+class RowwiseParallel(ParallelStyle):
+    """Shard ``nn.Linear`` on input features. Input must be Shard(-1); the partial output is
+    reduced to ``output_layouts`` (all-reduce for Replicate, reduce-scatter for Shard)."""
+
+    def __init__(self, *, input_layouts: Optional[Placement] = None,
+                 output_layouts: Optional[Placement] = None, use_local_output: bool = True):
+        self.input_layouts = _check_placement(input_layouts, "input_layouts") or Shard(-1)
+        self.output_layouts = _check_placement(output_layouts, "output_layouts") or Replicate()
+        self.use_local_output = use_local_output
+
+    def shard(self, fqn, module):
+        if not isinstance(module, nn.Linear):
+            raise self._unsupported(fqn, module, "nn.Linear")
+        return ModuleSharding(fqn, self, {"weight": Shard(1), "bias": Replicate()},
+                              input_layouts=(self.input_layouts,),
+                              desired_inputs=(Shard(-1),),
+                              desired_outputs=(self.output_layouts,))
+
+
+class PrepareModuleInput(ParallelStyle):
+    """Redistribute a module's inputs to ``desired_input_layouts`` on entry.
+    ``input_layouts`` declares what the inputs are; at the root it says what each rank
+    passes (a Shard layout means every rank passes its local shard)."""
+
+    def __init__(self, *, input_layouts: Union[Placement, Sequence, None] = None,
+                 desired_input_layouts: Union[Placement, Sequence, None] = None,
+                 input_kwarg_layouts: Optional[dict] = None,
+                 desired_input_kwarg_layouts: Optional[dict] = None,
+                 use_local_output: bool = False):
+        self.input_layouts = _layouts(input_layouts, "input_layouts")
+        self.desired_input_layouts = _layouts(desired_input_layouts, "desired_input_layouts")
+        self.input_kwarg_layouts = _kwarg_layouts(input_kwarg_layouts, "input_kwarg_layouts")
+        self.desired_input_kwarg_layouts = _kwarg_layouts(
+            desired_input_kwarg_layouts, "desired_input_kwarg_layouts")
+        self.use_local_output = use_local_output
+        if (self.input_layouts is None) != (self.desired_input_layouts is None):
+            raise PlanError("PrepareModuleInput: give input_layouts and "
+                            "desired_input_layouts together")
+        if self.input_layouts and len(self.input_layouts) != len(self.desired_input_layouts):
+            raise PlanError("PrepareModuleInput: input_layouts and desired_input_layouts "
+                            "must have the same length")
+        if set(self.input_kwarg_layouts) != set(self.desired_input_kwarg_layouts):
+            raise PlanError("PrepareModuleInput: input_kwarg_layouts and "
+                            "desired_input_kwarg_layouts must name the same keyword arguments")
+
+    def shard(self, fqn, module):
+        return ModuleSharding(fqn, self, input_layouts=self.input_layouts,
+                              input_kwarg_layouts=self.input_kwarg_layouts,
+                              desired_inputs=self.desired_input_layouts,
+                              desired_kwargs=self.desired_input_kwarg_layouts)
+
+
+class PrepareModuleOutput(ParallelStyle):
+    """Redistribute a module's outputs to ``desired_output_layouts`` on exit."""
+
+    def __init__(self, *, output_layouts: Union[Placement, Sequence],
+                 desired_output_layouts: Union[Placement, Sequence],
+                 use_local_output: bool = True):
+        self.output_layouts = _layouts(output_layouts, "output_layouts")
+        self.desired_output_layouts = _layouts(desired_output_layouts,
+                                               "desired_output_layouts")
+        self.use_local_output = use_local_output
+        if len(self.output_layouts) != len(self.desired_output_layouts):
+            raise PlanError("PrepareModuleOutput: output_layouts and desired_output_layouts "
+                            "must have the same length")
+
+    def shard(self, fqn, module):
+        return ModuleSharding(fqn, self, desired_outputs=self.desired_output_layouts)
+
+
+class PrepareModuleInputOutput(ParallelStyle):
+    """:class:`PrepareModuleInput` and :class:`PrepareModuleOutput` on one module."""
+
+    def __init__(self, *, input_layouts=None, desired_input_layouts=None,
+                 input_kwarg_layouts=None, desired_input_kwarg_layouts=None,
+                 use_local_input: bool = False, output_layouts, desired_output_layouts,
+                 use_local_output: bool = True):
+        self.prepare_module_input = PrepareModuleInput(
+            input_layouts=input_layouts, desired_input_layouts=desired_input_layouts,
+            input_kwarg_layouts=input_kwarg_layouts,
+            desired_input_kwarg_layouts=desired_input_kwarg_layouts,
+            use_local_output=use_local_input)
+        self.prepare_module_output = PrepareModuleOutput(
+            output_layouts=output_layouts, desired_output_layouts=desired_output_layouts,
+            use_local_output=use_local_output)
+
+    def shard(self, fqn, module):
+        sharding = self.prepare_module_input.shard(fqn, module)
+        sharding.style = self
+        sharding.desired_outputs = self.prepare_module_output.desired_output_layouts
+        return sharding

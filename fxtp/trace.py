@@ -1,0 +1,78 @@
+"""Tracing: a single-device ``nn.Module`` -> an ATen-level ``fx.GraphModule``.
+
+Uses ``torch.export`` (non-strict) so ordinary Python model code traces; every node keeps
+``nn_module_stack`` (module FQNs) in ``node.meta`` and ``val`` (a fake tensor with the
+global shape). Modules named by the plan keep their call boundaries: :class:`ModuleCall`
+says which graph values are their inputs and outputs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from .errors import TraceError
+
+
+@dataclass
+class ModuleCall:
+    """Graph values at one module's call boundary (``None`` for non-tensor values)."""
+
+    args: tuple[Optional[fx.Node], ...] = ()
+    kwargs: dict[str, Optional[fx.Node]] = field(default_factory=dict)
+    outputs: tuple[Optional[fx.Node], ...] = ()
+
+
+def trace(model: torch.nn.Module, args: tuple, kwargs: Optional[dict],
+          boundaries: Iterable[str]) -> tuple[fx.GraphModule, dict[str, ModuleCall]]:
+    """Trace ``model(*args, **kwargs)``; return the graph module and the calls of the
+    modules in ``boundaries`` (FQNs; ``""`` is the root, whose inputs are placeholders)."""
+    boundaries = tuple(boundaries)
+    try:
+        ep = torch.export.export(model, tuple(args), kwargs=kwargs or {}, strict=False,
+                                 preserve_module_call_signature=tuple(b for b in boundaries if b))
+    except Exception as e:  # noqa: BLE001 - re-raised with a hint
+        raise TraceError(
+            f"fxtp could not trace {type(model).__name__} with torch.export (non-strict): "
+            f"{type(e).__name__}: {e}\nHint: data-dependent Python control flow and "
+            f"non-tensor outputs are the usual causes; check that model(*example_inputs, "
+            f"**example_kwargs) runs, and rewrite branches on tensor values with "
+            f"torch.where / torch.cond.") from e
+    gm = ep.module()
+    _drop_export_guards(gm)
+    gm = fx.GraphModule(gm, gm.graph)  # without export's input-shape check hooks
+    nodes = {n.name: n for n in gm.graph.nodes}
+
+    def node_of(arg):
+        return nodes.get(getattr(arg, "name", None))
+
+    calls = {}
+    signatures = {e.fqn: e.signature for e in ep.module_call_graph}
+    for fqn in boundaries:
+        if fqn == "":
+            continue
+        sig = signatures.get(fqn)
+        if sig is None:
+            raise TraceError(f"module '{fqn}' is named by the plan but torch.export recorded "
+                             f"no call of it; is it called in forward()?")
+        call_args, call_kwargs = pytree.tree_unflatten([node_of(a) for a in sig.inputs],
+                                                        sig.in_spec)
+        outputs = tuple(node_of(a) for a in sig.outputs)
+        calls[fqn] = ModuleCall(tuple(call_args), dict(call_kwargs), outputs)
+    return gm, calls
+
+
+def _drop_export_guards(gm: fx.GraphModule) -> None:
+    """Remove the input-shape guard and metadata asserts export adds: fxtp's module takes
+    local shards, whose shapes differ from the traced global ones."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn":
+            gm.graph.erase_node(node)
+        elif node.target is torch.ops.aten._assert_tensor_metadata.default:
+            gm.graph.erase_node(node)
+    if hasattr(gm, "_guards_fn"):
+        delattr(gm, "_guards_fn")
+    gm.graph.lint()

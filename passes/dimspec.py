@@ -1,0 +1,125 @@
+"""Dim specs: a compact, einsum-like statement of how an op's tensor dims relate.
+
+``"... k+, n k+ -> ... n"`` (linear) reads: dims with the same label correspond; sharding a
+label shards every tensor that has it on that dim and leaves the others replicated. A label
+marked ``+`` is summed over: sharding it makes the output ``Partial``. A label marked ``!`` is
+never sharded (a softmax or normalized dim). ``...`` stands for leading batch dims, aligned
+from the right as in broadcasting. ``_`` is a dim that is never sharded.
+
+Both sharding propagation (the candidate strategies) and shape localization derive from it.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+from torch.distributed.tensor import Placement, Shard
+
+from .placement import P, R
+
+Labels = tuple[str, ...]
+_fresh = itertools.count()
+
+
+def fixed_label() -> str:
+    """A label that names a dim no strategy may shard."""
+    return f"_{next(_fresh)}!"
+
+
+@dataclass(frozen=True)
+class DimSpec:
+    """How each tensor input's and output's dims relate.
+
+    ``inputs[i]`` labels the dims of the i-th tensor input, or is ``None`` when the op reads
+    only its shape/dtype (any placement is accepted as is). ``partial`` says how the op
+    passes Partial values through: ``"sum"`` (linear in all inputs jointly: all Partial ->
+    Partial), ``"product"`` (linear in each input: one Partial input among ``partial_args``,
+    the rest Replicate -> Partial) or ``"none"``.
+    """
+
+    inputs: tuple[Optional[Labels], ...]
+    outputs: tuple[Labels, ...]
+    partial: str = "none"
+    partial_args: Optional[tuple[int, ...]] = None
+
+    def labels(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for labels in itertools.chain(self.inputs, self.outputs):
+            for label in labels or ():
+                seen.setdefault(label)
+        return list(seen)
+
+
+def parse(spec: str, ranks: Sequence[Optional[int]], out_ranks: Sequence[int] = (),
+          partial: str = "none", partial_args=None) -> DimSpec:
+    """Build a :class:`DimSpec` from ``"a b, b c+ -> a c"``; ``ranks`` gives each input's
+    ndim to expand ``...`` (``None`` for an unread input, written ``?``)."""
+    lhs, rhs = (side.strip() for side in spec.split("->"))
+    in_terms = [t.strip() for t in lhs.split(",")] if lhs else []
+    out_terms = [t.strip() for t in rhs.split(",")] if rhs else []
+    if len(in_terms) != len(ranks):
+        raise ValueError(f"spec {spec!r} has {len(in_terms)} inputs, op has {len(ranks)}")
+    batch = max([r - (len(t.split()) - 1) for t, r in zip(in_terms, ranks)
+                 if r is not None and "..." in t] + [0])
+
+    def expand(term: str, rank: Optional[int]) -> Optional[Labels]:
+        if term == "?":
+            return None
+        words = term.split()
+        if "..." not in words:
+            return tuple(fixed_label() if w == "_" else w for w in words)
+        n = (rank if rank is not None else batch + len(words) - 1) - (len(words) - 1)
+        dots = tuple(f"b{batch - n + i}" for i in range(n))
+        i = words.index("...")
+        return tuple(words[:i]) + dots + tuple(words[i + 1:])
+
+    inputs = tuple(expand(t, r) for t, r in zip(in_terms, ranks))
+    outs = list(out_ranks) + [None] * (len(out_terms) - len(out_ranks))
+    outputs = tuple(expand(t, r) for t, r in zip(out_terms, outs))
+    return DimSpec(inputs, outputs, partial, partial_args)
+
+
+def _base(label: str) -> str:
+    return label.rstrip("+!")
+
+
+def strategies(spec: DimSpec, in_shapes: Sequence, out_shapes: Sequence, world: int
+               ) -> Iterator[tuple[tuple[Optional[Placement], ...], tuple[Placement, ...]]]:
+    """Yield every valid ``(input placements, output placements)`` for the op: all
+    Replicate, one strategy per shardable label whose dims divide evenly by ``world``, and
+    the Partial pass-through strategies."""
+    n_in = len(spec.inputs)
+    yield tuple(None if s is None else R for s in spec.inputs), (R,) * len(spec.outputs)
+    labels = spec.labels()
+    out_bases = {_base(label) for labels in spec.outputs for label in labels}
+    fixed = {_base(label) for label in labels if label.endswith("!")}
+    summed_bases = {_base(label) for label in labels if label.endswith("+")}
+    for base in dict.fromkeys(map(_base, labels)):
+        summed = base in summed_bases
+        if base in fixed or (not summed and base not in out_bases):
+            continue
+
+        def place(labels, shape):
+            if labels is None:
+                return None
+            dims = [d for d, lab in enumerate(labels) if _base(lab) == base]
+            if not dims:
+                return R
+            size = shape[dims[0]]
+            if len(dims) > 1 or (isinstance(size, int) and size % world):
+                return False
+            return Shard(dims[0])
+
+        ins = tuple(place(lab, s) for lab, s in zip(spec.inputs, in_shapes))
+        outs = tuple(P if summed else place(lab, s) for lab, s in zip(spec.outputs, out_shapes))
+        if False not in ins and False not in outs:
+            yield ins, outs
+    partial_outs = (P,) * len(spec.outputs)
+    if spec.partial == "sum":
+        yield tuple(None if s is None else P for s in spec.inputs), partial_outs
+    elif spec.partial == "product":
+        for i in spec.partial_args or range(n_in):
+            if spec.inputs[i] is not None:
+                yield tuple(P if j == i else (None if s is None else R)
+                            for j, s in enumerate(spec.inputs)), partial_outs

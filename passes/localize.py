@@ -1,0 +1,66 @@
+"""Localize pass: turn the global program into this rank's program.
+
+Global shape arguments (``view``, ``reshape``, ``expand``) become local shapes, reads of a
+sharded dim's size (``sym_size``) are scaled back to the global size so shape arithmetic in
+user code stays global, and parameters and buffers are replaced by copies of this rank's
+shards (never the user's tensors). ``node.meta["val"]`` keeps the global shape.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.distributed.tensor import Shard
+
+from .meta import PLACEMENT
+from .rules import RULES, localize_shape
+
+aten = torch.ops.aten
+
+
+def localize(gm: fx.GraphModule, rank: int, world: int) -> None:
+    graph = gm.graph
+    localized: set[str] = set()
+    for node in list(graph.nodes):
+        if node.op == "call_function":
+            rule = RULES.get(node.target)
+            if rule is not None and rule.shape_arg is not None:
+                args = list(node.args)
+                args[rule.shape_arg] = localize_shape(args[rule.shape_arg],
+                                                      node.meta.get(PLACEMENT), world, graph, node)
+                node.args = tuple(args)
+            elif node.target is aten.sym_size.int:
+                _globalize_size(graph, node, world)
+        elif node.op == "get_attr" and node.target not in localized:
+            localized.add(node.target)
+            _localize_attr(gm, node.target, node.meta.get(PLACEMENT), rank, world)
+    graph.lint()
+    gm.recompile()
+
+
+def _globalize_size(graph, node, world):
+    source, dim = node.args
+    placement = source.meta.get(PLACEMENT)
+    if isinstance(placement, Shard) and placement.dim == dim % source.meta["val"].dim():
+        with graph.inserting_after(node):
+            scaled = graph.call_function(operator.mul, (node, world))
+        node.replace_all_uses_with(scaled, delete_user_cb=lambda u: u is not scaled)
+
+
+@torch.no_grad()
+def _localize_attr(gm, target: str, placement, rank: int, world: int) -> None:
+    owner_name, _, name = target.rpartition(".")
+    owner = gm.get_submodule(owner_name)
+    value = getattr(owner, name)
+    if isinstance(placement, Shard):
+        local = value.chunk(world, placement.dim)[rank].clone()
+    else:
+        local = value.clone()
+    if isinstance(value, nn.Parameter):
+        owner._parameters[name] = nn.Parameter(local, requires_grad=value.requires_grad)
+    elif name in owner._buffers:
+        owner._buffers[name] = local
+    else:
+        setattr(owner, name, local)

@@ -1,0 +1,113 @@
+"""Rewrite pass: make every placement change explicit as a differentiable collective.
+
+Where a node needs an input in another placement than the input has, the collectives of
+:func:`passes.placement.transition_steps` are inserted (one per value and target placement,
+shared by all consumers). Boundary :func:`~passes.seed.layout` markers are then removed.
+
+Backward: a replicated value consumed by ops that also touch sharded or partial values
+receives per-rank partial gradients from them. All those consumers are fed through one
+``grad_sync`` (identity forward, all-reduce backward), so a replicated activation read by
+several colwise linears costs one backward all-reduce; an ``all_gather`` whose consumers
+are all such ops reduce-scatters its gradient instead.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Replicate, Shard
+
+from fxtp import collectives
+
+from .meta import COLLECTIVE, INPUTS, PLACEMENT
+from .placement import describe, is_replicate, transition_steps
+from .propagate import placement_of
+from .rules import tensor_inputs, val
+from .seed import layout
+
+
+def rewrite(gm: fx.GraphModule, group: str, rank: int, world: int) -> None:
+    graph = gm.graph
+    made: dict[tuple[fx.Node, str], fx.Node] = {}
+
+    def redistribute(src: fx.Node, dst, before: fx.Node) -> fx.Node:
+        key = (src, describe(dst))
+        if dst is None or placement_of(src) == dst:
+            return src
+        if key not in made:
+            out = src
+            for kind, dim in transition_steps(placement_of(src), dst):
+                out = _collective(graph, kind, dim, out, before, group, rank, world)
+            made[key] = out
+        return made[key]
+
+    for node in list(graph.nodes):
+        needed = node.meta.get(INPUTS)
+        if needed is None:
+            continue
+        inputs = iter(zip(tensor_inputs(node), needed))
+
+        def swap(arg):
+            if arg is not None and hasattr(val(arg), "shape"):
+                src, dst = next(inputs)
+                return redistribute(src, dst, node)
+            return arg
+        node.args, node.kwargs = fx.node.map_arg((node.args, node.kwargs), swap)
+    for node in list(graph.nodes):
+        if node.target is layout:
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+    _sync_partial_grads(graph, group)
+    graph.lint()
+    gm.recompile()
+
+
+_KINDS = {
+    "all_reduce": lambda x, dim, group, rank, world: (collectives.all_reduce, (x, group)),
+    "reduce_scatter": lambda x, dim, group, rank, world:
+        (collectives.reduce_scatter, (x, dim, world, group)),
+    "all_gather": lambda x, dim, group, rank, world:
+        (collectives.all_gather, (x, dim, rank, world, group)),
+    "shard": lambda x, dim, group, rank, world:
+        (collectives.shard, (x, dim, rank, world, group)),
+}
+
+
+def _collective(graph, kind, dim, src, before, group, rank, world) -> fx.Node:
+    fn, args = _KINDS[kind](src, dim, group, rank, world)
+    with graph.inserting_before(before):
+        node = graph.call_function(fn, args)
+    node.meta.update(val=val(src), nn_module_stack=dict(before.meta.get("nn_module_stack", {})))
+    node.meta[PLACEMENT] = Shard(dim) if kind in ("reduce_scatter", "shard") else Replicate()
+    node.meta[COLLECTIVE] = kind
+    return node
+
+
+def _contributes_partial_grad(user: fx.Node) -> bool:
+    """Does ``user`` hand a replicated input a per-rank partial gradient?"""
+    if user.op != "call_function" or user.target is collectives.shard:
+        return False
+    placements = list(user.meta.get(INPUTS) or ()) + [user.meta.get(PLACEMENT)]
+    flat = [p for q in placements for p in (q if isinstance(q, tuple) else (q,))]
+    return any(p is not None and not is_replicate(p) for p in flat)
+
+
+def _sync_partial_grads(graph: fx.Graph, group: str) -> None:
+    for node in list(graph.nodes):
+        v = val(node)
+        if not isinstance(v, torch.Tensor) or not v.dtype.is_floating_point or \
+                not is_replicate(placement_of(node)):
+            continue
+        partial_users = [u for u in node.users if _contributes_partial_grad(u)]
+        if not partial_users:
+            continue
+        if node.target is collectives.all_gather and len(partial_users) == len(node.users):
+            node.args = node.args[:5] + (True,)
+            continue
+        with graph.inserting_after(node):
+            sync = graph.call_function(collectives.grad_sync, (node, group))
+        sync.meta.update(val=v, nn_module_stack=dict(partial_users[0].meta.get(
+            "nn_module_stack", {})))
+        sync.meta[PLACEMENT] = placement_of(node)
+        sync.meta[COLLECTIVE] = "grad_sync"
+        for user in partial_users:
+            user.replace_input_with(node, sync)

@@ -1,0 +1,116 @@
+"""Seed pass: write the plan into the graph.
+
+* parameters (``get_attr`` nodes) and root inputs (placeholders) get their placements;
+* every module-boundary layout the plan asks for becomes a :func:`layout` node, an identity
+  whose output placement is fixed (the rewrite turns it into collectives);
+* a planned rowwise linear's bias is split off (``linear(x, w) + b``) so it is added once,
+  after the partial sums are reduced.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+from fxtp.styles import ModuleSharding
+from fxtp.trace import ModuleCall
+
+from .meta import BOUNDARY, PLACEMENT, inside
+from .placement import normalize
+from .rules import val
+
+aten = torch.ops.aten
+
+
+def layout(x: torch.Tensor, placement: Placement) -> torch.Tensor:
+    """Marks a value that must have ``placement`` here; identity at run time."""
+    return x
+
+
+def seed(gm: fx.GraphModule, shardings: dict[str, ModuleSharding],
+         calls: dict[str, ModuleCall]) -> None:
+    graph = gm.graph
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            owner, _, name = node.target.rpartition(".")
+            p = shardings[owner].params.get(name) if owner in shardings else None
+            node.meta[PLACEMENT] = normalize(p or Replicate(), val(node).dim())
+        elif node.op == "placeholder":
+            node.meta[PLACEMENT] = Replicate()
+    root = shardings.get("")
+    if root is not None:
+        _seed_root_inputs(gm, root)
+    # Inputs first: an output marker then feeds the next module's input marker, so a value
+    # passed between two planned modules is redistributed once per boundary, in order.
+    for fqn, sharding in shardings.items():
+        _constrain_inputs(graph, fqn, sharding, calls.get(fqn) or _root_call(gm))
+    for fqn, sharding in shardings.items():
+        _constrain_outputs(graph, fqn, sharding, calls.get(fqn) or _root_call(gm))
+    _split_partial_bias(graph)
+    graph.lint()
+
+
+def _root_call(gm) -> ModuleCall:
+    import torch.utils._pytree as pytree
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    args, kwargs = pytree.tree_unflatten(placeholders, gm.graph._codegen.pytree_info.in_spec)
+    outputs = tuple(next(iter(reversed(gm.graph.nodes))).args[0])
+    return ModuleCall(tuple(args), dict(kwargs), outputs)
+
+
+def _seed_root_inputs(gm, root: ModuleSharding) -> None:
+    call = _root_call(gm)
+    pairs = list(zip(call.args, root.input_layouts or ()))
+    pairs += [(call.kwargs.get(k), p) for k, p in root.input_kwarg_layouts.items()]
+    for node, p in pairs:
+        if node is not None and p is not None and val(node) is not None:
+            node.meta[PLACEMENT] = normalize(p, val(node).dim())
+
+
+def _insert_layout(graph, node, placement, users, what, owner):
+    """Feed ``users`` of ``node`` through a layout marker that sits in module ``owner``'s
+    scope (a node whose ``nn_module_stack`` stands for it)."""
+    if node is None or placement is None or not users or \
+            not isinstance(val(node), torch.Tensor):
+        return
+    with graph.inserting_after(node):
+        marker = graph.call_function(layout, (node, normalize(placement, val(node).dim())))
+    marker.meta.update(val=val(node), nn_module_stack=dict(owner.meta.get("nn_module_stack", {})))
+    marker.meta[BOUNDARY] = what
+    for user in users:
+        user.replace_input_with(node, marker)
+
+
+def _constrain_inputs(graph, fqn, sharding, call: ModuleCall):
+    targets = [(node, p, f"input {i}") for i, (node, p) in
+               enumerate(zip(call.args, sharding.desired_inputs or ()))]
+    targets += [(call.kwargs.get(k), p, f"input {k!r}") for k, p in sharding.desired_kwargs.items()]
+    for node, p, what in targets:
+        if node is None:
+            continue
+        users = [u for u in node.users if u.op != "output" and inside(u, fqn)]
+        _insert_layout(graph, node, p, users, f"{fqn or '<root>'} {what}", users and users[0])
+
+
+def _constrain_outputs(graph, fqn, sharding, call: ModuleCall):
+    for i, (node, p) in enumerate(zip(call.outputs, sharding.desired_outputs or ())):
+        if node is None:
+            continue
+        users = [u for u in node.users if u.op == "output" or not inside(u, fqn)]
+        _insert_layout(graph, node, p, users, f"{fqn or '<root>'} output {i}", node)
+
+
+def _split_partial_bias(graph) -> None:
+    for node in list(graph.nodes):
+        if node.target is not aten.linear.default or len(node.args) < 3 or node.args[2] is None:
+            continue
+        weight = node.args[1]
+        if not isinstance(weight.meta.get(PLACEMENT), Shard) or \
+                weight.meta[PLACEMENT].dim != 1:
+            continue
+        bias = node.args[2]
+        with graph.inserting_after(node):
+            add = graph.call_function(aten.add.Tensor, (node, bias))
+        add.meta.update(node.meta)
+        node.replace_all_uses_with(add, delete_user_cb=lambda u: u is not add)
+        node.args = node.args[:2]
