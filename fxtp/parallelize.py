@@ -44,7 +44,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
     shardings = resolve_plan(model, plan)
     group = resolve_group(mesh)
     gm, calls = trace(model, tuple(example_inputs), example_kwargs, shardings)
-    seed(gm, shardings, calls)
+    seed(gm, shardings, calls, group.world)
     fallbacks = propagate(gm, group.world, strict=strict)
     rewrite(gm, group.name, group.rank, group.world)
     localize(gm, group.rank, group.world)

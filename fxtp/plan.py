@@ -24,6 +24,17 @@ def _matches(key: str, fqn: str) -> bool:
     return len(parts) == len(names) and all(map(fnmatchcase, names, parts))
 
 
+def _closest(key: str, fqns: list[str], n: int = 3) -> list[str]:
+    """FQNs most like ``key``: most parts matched by its patterns, then most similar text."""
+    parts = key.split(".")
+
+    def score(fqn):
+        names = fqn.split(".")
+        matched = sum(map(fnmatchcase, names, parts)) if len(names) == len(parts) else 0
+        return matched, difflib.SequenceMatcher(None, key, fqn).ratio()
+    return sorted(fqns, key=score, reverse=True)[:n]
+
+
 def resolve_plan(model: nn.Module, plan: Plan) -> dict[str, ModuleSharding]:
     """Return FQN -> :class:`ModuleSharding` for every module the plan names.
 
@@ -44,7 +55,7 @@ def resolve_plan(model: nn.Module, plan: Plan) -> dict[str, ModuleSharding]:
                             f"(ColwiseParallel(), RowwiseParallel(), ...), got {style!r}")
         fqns = [fqn for fqn in modules if _matches(key, fqn)]
         if not fqns:
-            close = difflib.get_close_matches(key, [f for f in modules if f], n=3, cutoff=0.3)
+            close = _closest(key, [f for f in modules if f])
             hint = f"; closest module FQNs: {', '.join(close)}" if close else ""
             raise PlanError(f"plan key {key!r} matches no module of "
                             f"{type(model).__name__}{hint}")

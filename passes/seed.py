@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Placement, Replicate, Shard
 
+from fxtp.errors import PlanError
 from fxtp.styles import ModuleSharding
 from fxtp.trace import ModuleCall
 
@@ -28,26 +29,36 @@ def layout(x: torch.Tensor, placement: Placement) -> torch.Tensor:
 
 
 def seed(gm: fx.GraphModule, shardings: dict[str, ModuleSharding],
-         calls: dict[str, ModuleCall]) -> None:
+         calls: dict[str, ModuleCall], world: int) -> None:
     graph = gm.graph
     for node in graph.nodes:
         if node.op == "get_attr":
             owner, _, name = node.target.rpartition(".")
             p = shardings[owner].params.get(name) if owner in shardings else None
             node.meta[PLACEMENT] = normalize(p or Replicate(), val(node).dim())
+            _check_divisible(node, world, f"parameter '{node.target}'", shardings.get(owner))
         elif node.op == "placeholder":
             node.meta[PLACEMENT] = Replicate()
     root = shardings.get("")
     if root is not None:
-        _seed_root_inputs(gm, root)
+        _seed_root_inputs(gm, root, world)
     # Inputs first: an output marker then feeds the next module's input marker, so a value
     # passed between two planned modules is redistributed once per boundary, in order.
     for fqn, sharding in shardings.items():
-        _constrain_inputs(graph, fqn, sharding, calls.get(fqn) or _root_call(gm))
+        _constrain_inputs(graph, fqn, sharding, calls.get(fqn) or _root_call(gm), world)
     for fqn, sharding in shardings.items():
-        _constrain_outputs(graph, fqn, sharding, calls.get(fqn) or _root_call(gm))
+        _constrain_outputs(graph, fqn, sharding, calls.get(fqn) or _root_call(gm), world)
     _split_partial_bias(graph)
     graph.lint()
+
+
+def _check_divisible(node, world, what, sharding=None):
+    p, shape = node.meta[PLACEMENT], val(node).shape
+    if isinstance(p, Shard) and isinstance(shape[p.dim], int) and shape[p.dim] % world:
+        style = f" ({type(sharding.style).__name__})" if sharding else ""
+        raise PlanError(f"{what}{style} is sharded on dim {p.dim} of size {shape[p.dim]}, "
+                        f"which does not divide by the world size {world}; choose sizes "
+                        f"divisible by {world} or leave this module out of the plan")
 
 
 def _root_call(gm) -> ModuleCall:
@@ -58,16 +69,17 @@ def _root_call(gm) -> ModuleCall:
     return ModuleCall(tuple(args), dict(kwargs), outputs)
 
 
-def _seed_root_inputs(gm, root: ModuleSharding) -> None:
+def _seed_root_inputs(gm, root: ModuleSharding, world: int) -> None:
     call = _root_call(gm)
     pairs = list(zip(call.args, root.input_layouts or ()))
     pairs += [(call.kwargs.get(k), p) for k, p in root.input_kwarg_layouts.items()]
     for node, p in pairs:
         if node is not None and p is not None and val(node) is not None:
             node.meta[PLACEMENT] = normalize(p, val(node).dim())
+            _check_divisible(node, world, f"root input '{node.name}'")
 
 
-def _insert_layout(graph, node, placement, users, what, owner):
+def _insert_layout(graph, node, placement, users, what, owner, world):
     """Feed ``users`` of ``node`` through a layout marker that sits in module ``owner``'s
     scope (a node whose ``nn_module_stack`` stands for it)."""
     if node is None or placement is None or not users or \
@@ -77,11 +89,13 @@ def _insert_layout(graph, node, placement, users, what, owner):
         marker = graph.call_function(layout, (node, normalize(placement, val(node).dim())))
     marker.meta.update(val=val(node), nn_module_stack=dict(owner.meta.get("nn_module_stack", {})))
     marker.meta[BOUNDARY] = what
+    marker.meta[PLACEMENT] = marker.args[1]
+    _check_divisible(marker, world, f"the layout at {what}")
     for user in users:
         user.replace_input_with(node, marker)
 
 
-def _constrain_inputs(graph, fqn, sharding, call: ModuleCall):
+def _constrain_inputs(graph, fqn, sharding, call: ModuleCall, world):
     targets = [(node, p, f"input {i}") for i, (node, p) in
                enumerate(zip(call.args, sharding.desired_inputs or ()))]
     targets += [(call.kwargs.get(k), p, f"input {k!r}") for k, p in sharding.desired_kwargs.items()]
@@ -89,15 +103,16 @@ def _constrain_inputs(graph, fqn, sharding, call: ModuleCall):
         if node is None:
             continue
         users = [u for u in node.users if u.op != "output" and inside(u, fqn)]
-        _insert_layout(graph, node, p, users, f"{fqn or '<root>'} {what}", users and users[0])
+        _insert_layout(graph, node, p, users, f"{fqn or '<root>'} {what}", users and users[0],
+                       world)
 
 
-def _constrain_outputs(graph, fqn, sharding, call: ModuleCall):
+def _constrain_outputs(graph, fqn, sharding, call: ModuleCall, world):
     for i, (node, p) in enumerate(zip(call.outputs, sharding.desired_outputs or ())):
         if node is None:
             continue
         users = [u for u in node.users if u.op == "output" or not inside(u, fqn)]
-        _insert_layout(graph, node, p, users, f"{fqn or '<root>'} output {i}", node)
+        _insert_layout(graph, node, p, users, f"{fqn or '<root>'} output {i}", node, world)
 
 
 def _split_partial_bias(graph) -> None:

@@ -23,3 +23,16 @@ def ranks(request, pools):
     if world not in pools:
         pools[world] = RankPool(world)
     return pools[world]
+
+
+@pytest.fixture
+def fake_group():
+    """``fake_group(world)``: a fake process group in this process (shapes only, no data)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def init(world, rank=0):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    yield init
+    if dist.is_initialized():
+        dist.destroy_process_group()

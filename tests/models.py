@@ -9,8 +9,9 @@ DIM, HEADS, SEQ, BATCH = 16, 4, 8, 2
 
 
 class MLP(nn.Module):
-    def __init__(self, dim=DIM, hidden=4 * DIM, bias=True):
+    def __init__(self, dim=DIM, hidden=None, bias=True):
         super().__init__()
+        hidden = hidden or 4 * dim
         self.net1 = nn.Linear(dim, hidden, bias=bias)
         self.net2 = nn.Linear(hidden, dim, bias=bias)
 

@@ -15,6 +15,11 @@ def tolerance(dtype):
     return TIGHT if dtype == torch.float64 else {}
 
 
+def example(*shape, seed=1):
+    """An input tensor that is the same on every rank."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
 def local_part(full: torch.Tensor, placement, rank: int, world: int) -> torch.Tensor:
     """The part of ``full`` a rank holds under ``placement``."""
     if isinstance(placement, Shard):

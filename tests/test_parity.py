@@ -7,15 +7,11 @@ import fxtp
 from fxtp import PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput
 from fxtp import Replicate, Shard
 from tests import models
-from tests.parity import check_parity
+from tests.parity import check_parity, example as _x
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float64, torch.float32],
                                  ids=["fp64", "fp32"])
 B, T, D = models.BATCH, models.SEQ, models.DIM
-
-
-def _x(*shape):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(1))
 
 
 def mlp(rank, world, dtype, bias):

@@ -1,0 +1,23 @@
+"""The README's quick start runs exactly as written, under torchrun with 2 ranks."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_quick_start_runs_as_written(tmp_path):
+    readme = (ROOT / "README.md").read_text()
+    code = re.search(r"```python\n(# save as quickstart\.py.*?)```", readme, re.S).group(1)
+    script = tmp_path / "quickstart.py"
+    script.write_text(code)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--standalone", str(script)], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [line.split() for line in run.stdout.splitlines() if line[:2] in ("0 ", "1 ")]
+    assert len(lines) == 2 and lines[0][1] == lines[1][1]  # the same loss on both ranks
+    assert "(32, 16)" in run.stdout and "fxtp_collectives_all_reduce" in run.stdout

@@ -1,0 +1,95 @@
+"""What parallelize promises beyond numerics: meshes, shapes at larger world sizes,
+parameter memory, FQNs, and the user's model left alone."""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import fxtp
+from tests import models
+from tests.parity import check_parity, example
+
+B, T = 2, 8
+
+
+def with_device_mesh(rank, world):
+    mesh = init_device_mesh("cpu", (world,))
+    return check_parity(rank, world, models.Attention, models.ATTENTION_PLAN,
+                        [example(B, T, models.DIM)], dtype=torch.float64, mesh=mesh)
+
+
+def with_subgroup(rank, world):
+    group = dist.new_group([0, 1])
+    if rank > 1:
+        return None
+    return check_parity(rank, 2, models.MLP, models.MLP_PLAN, [example(B, T, models.DIM)],
+                        dtype=torch.float64, steps=1, mesh=group)
+
+
+def test_mesh_may_be_a_1d_device_mesh(ranks):
+    assert ranks.run(with_device_mesh)[0][0] == {"all_reduce": 1}
+
+
+def test_mesh_may_be_a_process_group_smaller_than_the_world(ranks):
+    results = ranks.run(with_subgroup)
+    assert results[0][0] == {"all_reduce": 1} and results[1][0] == {"all_reduce": 1}
+
+
+def test_a_2d_mesh_is_rejected_with_the_slice_to_pass(fake_group):
+    fake_group(4)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    with pytest.raises(fxtp.PlanError, match=r'2-D DeviceMesh.*mesh\["tp"\]'):
+        fxtp.parallelize(models.MLP(), models.MLP_PLAN, mesh,
+                         example_inputs=(torch.randn(B, models.DIM),))
+
+
+def test_parallelize_without_a_process_group_says_how_to_start_one():
+    with pytest.raises(fxtp.PlanError, match="init_process_group"):
+        fxtp.parallelize(models.MLP(), models.MLP_PLAN, example_inputs=(torch.randn(2, 16),))
+
+
+def test_world_size_8_local_shapes_and_parameter_memory(fake_group):
+    """Shapes only (a fake process group moves no data): 8 ranks, 8 heads of width 8."""
+    world, dim = 8, 64
+    fake_group(world, rank=3)
+    model = models.Stack(n_layers=2, dim=dim)
+    for layer in model.layers:
+        layer.attention.n_heads = 8
+    snapshot = copy.deepcopy(model.state_dict())
+    gm = fxtp.parallelize(model, models.STACK_PLAN, example_inputs=(torch.randn(B, T, dim),))
+    local = dict(gm.named_parameters())
+    assert list(local) == [n for n, _ in model.named_parameters()]
+    assert local["layers.0.attention.wq.weight"].shape == (dim // world, dim)
+    assert local["layers.0.attention.wo.weight"].shape == (dim, dim // world)
+    assert local["layers.1.feed_forward.net1.bias"].shape == (4 * dim // world,)
+    assert local["layers.1.feed_forward.net2.bias"].shape == (dim,)
+    views = [n for n in gm.graph.nodes if n.target in (torch.ops.aten.view.default,
+                                                       torch.ops.aten.reshape.default)]
+    assert [list(n.args[1]) for n in views[:4]] == [
+        [B, T, 1, dim // 8], [B, T, 1, -1], [B, T, 1, dim // 8], [B, T, dim // world]]
+    sharded = sum(p.numel() for n, p in model.named_parameters()
+                  if not isinstance(gm.fxtp.param_placements[n], fxtp.Replicate))
+    replicated = sum(p.numel() for n, p in model.named_parameters()) - sharded
+    assert sum(t.numel() for t in gm.state_dict().values()) == sharded // world + replicated
+    assert gm(torch.randn(B, T, dim)).shape == (B, T, dim)
+    for name, t in model.state_dict().items():
+        assert torch.equal(t, snapshot[name])
+
+
+def test_sizes_that_do_not_divide_by_the_world_size_are_a_clear_error(fake_group):
+    fake_group(4)
+    with pytest.raises(fxtp.PlanError, match=r"parameter 'net1\.weight' \(ColwiseParallel\) "
+                                             r"is sharded on dim 0 of size 6"):
+        fxtp.parallelize(models.MLP(dim=4, hidden=6), models.MLP_PLAN,
+                         example_inputs=(torch.randn(2, 4),))
+
+
+def test_a_single_style_applies_to_the_root(fake_group):
+    fake_group(2)
+    gm = fxtp.parallelize(nn.Linear(4, 6), fxtp.ColwiseParallel(),
+                          example_inputs=(torch.randn(3, 4),))
+    assert gm.weight.shape == (3, 4)
+    assert gm.fxtp.output_placements == (fxtp.Shard(1),)
