@@ -43,8 +43,8 @@ def output_vals(node: fx.Node) -> list:
 
 @dataclass(frozen=True)
 class Rule:
-    """``spec(node)`` states the dims; ``shape_arg`` (an argument index) names a global
-    shape argument to localize, ``split_arg`` a list of sizes along a dim argument."""
+    """``spec(node)`` states the dims; ``shape_arg`` is the index of a global shape argument
+    that localization rewrites for the output's placement."""
 
     spec: Callable[[fx.Node], DimSpec]
     shape_arg: Optional[int] = None
@@ -74,8 +74,7 @@ def pointwise(partial: str = "none", partial_args=None):
                                 not _is_one(shape[j]) else fixed_label()
                                 for j in range(len(shape))))
         kind = partial
-        scalars = [a for a in node.args if isinstance(a, (int, float, bool))
-                   and not isinstance(a, bool)]
+        scalars = [a for a in node.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
         if kind == "sum" and scalars and node.target not in _SCALAR_LINEAR:
             kind = "none"
         outs = tuple(tuple(f"d{j}" for j in range(n)) for _ in output_vals(node))
@@ -250,12 +249,12 @@ def _slice_spec(node):
 
 
 def _linear_spec(node):
-    """``x @ w.T + b``. With a bias the in-features dim cannot be sharded (the bias would
-    be added on every rank); the seed pass splits the bias off planned rowwise linears."""
-    has_bias = len(tensor_inputs(node)) == 3
-    k = "k!" if has_bias else "k+"
-    text = f"... {k}, n {k}" + (", n" if has_bias else "") + " -> ... n"
-    return parse(text, _ranks(node), partial="product", partial_args=(0, 1))
+    """``x @ w.T + b``. With a bias nothing may produce or pass through Partial (the bias
+    would be added on every rank); the seed pass splits the bias off planned rowwise
+    linears."""
+    if len(tensor_inputs(node)) == 3:
+        return parse("... k!, n k!, n -> ... n", _ranks(node))
+    return parse("... k+, n k+ -> ... n", _ranks(node), partial="product", partial_args=(0, 1))
 
 
 def _matmul_spec(node):
