@@ -105,8 +105,9 @@ class ColwiseParallel(ParallelStyle):
 
 
 class RowwiseParallel(ParallelStyle):
-    """Shard ``nn.Linear`` on input features. Input must be Shard(-1); the partial output is
-    reduced to ``output_layouts`` (all-reduce for Replicate, reduce-scatter for Shard)."""
+    """Shard ``nn.Linear`` on input features (input must be Shard(-1)) or ``nn.Embedding``
+    on the vocabulary (input Replicate). The partial output is reduced to
+    ``output_layouts``: all-reduce for Replicate, reduce-scatter for Shard."""
 
     def __init__(self, *, input_layouts: Optional[Placement] = None,
                  output_layouts: Optional[Placement] = None, use_local_output: bool = True):
@@ -115,11 +116,14 @@ class RowwiseParallel(ParallelStyle):
         self.use_local_output = use_local_output
 
     def shard(self, fqn, module):
-        if not isinstance(module, nn.Linear):
-            raise self._unsupported(fqn, module, "nn.Linear")
-        return ModuleSharding(fqn, self, {"weight": Shard(1), "bias": Replicate()},
-                              input_layouts=(self.input_layouts,),
-                              desired_inputs=(Shard(-1),),
+        if isinstance(module, nn.Linear):
+            params, desired = {"weight": Shard(1), "bias": Replicate()}, Shard(-1)
+        elif isinstance(module, nn.Embedding):  # vocab-sharded: masked local lookup
+            params, desired = {"weight": Shard(0)}, Replicate()
+        else:
+            raise self._unsupported(fqn, module, "nn.Linear and nn.Embedding")
+        return ModuleSharding(fqn, self, params, input_layouts=(self.input_layouts,),
+                              desired_inputs=(desired,),
                               desired_outputs=(self.output_layouts,))
 
 

@@ -1,6 +1,8 @@
 """Localize pass: turn the global program into this rank's program.
 
-Global shape arguments (``view``, ``reshape``, ``expand``) become local shapes, reads of a
+Global shape arguments (``view``, ``reshape``, ``expand``) become local shapes, ops whose
+rule has a local form on their shards are swapped for it (a vocab-sharded embedding becomes
+a masked lookup), reads of a
 sharded dim's size (``sym_size``) are scaled back to the global size so shape arithmetic in
 user code stays global, and parameters and buffers are replaced by copies of this rank's
 shards (never the user's tensors). ``node.meta["val"]`` keeps the global shape.
@@ -14,8 +16,8 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.tensor import Shard
 
-from .meta import PLACEMENT
-from .rules import RULES, localize_shape
+from .meta import INPUTS, PLACEMENT
+from .rules import RULES
 
 aten = torch.ops.aten
 
@@ -26,11 +28,9 @@ def localize(gm: fx.GraphModule, rank: int, world: int) -> None:
     for node in list(graph.nodes):
         if node.op == "call_function":
             rule = RULES.get(node.target)
-            if rule is not None and rule.shape_arg is not None:
-                args = list(node.args)
-                args[rule.shape_arg] = localize_shape(args[rule.shape_arg],
-                                                      node.meta.get(PLACEMENT), world, graph, node)
-                node.args = tuple(args)
+            if rule is not None:
+                node.target, node.args, node.kwargs = rule.localize(
+                    node, node.meta[INPUTS], node.meta[PLACEMENT], rank, world, graph)
             elif node.target is aten.sym_size.int:
                 _globalize_size(graph, node, world)
         elif node.op == "get_attr" and node.target not in localized:

@@ -16,6 +16,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Shard
 
 from .dimspec import DimSpec, fixed_label, parse
+from .local_ops import vocab_parallel_embedding
 
 aten = torch.ops.aten
 
@@ -44,10 +45,26 @@ def output_vals(node: fx.Node) -> list:
 @dataclass(frozen=True)
 class Rule:
     """``spec(node)`` states the dims; ``shape_arg`` is the index of a global shape argument
-    that localization rewrites for the output's placement."""
+    that localization rewrites for the output's placement; ``local_op(args, kwargs, inputs,
+    rank, world)``, given the placements chosen for the tensor inputs, returns the
+    ``(target, args, kwargs)`` to run instead when the op cannot run as is on its shards."""
 
     spec: Callable[[fx.Node], DimSpec]
     shape_arg: Optional[int] = None
+    local_op: Optional[Callable] = None
+
+    def localize(self, node: fx.Node, inputs, output, rank: int, world: int, graph=None):
+        """``(target, args, kwargs)`` of this rank's computation of ``node`` (whose args
+        are graph values), given its tensor inputs' and its output's placements."""
+        target, args, kwargs = node.target, node.args, node.kwargs
+        if self.local_op is not None:
+            target, args, kwargs = self.local_op(node, inputs, rank, world)
+        if self.shape_arg is not None:
+            args = list(args)
+            args[self.shape_arg] = localize_shape(args[self.shape_arg], output, world, graph,
+                                                  node)
+            args = tuple(args)
+        return target, args, kwargs
 
 
 def _rank(node) -> int:
@@ -295,7 +312,16 @@ def _sdpa_spec(node):
 
 
 def _embedding_spec(node):
-    return parse("v! d, ... -> ... d", _ranks(node), partial="product", partial_args=(0,))
+    """A vocab-sharded table gives Partial rows (see :func:`_vocab_parallel`)."""
+    return parse("v+ d, ... -> ... d", _ranks(node), partial="product", partial_args=(0,))
+
+
+def _vocab_parallel(node, inputs, rank, world):
+    if not (isinstance(inputs[0], Shard) and inputs[0].dim == 0):
+        return node.target, node.args, node.kwargs
+    weight, indices = node.args[:2]
+    offset = rank * (val(weight).shape[0] // world)
+    return vocab_parallel_embedding, (weight, indices, offset, _arg(node, 2, "padding_idx", -1)), {}
 
 
 def _ignore_input(node):
@@ -337,7 +363,7 @@ RULES.update({
     aten.matmul.default: Rule(_matmul_spec),
     aten.mm.default: einsum("m k+, k+ n -> m n", "product"),
     aten.bmm.default: einsum("b m k+, b k+ n -> b m n", "product"),
-    aten.embedding.default: Rule(_embedding_spec),
+    aten.embedding.default: Rule(_embedding_spec, local_op=_vocab_parallel),
     aten.scaled_dot_product_attention.default: Rule(_sdpa_spec),
     aten.layer_norm.default: Rule(_layer_norm_spec),
     aten.rms_norm.default: Rule(_layer_norm_spec),

@@ -45,11 +45,6 @@ def test_a_style_on_a_module_type_it_cannot_shard_names_fqn_and_type(style):
         resolve_plan(models.Stack(), {"layers.0.attention": style})
 
 
-def test_rowwise_embedding_is_rejected_until_supported():
-    with pytest.raises(fxtp.PlanError, match="'tok' of type Embedding"):
-        resolve_plan(nn.ModuleDict({"tok": nn.Embedding(8, 4)}), {"tok": fxtp.RowwiseParallel()})
-
-
 def test_non_style_values_and_non_placements_are_rejected():
     with pytest.raises(fxtp.PlanError, match=r"plan\['net1'\] must be an fxtp parallel style"):
         resolve_plan(models.MLP(), {"net1": "colwise"})

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from passes.dimspec import strategies
-from passes.rules import RULES, localize_shape, output_vals, tensor_inputs
+from passes.rules import RULES, output_vals, tensor_inputs
 
 g = torch.Generator().manual_seed(0)
 
@@ -38,7 +38,9 @@ PROGRAMS = {
              (rand(2, 4, 8, 4), rand(2, 4, 8, 4), rand(2, 4, 8, 4))),
     "sdpa_gqa": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
                  (rand(2, 8, 4, 4), rand(2, 4, 4, 4), rand(2, 4, 4, 4))),
-    "embedding": (lambda w, i: F.embedding(i, w), (rand(10, 8), torch.tensor([[1, 2], [3, 9]]))),
+    "embedding": (lambda w, i: F.embedding(i, w), (rand(12, 8), torch.tensor([[1, 2], [3, 11]]))),
+    "embedding_padding": (lambda w, i: F.embedding(i, w, padding_idx=5),
+                          (rand(12, 8), torch.tensor([[5, 2], [7, 11]]))),
     "cat_split": (lambda x, y: torch.cat([x, y], dim=1).split([3, 5], dim=1)[1],
                   (rand(4, 4, 8), rand(4, 4, 8))),
     "expand_unsqueeze": (lambda x: x.unsqueeze(2).expand(4, 4, 4, 8), (rand(4, 4, 8),)),
@@ -97,6 +99,7 @@ def test_every_strategy_reassembles_the_single_device_result(node, values, world
                  enumerate(zip(inputs, ins)) if isinstance(p, Partial)}
         per_rank = []
         for rank in range(world):
+            target, args, kwargs = rule.localize(node, ins, outs[0], rank, world)
             it = iter(range(len(inputs)))
 
             def local(a):
@@ -104,12 +107,8 @@ def test_every_strategy_reassembles_the_single_device_result(node, values, world
                     i = next(it)
                     return _local(values[a], ins[i] or Replicate(), rank, world, parts.get(i))
                 return values.get(a, a) if isinstance(a, fx.Node) else a
-            args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), local)
-            if rule.shape_arg is not None:
-                args = list(args)
-                args[rule.shape_arg] = localize_shape(args[rule.shape_arg], outs[0], world,
-                                                      None, None)
-            out = node.target(*args, **kwargs)
+            args, kwargs = fx.node.map_aggregate((args, kwargs), local)
+            out = target(*args, **kwargs)
             per_rank.append(list(out) if isinstance(out, (tuple, list)) else [out])
         for j, (p, exp) in enumerate(zip(outs, expected)):
             got = [r[j] for r in per_rank]
