@@ -44,7 +44,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
     shardings = resolve_plan(model, plan)
     group = resolve_group(mesh)
     gm, calls = trace(model, tuple(example_inputs), example_kwargs, shardings)
-    seed(gm, shardings, calls, group.world)
+    seed(gm, shardings, calls, group.world, _tied_names(model))
     fallbacks = propagate(gm, group.world, strict=strict)
     rewrite(gm, group.name, group.rank, group.world)
     localize(gm, group.rank, group.world)
@@ -55,3 +55,11 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
                            {n.target: n.meta[PLACEMENT] for n in gm.graph.nodes
                             if n.op == "get_attr"})
     return gm
+
+
+def _tied_names(model: nn.Module) -> dict[str, list[str]]:
+    """Parameter FQN -> all FQNs of that tensor, for tensors registered under several."""
+    names: dict[int, list[str]] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(fqn)
+    return {fqn: group for group in names.values() if len(group) > 1 for fqn in group}

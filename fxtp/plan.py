@@ -10,9 +10,10 @@ from fnmatch import fnmatchcase
 from typing import Mapping, Union
 
 import torch.nn as nn
+from torch.distributed.tensor.parallel import ParallelStyle as TorchStyle
 
 from .errors import PlanError
-from .styles import ModuleSharding, ParallelStyle
+from .styles import ModuleSharding, ParallelStyle, from_torch
 
 Plan = Union[ParallelStyle, Mapping[str, ParallelStyle]]
 
@@ -36,12 +37,13 @@ def _closest(key: str, fqns: list[str], n: int = 3) -> list[str]:
 
 
 def resolve_plan(model: nn.Module, plan: Plan) -> dict[str, ModuleSharding]:
-    """Return FQN -> :class:`ModuleSharding` for every module the plan names.
+    """Return FQN -> :class:`ModuleSharding` for every module the plan names. Styles may be
+    fxtp's or ``torch.distributed.tensor.parallel``'s own objects.
 
     Raises :class:`PlanError` for a key that matches no module (naming the closest FQNs),
     a module matched by two keys, or a style that cannot handle the module's type.
     """
-    if isinstance(plan, ParallelStyle):
+    if isinstance(plan, (ParallelStyle, TorchStyle)):
         plan = {"": plan}
     if not isinstance(plan, Mapping):
         raise PlanError(f"plan must be a ParallelStyle or a dict FQN -> ParallelStyle, "
@@ -50,6 +52,8 @@ def resolve_plan(model: nn.Module, plan: Plan) -> dict[str, ModuleSharding]:
     resolved: dict[str, ModuleSharding] = {}
     matched_by: dict[str, str] = {}
     for key, style in plan.items():
+        if isinstance(style, TorchStyle):
+            style = from_torch(style)
         if not isinstance(style, ParallelStyle):
             raise PlanError(f"plan[{key!r}] must be an fxtp parallel style "
                             f"(ColwiseParallel(), RowwiseParallel(), ...), got {style!r}")

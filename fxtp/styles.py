@@ -199,3 +199,41 @@ class PrepareModuleInputOutput(ParallelStyle):
         sharding.style = self
         sharding.desired_outputs = self.prepare_module_output.desired_output_layouts
         return sharding
+
+
+def from_torch(style) -> ParallelStyle:
+    """The fxtp style with the same meaning as a ``torch.distributed.tensor.parallel`` style
+    object, so torch plans are accepted verbatim."""
+    import torch.distributed.tensor.parallel as tp
+
+    def one(layouts):
+        return layouts[0] if layouts else None
+
+    if isinstance(style, tp.ColwiseParallel):
+        return ColwiseParallel(input_layouts=one(style.input_layouts),
+                               output_layouts=one(style.output_layouts),
+                               use_local_output=style.use_local_output)
+    if isinstance(style, tp.RowwiseParallel):
+        return RowwiseParallel(input_layouts=one(style.input_layouts),
+                               output_layouts=one(style.output_layouts),
+                               use_local_output=style.use_local_output)
+    if isinstance(style, tp.PrepareModuleInputOutput):
+        inp, out = style.prepare_module_input, style.prepare_module_output
+        return PrepareModuleInputOutput(
+            input_layouts=inp.input_layouts, desired_input_layouts=inp.desired_input_layouts,
+            input_kwarg_layouts=inp.input_kwarg_layouts,
+            desired_input_kwarg_layouts=inp.desired_input_kwarg_layouts,
+            use_local_input=inp.use_local_output, output_layouts=out.output_layouts,
+            desired_output_layouts=out.desired_output_layouts,
+            use_local_output=out.use_local_output)
+    if isinstance(style, tp.PrepareModuleInput):
+        return PrepareModuleInput(input_layouts=style.input_layouts,
+                                  desired_input_layouts=style.desired_input_layouts,
+                                  input_kwarg_layouts=style.input_kwarg_layouts,
+                                  desired_input_kwarg_layouts=style.desired_input_kwarg_layouts,
+                                  use_local_output=style.use_local_output)
+    if isinstance(style, tp.PrepareModuleOutput):
+        return PrepareModuleOutput(output_layouts=style.output_layouts,
+                                   desired_output_layouts=style.desired_output_layouts,
+                                   use_local_output=style.use_local_output)
+    raise PlanError(f"fxtp has no equivalent of torch's {type(style).__name__} yet")

@@ -25,6 +25,7 @@ aten = torch.ops.aten
 def localize(gm: fx.GraphModule, rank: int, world: int) -> None:
     graph = gm.graph
     localized: set[str] = set()
+    shards: dict[int, torch.Tensor] = {}  # id(global tensor) -> local tensor, keeps ties
     for node in list(graph.nodes):
         if node.op == "call_function":
             rule = RULES.get(node.target)
@@ -35,7 +36,7 @@ def localize(gm: fx.GraphModule, rank: int, world: int) -> None:
                 _globalize_size(graph, node, world)
         elif node.op == "get_attr" and node.target not in localized:
             localized.add(node.target)
-            _localize_attr(gm, node.target, node.meta.get(PLACEMENT), rank, world)
+            _localize_attr(gm, node.target, node.meta.get(PLACEMENT), rank, world, shards)
     graph.lint()
     gm.recompile()
 
@@ -50,16 +51,20 @@ def _globalize_size(graph, node, world):
 
 
 @torch.no_grad()
-def _localize_attr(gm, target: str, placement, rank: int, world: int) -> None:
+def _localize_attr(gm, target: str, placement, rank: int, world: int, shards: dict):
     owner_name, _, name = target.rpartition(".")
     owner = gm.get_submodule(owner_name)
     value = getattr(owner, name)
-    if isinstance(placement, Shard):
-        local = value.chunk(world, placement.dim)[rank].clone()
-    else:
-        local = value.clone()
+    local = shards.get(id(value))
+    if local is None:
+        local = value.chunk(world, placement.dim)[rank] if isinstance(placement, Shard) \
+            else value
+        local = local.clone()
+        if isinstance(value, nn.Parameter):
+            local = nn.Parameter(local, requires_grad=value.requires_grad)
+        shards[id(value)] = local
     if isinstance(value, nn.Parameter):
-        owner._parameters[name] = nn.Parameter(local, requires_grad=value.requires_grad)
+        owner._parameters[name] = local
     elif name in owner._buffers:
         owner._buffers[name] = local
     else:

@@ -324,6 +324,22 @@ def _vocab_parallel(node, inputs, rank, world):
     return vocab_parallel_embedding, (weight, indices, offset, _arg(node, 2, "padding_idx", -1)), {}
 
 
+def _same_dims(node):
+    """Every dim of the input maps to the same dim of the output, whose size may be a
+    multiple of it (``repeat_interleave`` along a dim keeps contiguous blocks together)."""
+    labels = tuple(f"d{j}" for j in range(_rank(node.args[0])))
+    return DimSpec((labels,), (labels,), "sum")
+
+
+def _complex_view_spec(node):
+    """``view_as_complex`` folds the trailing (re, im) dim away; ``view_as_real`` adds it."""
+    n_in, n_out = _rank(node.args[0]), _rank(node)
+    labels = tuple(f"d{j}" for j in range(min(n_in, n_out)))
+    pair = (fixed_label(),)
+    return DimSpec((labels + pair if n_in > n_out else labels,),
+                   (labels + pair if n_out > n_in else labels,), "sum")
+
+
 def _ignore_input(node):
     """Factory-like ops (``new_zeros``): read only their input's metadata; output R."""
     n = _rank(node)
@@ -391,6 +407,10 @@ RULES.update({
     aten.split_with_sizes.default: Rule(_split_spec),
     aten.slice.Tensor: Rule(_slice_spec),
     aten.select.int: Rule(_slice_spec),
+    aten.flatten.using_ints: Rule(_view_spec),
+    aten.repeat_interleave.self_int: Rule(_same_dims),
+    aten.view_as_complex.default: Rule(_complex_view_spec),
+    aten.view_as_real.default: Rule(_complex_view_spec),
     aten.new_zeros.default: Rule(_ignore_input),
     aten.new_ones.default: Rule(_ignore_input),
     aten.new_empty.default: Rule(_ignore_input),

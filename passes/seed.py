@@ -29,13 +29,13 @@ def layout(x: torch.Tensor, placement: Placement) -> torch.Tensor:
 
 
 def seed(gm: fx.GraphModule, shardings: dict[str, ModuleSharding],
-         calls: dict[str, ModuleCall], world: int) -> None:
+         calls: dict[str, ModuleCall], world: int, aliases: dict[str, list[str]]) -> None:
+    """``aliases``: parameter FQN -> every FQN of the same (tied) tensor."""
     graph = gm.graph
     for node in graph.nodes:
         if node.op == "get_attr":
-            owner, _, name = node.target.rpartition(".")
-            p = shardings[owner].params.get(name) if owner in shardings else None
-            node.meta[PLACEMENT] = normalize(p or Replicate(), val(node).dim())
+            node.meta[PLACEMENT] = _param_placement(node, shardings, aliases.get(node.target))
+            owner = node.target.rpartition(".")[0]
             _check_divisible(node, world, f"parameter '{node.target}'", shardings.get(owner))
         elif node.op == "placeholder":
             node.meta[PLACEMENT] = Replicate()
@@ -50,6 +50,22 @@ def seed(gm: fx.GraphModule, shardings: dict[str, ModuleSharding],
         _constrain_outputs(graph, fqn, sharding, calls.get(fqn) or _root_call(gm), world)
     _split_partial_bias(graph)
     graph.lint()
+
+
+def _param_placement(node, shardings, fqns) -> Placement:
+    """The placement the plan gives a parameter under any of its (tied) names."""
+    planned = {}
+    for fqn in fqns or [node.target]:
+        owner, _, name = fqn.rpartition(".")
+        p = shardings[owner].params.get(name) if owner in shardings else None
+        planned[fqn] = normalize(p or Replicate(), val(node).dim())
+    if len(set(map(str, planned.values()))) > 1:
+        ways = ", ".join(f"'{f}' as {p}" for f, p in planned.items())
+        raise PlanError(f"tied parameter {' = '.join(planned)} is planned two ways ({ways}). "
+                        f"Plan every module that uses it so its weight is split the same way, "
+                        f"e.g. the input embedding RowwiseParallel() (vocab rows, Shard(0)) "
+                        f"and the output projection ColwiseParallel() (vocab rows, Shard(0))")
+    return next(iter(planned.values()))
 
 
 def _check_divisible(node, world, what, sharding=None):

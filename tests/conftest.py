@@ -16,13 +16,21 @@ def pools():
         pool.close()
 
 
-@pytest.fixture(params=[2, 4], ids=lambda w: f"world{w}")
-def ranks(request, pools):
-    """A gloo process group of the parametrized world size: ``ranks.run(fn, *args)``."""
-    world = request.param
+def pool_of(pools, world: int) -> RankPool:
     if world not in pools:
         pools[world] = RankPool(world)
     return pools[world]
+
+
+@pytest.fixture(params=[2, 4], ids=lambda w: f"world{w}")
+def ranks(request, pools):
+    """A gloo process group of the parametrized world size: ``ranks.run(fn, *args)``."""
+    return pool_of(pools, request.param)
+
+
+@pytest.fixture
+def ranks4(pools):
+    return pool_of(pools, 4)
 
 
 @pytest.fixture

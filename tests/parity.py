@@ -8,11 +8,19 @@ from torch.distributed.tensor import Shard
 
 import fxtp
 
-TIGHT = dict(rtol=1e-9, atol=1e-11)  # fp64
+TIGHT = dict(rtol=1e-9, atol=1e-11)  # fp64 outputs and gradients
+# After AdamW steps (fp64): Adam divides by sqrt(v) + eps, amplifying gradient rounding
+# differences; steps are ~1e-2, so 1e-7 still catches any real error.
+AFTER_STEPS = dict(rtol=1e-7, atol=1e-7)
 
 
-def tolerance(dtype):
-    return TIGHT if dtype == torch.float64 else {}
+def tolerance(dtype, after_steps=False, like=None):
+    """fp64: tight. fp32: torch's default rtol and atol, the atol taken relative to the
+    largest magnitude in the reference ``like`` (sharded sums round in another order)."""
+    if dtype == torch.float64:
+        return AFTER_STEPS if after_steps else TIGHT
+    scale = max(1.0, like.abs().max().item()) if like is not None and like.numel() else 1.0
+    return dict(rtol=1.3e-6, atol=1e-5 * scale)
 
 
 def example(*shape, seed=1):
@@ -45,6 +53,7 @@ def check_parity(rank, world, make_model, plan, inputs, *, dtype, steps=3,
     opt = torch.optim.AdamW(gm.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     counts = None
+    noise_only = set()  # parameters whose true gradient is zero: see below
     for step in range(steps):
         xs = [x.clone().requires_grad_(input_grads) for x in full_inputs]
         local_xs = [local_part(x.detach(), p, rank, world).clone().requires_grad_(input_grads)
@@ -60,11 +69,14 @@ def check_parity(rank, world, make_model, plan, inputs, *, dtype, steps=3,
         (ref_out * weight).sum().backward()
         with fxtp.count_collectives() as bwd:
             (out * local_part(weight, out_placement, rank, world)).sum().backward()
+        largest = max(q.grad.abs().max().item() for q in ref.parameters())
         for name, p in params.items():
             ref_grad = ref.get_parameter(name).grad
+            if ref_grad.abs().max().item() < torch.finfo(dtype).eps * largest:
+                noise_only.add(name)
             torch.testing.assert_close(
                 p.grad, local_part(ref_grad, gm.fxtp.param_placements[name], rank, world),
-                **tol, msg=lambda m: f"step {step} grad of {name}: {m}")
+                **tolerance(dtype, like=ref_grad), msg=lambda m: f"step {step} grad of {name}: {m}")
         for i, (x, lx, pl) in enumerate(zip(xs, local_xs, placements) if input_grads else ()):
             torch.testing.assert_close(lx.grad, local_part(x.grad, pl, rank, world), **tol,
                                        msg=lambda m: f"step {step} grad of input {i}: {m}")
@@ -73,11 +85,17 @@ def check_parity(rank, world, make_model, plan, inputs, *, dtype, steps=3,
         opt.zero_grad()
         ref_opt.zero_grad()
         counts = counts or (dict(fwd.counts), dict(bwd.counts))
+    # Adam normalizes each gradient by its own running magnitude, so a gradient that is only
+    # rounding noise (e.g. the key bias of softmax attention, whose true gradient is exactly
+    # zero) turns into steps of +-lr in a random direction, in any implementation. Those
+    # gradients were compared above; their parameters are not compared after the steps.
     for name, p in params.items():
+        if name in noise_only:
+            continue
         torch.testing.assert_close(
             p.detach(), local_part(ref.get_parameter(name).detach(),
                                    gm.fxtp.param_placements[name], rank, world),
-            **tol, msg=lambda m: f"{name} after {steps} AdamW steps: {m}")
+            **tolerance(dtype, after_steps=True), msg=lambda m: f"{name} after {steps} AdamW steps: {m}")
     for name, t in model.state_dict().items():
         assert torch.equal(t, before[name]), f"parallelize modified the user's {name}"
     return counts

@@ -44,6 +44,10 @@ PROGRAMS = {
     "cat_split": (lambda x, y: torch.cat([x, y], dim=1).split([3, 5], dim=1)[1],
                   (rand(4, 4, 8), rand(4, 4, 8))),
     "expand_unsqueeze": (lambda x: x.unsqueeze(2).expand(4, 4, 4, 8), (rand(4, 4, 8),)),
+    "gqa_repeat": (lambda k: torch.repeat_interleave(k, 2, dim=2).flatten(2), (rand(2, 4, 4, 4),)),
+    "complex_rope": (lambda x, f: torch.view_as_real(torch.view_as_complex(
+        x.reshape(2, 4, 4, 2, 2)) * f).flatten(3),
+        (rand(2, 4, 4, 4), torch.polar(torch.ones(4, 1, 2, dtype=torch.float64), rand(4, 1, 2)))),
     "slice_select": (lambda x: x[:, 1:3] + x[:, 0:1] * x.select(1, 2).unsqueeze(1),
                      (rand(4, 4, 8),)),
 }
@@ -79,7 +83,7 @@ def _local(value, placement, rank, world, parts):
 
 
 def _split_partial(value, world):
-    parts = [rand(*value.shape) for _ in range(world - 1)]
+    parts = [torch.randn(value.shape, generator=g, dtype=value.dtype) for _ in range(world - 1)]
     return parts + [value - sum(parts)]
 
 

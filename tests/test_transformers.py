@@ -1,0 +1,96 @@
+"""Whole transformers under the standard TP plan: GPT-2 style (tied embeddings) and
+Llama-3 style (RMSNorm in fp32, rotary embeddings real or complex, GQA, SwiGLU), against
+the single-device model, with the exact collectives of an L-layer model."""
+import pytest
+import torch
+
+import fxtp
+from fxtp import Replicate
+from tests import transformer_models as tm
+from tests.parity import check_parity
+
+TOKENS = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+DTYPES = pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+
+
+def gpt2_plan():
+    return {"wte": fxtp.RowwiseParallel(input_layouts=Replicate()), **tm.gpt2_layer_plan(),
+            "lm_head": fxtp.ColwiseParallel(output_layouts=Replicate())}
+
+
+def llama_plan():
+    return {"tok_embeddings": fxtp.RowwiseParallel(input_layouts=Replicate()),
+            **tm.llama_layer_plan(),
+            "output": fxtp.ColwiseParallel(output_layouts=Replicate())}
+
+
+def gpt2(rank, world, dtype, tie):
+    return check_parity(rank, world, lambda: tm.GPT2(tie_weights=tie), gpt2_plan(), [TOKENS],
+                        dtype=dtype, input_grads=False)
+
+
+def llama(rank, world, dtype, rope, repeat, n_kv_heads=4):
+    cfg = tm.LlamaConfig(n_heads=8, n_kv_heads=n_kv_heads, rope=rope, repeat_mode=repeat)
+    return check_parity(rank, world, lambda: tm.Llama(cfg), llama_plan(), [TOKENS],
+                        dtype=dtype, input_grads=False)
+
+
+L = 2
+# forward: 2 per layer, the vocab-parallel embedding's sum, the logits' gather;
+# backward: 2 per layer and the final norm's output feeding the colwise lm_head.
+EXPECTED = ({"all_reduce": 2 * L + 1, "all_gather": 1}, {"all_reduce": 2 * L + 1})
+
+
+@DTYPES
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_gpt2(ranks, dtype, tie):
+    assert ranks.run(gpt2, dtype, tie)[0] == EXPECTED
+
+
+@DTYPES
+@pytest.mark.parametrize("rope,repeat", [("real", "expand"), ("complex", "repeat_interleave")])
+def test_llama(ranks, dtype, rope, repeat):
+    assert ranks.run(llama, dtype, rope, repeat)[0] == EXPECTED
+
+
+def test_llama_with_fewer_kv_heads_than_ranks_gathers_keys_and_values(ranks4):
+    """2 KV heads on 4 ranks cannot shard by head: k and v are gathered (still correct)."""
+    fwd, bwd = ranks4.run(llama, torch.float64, "real", "expand", 2)[0]
+    assert fwd == {"all_reduce": 2 * L + 1, "all_gather": 1 + 2 * L}
+
+
+def torch_reference_plan(local_output_for_attn):
+    """The plan torch's own TP tests give their test Transformer (no sequence parallel),
+    written with torch's style objects and placements, unchanged."""
+    from torch.distributed.tensor import Replicate as TorchReplicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    return {
+        "tok_embeddings": RowwiseParallel(input_layouts=TorchReplicate(),
+                                          output_layouts=TorchReplicate()),
+        "pos_embeddings": RowwiseParallel(input_layouts=TorchReplicate(),
+                                          output_layouts=TorchReplicate()),
+        "layers.*.attention.wq": ColwiseParallel(use_local_output=local_output_for_attn),
+        "layers.*.attention.wk": ColwiseParallel(use_local_output=local_output_for_attn),
+        "layers.*.attention.wv": ColwiseParallel(use_local_output=local_output_for_attn),
+        "layers.*.attention.wo": RowwiseParallel(),
+        "layers.*.feed_forward.w1": ColwiseParallel(),
+        "layers.*.feed_forward.w2": RowwiseParallel(),
+        "output": ColwiseParallel(output_layouts=TorchReplicate()),
+    }
+
+
+def torch_transformer(rank, world, local_output_for_attn):
+    from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
+    args = ModelArgs(dropout_p=0.0, vocab_size=16)
+    tokens = torch.randint(0, 16, (2, 8), generator=torch.Generator().manual_seed(0))
+    return check_parity(rank, world, lambda: Transformer(args),
+                        torch_reference_plan(local_output_for_attn), [tokens],
+                        dtype=torch.float64, input_grads=False)
+
+
+@pytest.mark.parametrize("local_output", [True, False], ids=["local", "dtensor"])
+def test_torch_reference_plan_verbatim_on_torchs_test_transformer(ranks, local_output):
+    fwd, bwd = ranks.run(torch_transformer, local_output)[0]
+    # 2 per layer; token and position embeddings; logits gather
+    assert fwd == {"all_reduce": 2 * 2 + 2, "all_gather": 1}
+    assert bwd == {"all_reduce": 2 * 2 + 1}
