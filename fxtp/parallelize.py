@@ -32,7 +32,8 @@ class ParallelInfo:
 
 
 def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequence,
-                example_kwargs: Optional[dict] = None, strict: bool = False) -> fx.GraphModule:
+                example_kwargs: Optional[dict] = None, dynamic_shapes=None,
+                strict: bool = False) -> fx.GraphModule:
     """Return this rank's tensor-parallel ``GraphModule`` for ``model`` under ``plan``.
 
     ``example_inputs`` / ``example_kwargs`` are full (single-device) inputs used for
@@ -40,10 +41,14 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
     plan layout is ``Shard``: those are passed as local shards. Outputs come back
     replicated, or as local shards where the plan leaves them sharded. Parameters keep
     their FQNs and hold local shards. ``model`` is not modified.
+
+    ``dynamic_shapes`` (``torch.export``'s format, e.g. ``{"x": {0: Dim("batch"),
+    1: Dim("seq")}}``) marks dims that may change between calls: the result then serves
+    every size without retracing.
     """
     shardings = resolve_plan(model, plan)
     group = resolve_group(mesh)
-    gm, calls = trace(model, tuple(example_inputs), example_kwargs, shardings)
+    gm, calls = trace(model, tuple(example_inputs), example_kwargs, shardings, dynamic_shapes)
     seed(gm, shardings, calls, group.world, _tied_names(model))
     fallbacks = propagate(gm, group.world, strict=strict)
     rewrite(gm, group.name, group.rank, group.world)

@@ -27,12 +27,14 @@ class ModuleCall:
 
 
 def trace(model: torch.nn.Module, args: tuple, kwargs: Optional[dict],
-          boundaries: Iterable[str]) -> tuple[fx.GraphModule, dict[str, ModuleCall]]:
+          boundaries: Iterable[str], dynamic_shapes=None
+          ) -> tuple[fx.GraphModule, dict[str, ModuleCall]]:
     """Trace ``model(*args, **kwargs)``; return the graph module and the calls of the
     modules in ``boundaries`` (FQNs; ``""`` is the root, whose inputs are placeholders)."""
     boundaries = tuple(boundaries)
     try:
         ep = torch.export.export(model, tuple(args), kwargs=kwargs or {}, strict=False,
+                                 dynamic_shapes=dynamic_shapes,
                                  preserve_module_call_signature=tuple(b for b in boundaries if b))
     except Exception as e:  # noqa: BLE001 - re-raised with a hint
         raise TraceError(

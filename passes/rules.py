@@ -11,6 +11,7 @@ import operator
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import sympy
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import Shard
@@ -200,9 +201,15 @@ def _view_spec(node):
     return DimSpec((tuple(in_labels),), (tuple(out_labels),), "sum")
 
 
+def _expr(size):
+    return sympy.Integer(size) if isinstance(size, int) else size.node.expr
+
+
 def _same(a, b) -> bool:
-    return bool(a == b) if isinstance(a, int) and isinstance(b, int) else \
-        str(a) == str(b)
+    """Are two (possibly symbolic) sizes provably equal?"""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return sympy.expand(_expr(a) - _expr(b)) == 0
 
 
 def _lt(a, b) -> bool:

@@ -36,15 +36,19 @@ def local_part(full: torch.Tensor, placement, rank: int, world: int) -> torch.Te
 
 
 def check_parity(rank, world, make_model, plan, inputs, *, dtype, steps=3,
-                 input_placements=None, input_grads=True, **parallelize_kwargs):
+                 input_placements=None, input_grads=True, inputs_per_step=None,
+                 **parallelize_kwargs):
     """Assert forward outputs, every parameter and input gradient, and parameters after
-    ``steps`` AdamW steps match the single-device model. Returns collective counts of the
-    first step: ``(forward counts, backward counts)``."""
+    ``steps`` AdamW steps match the single-device model. ``inputs`` are traced; step ``s``
+    runs ``inputs_per_step[s]`` when given (other shapes, for dynamic dims). Returns
+    collective counts of the first step: ``(forward counts, backward counts)``."""
     torch.manual_seed(0)
     model = make_model().to(dtype)
     before = copy.deepcopy(model.state_dict())
     ref = copy.deepcopy(model)
-    full_inputs = [x.to(dtype) if x.is_floating_point() else x for x in inputs]
+    def cast(xs):
+        return [x.to(dtype) if x.is_floating_point() else x for x in xs]
+    full_inputs = cast(inputs)
     placements = input_placements or [None] * len(full_inputs)
     gm = fxtp.parallelize(model, plan, example_inputs=full_inputs, **parallelize_kwargs)
     tol = tolerance(dtype)
@@ -55,7 +59,8 @@ def check_parity(rank, world, make_model, plan, inputs, *, dtype, steps=3,
     counts = None
     noise_only = set()  # parameters whose true gradient is zero: see below
     for step in range(steps):
-        xs = [x.clone().requires_grad_(input_grads) for x in full_inputs]
+        step_inputs = cast(inputs_per_step[step]) if inputs_per_step else full_inputs
+        xs = [x.clone().requires_grad_(input_grads) for x in step_inputs]
         local_xs = [local_part(x.detach(), p, rank, world).clone().requires_grad_(input_grads)
                     for x, p in zip(xs, placements)]
         with fxtp.count_collectives() as fwd:

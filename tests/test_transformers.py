@@ -94,3 +94,23 @@ def test_torch_reference_plan_verbatim_on_torchs_test_transformer(ranks, local_o
     # 2 per layer; token and position embeddings; logits gather
     assert fwd == {"all_reduce": 2 * 2 + 2, "all_gather": 1}
     assert bwd == {"all_reduce": 2 * 2 + 1}
+
+
+def dynamic(rank, world, model_name):
+    from torch.export import Dim
+    make, plan, arg = {"gpt2": (tm.GPT2, gpt2_plan, "idx"),
+                       "llama": (lambda: tm.Llama(tm.LlamaConfig(n_heads=8, n_kv_heads=4)),
+                                 llama_plan, "tokens")}[model_name]
+    shapes = [(2, 16), (3, 5), (1, 32)]
+    inputs = [[torch.randint(0, 64, s, generator=torch.Generator().manual_seed(i))]
+              for i, s in enumerate(shapes)]
+    return check_parity(rank, world, make, plan(), [TOKENS], dtype=torch.float64,
+                        input_grads=False, inputs_per_step=inputs,
+                        dynamic_shapes={arg: {0: Dim("batch", max=64),
+                                              1: Dim("seq", min=2, max=32)}})
+
+
+@pytest.mark.parametrize("model_name", ["gpt2", "llama"])
+def test_one_graph_serves_every_batch_and_sequence_length(ranks, model_name):
+    """Traced once with dynamic batch and sequence dims; three steps of three shapes."""
+    assert ranks.run(dynamic, model_name)[0] == EXPECTED
