@@ -44,6 +44,7 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: Optional[dict],
             f"**example_kwargs) runs, and rewrite branches on tensor values with "
             f"torch.where / torch.cond.") from e
     gm = ep.module()
+    _inline_grad_mode_regions(gm)
     _drop_export_guards(gm)
     gm = fx.GraphModule(gm, gm.graph)  # without export's input-shape check hooks
     nodes = {n.name: n for n in gm.graph.nodes}
@@ -65,6 +66,41 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: Optional[dict],
         outputs = tuple(node_of(a) for a in sig.outputs)
         calls[fqn] = ModuleCall(tuple(call_args), dict(call_kwargs), outputs)
     return gm, calls
+
+
+def _inline_grad_mode_regions(gm: fx.GraphModule) -> None:
+    """Inline ``torch.no_grad()`` / ``enable_grad()`` regions that export wraps in a
+    higher-order op (Hugging Face computes rotary tables under no_grad), so their ops get
+    placements like any other. Outputs of a no-grad region are detached, which keeps its
+    meaning: nothing inside it receives gradients."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.target is not torch.ops.higher_order.wrap_with_set_grad_enabled:
+            continue
+        enabled, submod, *operands = node.args
+        body = getattr(gm, submod.target).graph
+        env = dict(zip([n for n in body.nodes if n.op == "placeholder"], operands))
+        with graph.inserting_before(node):
+            for inner in body.nodes:
+                if inner.op == "placeholder":
+                    continue
+                if inner.op == "output":
+                    outs = [env[o] for o in inner.args[0]]
+                    break
+                env[inner] = graph.node_copy(inner, lambda a: env[a])
+            if not enabled:
+                detached = []
+                for out in outs:
+                    d = graph.call_function(torch.ops.aten.detach.default, (out,))
+                    d.meta.update(out.meta)
+                    detached.append(d)
+                outs = detached
+        for user in list(node.users):
+            user.replace_all_uses_with(outs[user.args[1]])
+            graph.erase_node(user)
+        graph.erase_node(node)
+        graph.erase_node(submod)
+        delattr(gm, submod.target)
 
 
 def _drop_export_guards(gm: fx.GraphModule) -> None:

@@ -37,11 +37,13 @@ def local_part(full: torch.Tensor, placement, rank: int, world: int) -> torch.Te
 
 def check_parity(rank, world, make_model, plan, inputs, *, dtype, steps=3,
                  input_placements=None, input_grads=True, inputs_per_step=None,
-                 **parallelize_kwargs):
+                 kwargs=None, output=lambda out: out, **parallelize_kwargs):
     """Assert forward outputs, every parameter and input gradient, and parameters after
     ``steps`` AdamW steps match the single-device model. ``inputs`` are traced; step ``s``
     runs ``inputs_per_step[s]`` when given (other shapes, for dynamic dims). Returns
-    collective counts of the first step: ``(forward counts, backward counts)``."""
+    collective counts of the first step: ``(forward counts, backward counts)``.
+    ``kwargs`` are passed to every call; ``output`` picks the tensor to compare from what
+    the model returns (``lambda o: o.logits`` for Hugging Face models)."""
     torch.manual_seed(0)
     model = make_model().to(dtype)
     before = copy.deepcopy(model.state_dict())
@@ -50,7 +52,9 @@ def check_parity(rank, world, make_model, plan, inputs, *, dtype, steps=3,
         return [x.to(dtype) if x.is_floating_point() else x for x in xs]
     full_inputs = cast(inputs)
     placements = input_placements or [None] * len(full_inputs)
-    gm = fxtp.parallelize(model, plan, example_inputs=full_inputs, **parallelize_kwargs)
+    kwargs = kwargs or {}
+    gm = fxtp.parallelize(model, plan, example_inputs=full_inputs, example_kwargs=kwargs,
+                          **parallelize_kwargs)
     tol = tolerance(dtype)
     params = dict(gm.named_parameters())
     assert set(params) == {n for n, _ in ref.named_parameters()}
@@ -64,8 +68,8 @@ def check_parity(rank, world, make_model, plan, inputs, *, dtype, steps=3,
         local_xs = [local_part(x.detach(), p, rank, world).clone().requires_grad_(input_grads)
                     for x, p in zip(xs, placements)]
         with fxtp.count_collectives() as fwd:
-            out = gm(*local_xs)
-        ref_out = ref(*xs)
+            out = output(gm(*local_xs, **kwargs))
+        ref_out = output(ref(*xs, **kwargs))
         out_placement = gm.fxtp.output_placements[0]
         expected = local_part(ref_out, out_placement, rank, world)
         torch.testing.assert_close(out, expected, **tol, msg=lambda m: f"step {step} output: {m}")

@@ -1,0 +1,42 @@
+"""Hugging Face models built from small random configs (nothing is downloaded), under the
+standard TP plan, against the single-device model."""
+import pytest
+import torch
+
+import fxtp
+from fxtp import Replicate
+from tests.parity import check_parity
+
+transformers = pytest.importorskip("transformers", reason="pip install -e '.[test]'")
+
+L = 2
+TOKENS = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+LLAMA_PLAN = {
+    "model.embed_tokens": fxtp.RowwiseParallel(input_layouts=Replicate()),
+    "model.layers.*.self_attn.[qkv]_proj": fxtp.ColwiseParallel(),
+    "model.layers.*.self_attn.o_proj": fxtp.RowwiseParallel(),
+    "model.layers.*.mlp.[gu][ap]*_proj": fxtp.ColwiseParallel(),
+    "model.layers.*.mlp.down_proj": fxtp.RowwiseParallel(),
+    "lm_head": fxtp.ColwiseParallel(output_layouts=Replicate()),
+}
+
+
+def llama():
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=L, num_attention_heads=8,
+                                   num_key_value_heads=4, max_position_embeddings=64,
+                                   attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def hf_llama(rank, world, dtype):
+    return check_parity(rank, world, llama, LLAMA_PLAN, [TOKENS], dtype=dtype,
+                        input_grads=False, kwargs={"use_cache": False},
+                        output=lambda out: out.logits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_llama_for_causal_lm(ranks, dtype):
+    fwd, bwd = ranks.run(hf_llama, dtype)[0]
+    assert fwd == {"all_reduce": 2 * L + 1, "all_gather": 1}
+    assert bwd == {"all_reduce": 2 * L + 1}
