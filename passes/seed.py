@@ -98,8 +98,7 @@ def _seed_root_inputs(gm, root: ModuleSharding, world: int) -> None:
 def _insert_layout(graph, node, placement, users, what, owner, world):
     """Feed ``users`` of ``node`` through a layout marker that sits in module ``owner``'s
     scope (a node whose ``nn_module_stack`` stands for it)."""
-    if node is None or placement is None or not users or \
-            not isinstance(val(node), torch.Tensor):
+    if not users:
         return
     with graph.inserting_after(node):
         marker = graph.call_function(layout, (node, normalize(placement, val(node).dim())))
@@ -111,12 +110,23 @@ def _insert_layout(graph, node, placement, users, what, owner, world):
         user.replace_input_with(node, marker)
 
 
+def _is_tensor_arg(node, placement, fqn, what) -> bool:
+    """Whether a boundary value takes a layout; a layout for a non-tensor is an error."""
+    if placement is None:
+        return False
+    if not isinstance(node, fx.Node) or not isinstance(val(node), torch.Tensor):
+        raise PlanError(f"the plan gives {what} of module '{fqn or '<root>'}' the layout "
+                        f"{placement}, but that value is not a tensor ({node!r}); use None "
+                        f"for it in the style's layouts")
+    return True
+
+
 def _constrain_inputs(graph, fqn, sharding, call: ModuleCall, world):
     targets = [(node, p, f"input {i}") for i, (node, p) in
                enumerate(zip(call.args, sharding.desired_inputs or ()))]
     targets += [(call.kwargs.get(k), p, f"input {k!r}") for k, p in sharding.desired_kwargs.items()]
     for node, p, what in targets:
-        if node is None:
+        if not _is_tensor_arg(node, p, fqn, what):
             continue
         users = [u for u in node.users if u.op != "output" and inside(u, fqn)]
         _insert_layout(graph, node, p, users, f"{fqn or '<root>'} {what}", users and users[0],
@@ -125,7 +135,7 @@ def _constrain_inputs(graph, fqn, sharding, call: ModuleCall, world):
 
 def _constrain_outputs(graph, fqn, sharding, call: ModuleCall, world):
     for i, (node, p) in enumerate(zip(call.outputs, sharding.desired_outputs or ())):
-        if node is None:
+        if not _is_tensor_arg(node, p, fqn, f"output {i}"):
             continue
         users = [u for u in node.users if u.op == "output" or not inside(u, fqn)]
         _insert_layout(graph, node, p, users, f"{fqn or '<root>'} output {i}", node, world)

@@ -37,13 +37,15 @@ def local_part(full: torch.Tensor, placement, rank: int, world: int) -> torch.Te
 
 def check_parity(rank, world, make_model, plan, inputs, *, dtype, steps=3,
                  input_placements=None, input_grads=True, inputs_per_step=None,
-                 kwargs=None, output=lambda out: out, **parallelize_kwargs):
+                 kwargs=None, output=lambda out: out, with_bytes=False, **parallelize_kwargs):
     """Assert forward outputs, every parameter and input gradient, and parameters after
     ``steps`` AdamW steps match the single-device model. ``inputs`` are traced; step ``s``
     runs ``inputs_per_step[s]`` when given (other shapes, for dynamic dims). Returns
     collective counts of the first step: ``(forward counts, backward counts)``.
     ``kwargs`` are passed to every call; ``output`` picks the tensor to compare from what
-    the model returns (``lambda o: o.logits`` for Hugging Face models)."""
+    the model returns (``lambda o: o.logits`` for Hugging Face models). ``with_bytes`` adds
+    the bytes each rank sent into each kind of collective: ``(fwd, bwd, fwd_bytes,
+    bwd_bytes)``."""
     torch.manual_seed(0)
     model = make_model().to(dtype)
     before = copy.deepcopy(model.state_dict())
@@ -93,7 +95,8 @@ def check_parity(rank, world, make_model, plan, inputs, *, dtype, steps=3,
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
-        counts = counts or (dict(fwd.counts), dict(bwd.counts))
+        counts = counts or (dict(fwd.counts), dict(bwd.counts)) + \
+            ((dict(fwd.bytes), dict(bwd.bytes)) if with_bytes else ())
     # Adam normalizes each gradient by its own running magnitude, so a gradient that is only
     # rounding noise (e.g. the key bias of softmax attention, whose true gradient is exactly
     # zero) turns into steps of +-lr in a random direction, in any implementation. Those

@@ -62,3 +62,24 @@ def test_replicated_inputs_need_no_rule_and_raise_no_warning(fake_group):
         gm = fxtp.parallelize(Unruled(), {"down": fxtp.ColwiseParallel()},
                               example_inputs=(torch.randn(2, 4, models.DIM),), strict=True)
     assert gm.fxtp.fallbacks == []
+
+
+class SoftmaxMix(Unruled):
+    """softmax over the sharded feature dim has a rule, whose only valid strategy for that
+    dim is Replicate: the rule itself asks for the gather (no warning: nothing is missing)."""
+
+    def forward(self, x):
+        return self.down(torch.softmax(self.up(x), dim=-1))
+
+
+def softmax_mix(rank, world):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return check_parity(rank, world, SoftmaxMix, PLAN, [example(2, 4, models.DIM)],
+                            dtype=torch.float64)
+
+
+def test_an_op_that_cannot_shard_its_dim_gathers_it_correctly(ranks):
+    fwd, bwd = ranks.run(softmax_mix)[0]
+    assert fwd == {"all_gather": 1, "all_reduce": 1}
+    assert bwd == {"all_gather": 1, "all_reduce": 1}

@@ -29,10 +29,10 @@ def gpt2(rank, world, dtype, tie):
                         dtype=dtype, input_grads=False)
 
 
-def llama(rank, world, dtype, rope, repeat, n_kv_heads=4):
+def llama(rank, world, dtype, rope, repeat, n_kv_heads=4, with_bytes=False):
     cfg = tm.LlamaConfig(n_heads=8, n_kv_heads=n_kv_heads, rope=rope, repeat_mode=repeat)
     return check_parity(rank, world, lambda: tm.Llama(cfg), llama_plan(), [TOKENS],
-                        dtype=dtype, input_grads=False)
+                        dtype=dtype, input_grads=False, with_bytes=with_bytes)
 
 
 L = 2
@@ -51,6 +51,34 @@ def test_gpt2(ranks, dtype, tie):
 @pytest.mark.parametrize("rope,repeat", [("real", "expand"), ("complex", "repeat_interleave")])
 def test_llama(ranks, dtype, rope, repeat):
     assert ranks.run(llama, dtype, rope, repeat)[0] == EXPECTED
+
+
+def llama_prepared(rank, world):
+    plan = {**llama_plan(),
+            "layers.*.attention": fxtp.PrepareModuleInput(input_layouts=(Replicate(), None),
+                                                          desired_input_layouts=(Replicate(), None)),
+            "layers.*.feed_forward": fxtp.PrepareModuleInput(input_layouts=Replicate(),
+                                                             desired_input_layouts=Replicate())}
+    cfg = tm.LlamaConfig(n_heads=8, n_kv_heads=4)
+    return check_parity(rank, world, lambda: tm.Llama(cfg), plan, [TOKENS],
+                        dtype=torch.float64, input_grads=False)
+
+
+def test_prepare_module_input_changes_no_collective_count(ranks):
+    assert ranks.run(llama_prepared)[0] == EXPECTED
+
+
+def test_collective_bytes_are_the_megatron_formula(ranks):
+    """Per rank and step: each all-reduce moves one (B, T, D) activation; the logits
+    gather sends this rank's (B, T, V / N) shard."""
+    world = ranks.world
+    fwd, bwd, fwd_bytes, bwd_bytes = ranks.run(llama, torch.float64, "real", "expand", 4,
+                                               True)[0]
+    cfg, (b, t) = tm.LlamaConfig(), TOKENS.shape
+    activation = b * t * cfg.dim * 8
+    assert fwd_bytes == {"all_reduce": (2 * L + 1) * activation,
+                         "all_gather": b * t * cfg.vocab_size // world * 8}
+    assert bwd_bytes == {"all_reduce": (2 * L + 1) * activation}
 
 
 def test_llama_with_fewer_kv_heads_than_ranks_gathers_keys_and_values(ranks4):
