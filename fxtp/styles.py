@@ -82,8 +82,14 @@ class ParallelStyle:
             f"at this module's boundary.")
 
 
+def _is_transposed_linear(module: nn.Module) -> bool:
+    """Hugging Face's ``Conv1D`` (GPT-2): a linear layer whose weight is (in, out)."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
 class ColwiseParallel(ParallelStyle):
-    """Shard ``nn.Linear`` on output features (``nn.Embedding`` on the embedding dim).
+    """Shard ``nn.Linear`` (and Hugging Face ``Conv1D``) on output features, ``nn.Embedding``
+    on the embedding dim.
     Input must be Replicate; output is Shard(-1) unless ``output_layouts`` says otherwise."""
 
     def __init__(self, *, input_layouts: Optional[Placement] = None,
@@ -95,10 +101,10 @@ class ColwiseParallel(ParallelStyle):
     def shard(self, fqn, module):
         if isinstance(module, nn.Linear):
             params = {"weight": Shard(0), "bias": Shard(0)}
-        elif isinstance(module, nn.Embedding):
-            params = {"weight": Shard(1)}
+        elif isinstance(module, nn.Embedding) or _is_transposed_linear(module):
+            params = {"weight": Shard(1), "bias": Shard(0)}
         else:
-            raise self._unsupported(fqn, module, "nn.Linear and nn.Embedding")
+            raise self._unsupported(fqn, module, "nn.Linear, nn.Embedding and Conv1D")
         return ModuleSharding(fqn, self, params, input_layouts=(self.input_layouts,),
                               desired_inputs=(Replicate(),),
                               desired_outputs=(self.output_layouts,))
@@ -118,10 +124,12 @@ class RowwiseParallel(ParallelStyle):
     def shard(self, fqn, module):
         if isinstance(module, nn.Linear):
             params, desired = {"weight": Shard(1), "bias": Replicate()}, Shard(-1)
+        elif _is_transposed_linear(module):
+            params, desired = {"weight": Shard(0), "bias": Replicate()}, Shard(-1)
         elif isinstance(module, nn.Embedding):  # vocab-sharded: masked local lookup
             params, desired = {"weight": Shard(0)}, Replicate()
         else:
-            raise self._unsupported(fqn, module, "nn.Linear and nn.Embedding")
+            raise self._unsupported(fqn, module, "nn.Linear, nn.Embedding and Conv1D")
         return ModuleSharding(fqn, self, params, input_layouts=(self.input_layouts,),
                               desired_inputs=(desired,),
                               desired_outputs=(self.output_layouts,))

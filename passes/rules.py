@@ -281,6 +281,14 @@ def _linear_spec(node):
     return parse("... k+, n k+ -> ... n", _ranks(node), partial="product", partial_args=(0, 1))
 
 
+def _addmm_spec(node):
+    """``beta * bias + alpha * (m1 @ m2)``: like a biased linear, no Partial; the seed pass
+    splits the bias off when ``m2`` is sharded on its rows."""
+    bias_rank = _rank(node.args[0])
+    bias = "m n" if bias_rank == 2 else ("n" if bias_rank == 1 else "")
+    return parse(f"{bias}, m k!, k! n -> m n", _ranks(node))
+
+
 def _matmul_spec(node):
     ra, rb = _ranks(node)
     a = "... m k+" if ra >= 2 else "k+"
@@ -302,20 +310,34 @@ def _layer_norm_spec(node):
 
 def _sdpa_spec(node):
     """Batch and head dims shard; query/key length and head dim do not (GQA: key/value may
-    have fewer heads; they shard on the same head label)."""
-    q, k, v = (val(a) for a in node.args[:3])
+    have fewer heads; they shard on the same head label). Serves ``scaled_dot_product_attention``
+    and the fused kernels it dispatches to (CPU flash, flash, efficient, cuDNN, math): tensor
+    inputs after q, k, v are masks or biases broadcast to (..., s, t); outputs are the
+    attention output, the log-sum-exp (..., s), attention weights (..., s, t), and
+    bookkeeping values (RNG state, sequence lengths) that stay replicated."""
+    q, k, v, *masks = (val(a) for a in tensor_inputs(node))
     n = q.dim()
     batch = [f"d{j}" for j in range(n - 2)]
     specs = [tuple(batch + ["s!", "e!"]), tuple(batch + ["t!", "e!"]),
              tuple(batch + ["t!", "f!"])]
-    mask = _arg(node, 3, "attn_mask")
-    if is_tensor_node(mask):
-        shape = val(mask).shape
-        full = batch + ["s!", "t!"]
-        off = n - len(shape)
-        specs.append(tuple(fixed_label() if _is_one(shape[j]) else full[off + j]
-                           for j in range(len(shape))))
-    return DimSpec(tuple(specs), (tuple(batch + ["s!", "f!"]),))
+    for mask in masks:
+        specs.append(_broadcast_labels(mask.shape, batch + ["s!", "t!"]))
+    out, *extra = output_vals(node)
+    outs = [tuple(batch + ["s!", "f!"])]
+    for x in extra:  # log-sum-exp (..., s), attention weights (..., s, t), bookkeeping
+        if not isinstance(x, torch.Tensor):
+            outs.append(None)
+        elif x.dim() in (n - 1, n) and all(_same(a, b) for a, b in zip(x.shape, out.shape[:-2])):
+            outs.append(tuple(batch + ["s!", "t!"][: x.dim() - len(batch)]))
+        else:
+            outs.append(tuple(fixed_label() for _ in x.shape))
+    return DimSpec(tuple(specs), tuple(outs))
+
+
+def _broadcast_labels(shape, full):
+    """Labels of a tensor broadcast against dims labelled ``full`` (size-1 dims fixed)."""
+    off = len(full) - len(shape)
+    return tuple(fixed_label() if _is_one(shape[j]) else full[off + j] for j in range(len(shape)))
 
 
 def _embedding_spec(node):
@@ -384,10 +406,16 @@ RULES.update({
     aten.div.Tensor: pointwise("product", partial_args=(0,)),
     aten.linear.default: Rule(_linear_spec),
     aten.matmul.default: Rule(_matmul_spec),
+    aten.addmm.default: Rule(_addmm_spec),
     aten.mm.default: einsum("m k+, k+ n -> m n", "product"),
     aten.bmm.default: einsum("b m k+, b k+ n -> b m n", "product"),
     aten.embedding.default: Rule(_embedding_spec, local_op=_vocab_parallel),
     aten.scaled_dot_product_attention.default: Rule(_sdpa_spec),
+    aten._scaled_dot_product_flash_attention_for_cpu.default: Rule(_sdpa_spec),
+    aten._scaled_dot_product_flash_attention.default: Rule(_sdpa_spec),
+    aten._scaled_dot_product_efficient_attention.default: Rule(_sdpa_spec),
+    aten._scaled_dot_product_cudnn_attention.default: Rule(_sdpa_spec),
+    aten._scaled_dot_product_attention_math.default: Rule(_sdpa_spec),
     aten.layer_norm.default: Rule(_layer_norm_spec),
     aten.rms_norm.default: Rule(_layer_norm_spec),
     aten.softmax.int: along_dims(_dim_list(1), "none"),

@@ -142,16 +142,26 @@ def _constrain_outputs(graph, fqn, sharding, call: ModuleCall, world):
 
 
 def _split_partial_bias(graph) -> None:
+    """``linear(x, w, b)`` with ``w`` Shard(1), ``addmm(b, x, w)`` with ``w`` Shard(0):
+    the matmul gives partial sums, so the bias is added after them, once."""
     for node in list(graph.nodes):
-        if node.target is not aten.linear.default or len(node.args) < 3 or node.args[2] is None:
+        if node.target is aten.linear.default and len(node.args) > 2 and \
+                node.args[2] is not None and _sharded_on(node.args[1], 1):
+            (x, w, bias), matmul = node.args[:3], (aten.linear.default, node.args[:2])
+        elif node.target is aten.addmm.default and not node.kwargs and \
+                _sharded_on(node.args[2], 0):
+            (bias, x, w), matmul = node.args[:3], (aten.mm.default, node.args[1:3])
+        else:
             continue
-        weight = node.args[1]
-        if not isinstance(weight.meta.get(PLACEMENT), Shard) or \
-                weight.meta[PLACEMENT].dim != 1:
-            continue
-        bias = node.args[2]
-        with graph.inserting_after(node):
-            add = graph.call_function(aten.add.Tensor, (node, bias))
+        with graph.inserting_before(node):
+            product = graph.call_function(*matmul)
+            add = graph.call_function(aten.add.Tensor, (product, bias))
+        product.meta.update(node.meta)
         add.meta.update(node.meta)
-        node.replace_all_uses_with(add, delete_user_cb=lambda u: u is not add)
-        node.args = node.args[:2]
+        node.replace_all_uses_with(add)
+        graph.erase_node(node)
+
+
+def _sharded_on(node, dim) -> bool:
+    p = node.meta.get(PLACEMENT)
+    return isinstance(p, Shard) and p.dim == dim

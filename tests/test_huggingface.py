@@ -40,3 +40,36 @@ def test_llama_for_causal_lm(ranks, dtype):
     fwd, bwd = ranks.run(hf_llama, dtype)[0]
     assert fwd == {"all_reduce": 2 * L + 1, "all_gather": 1}
     assert bwd == {"all_reduce": 2 * L + 1}
+
+
+GPT2_PLAN = {
+    "transformer.wte": fxtp.RowwiseParallel(input_layouts=Replicate()),
+    "transformer.h.*.attn.c_attn": fxtp.ColwiseParallel(),
+    "transformer.h.*.attn.c_proj": fxtp.RowwiseParallel(),
+    "transformer.h.*.mlp.c_fc": fxtp.ColwiseParallel(),
+    "transformer.h.*.mlp.c_proj": fxtp.RowwiseParallel(),
+    "lm_head": fxtp.ColwiseParallel(output_layouts=Replicate()),
+}
+
+
+def gpt2():
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=L, n_head=4,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                  bos_token_id=0, eos_token_id=0, attn_implementation="sdpa")
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def hf_gpt2(rank, world, dtype):
+    return check_parity(rank, world, gpt2, GPT2_PLAN, [TOKENS], dtype=dtype,
+                        input_grads=False, kwargs={"use_cache": False},
+                        output=lambda out: out.logits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_gpt2_lm_head_model_with_conv1d_and_fused_qkv(ranks, dtype):
+    """Conv1D layers shard like linears. The fused c_attn output is split into q, k, v
+    along the sharded dim, which contiguous shards cannot serve: it is gathered (one extra
+    all-gather per layer, and the c_proj input is re-chunked: its backward all-gathers)."""
+    fwd, bwd = ranks.run(hf_gpt2, dtype)[0]
+    assert fwd == {"all_reduce": 2 * L + 1, "all_gather": L + 1}
+    assert bwd == {"all_reduce": 2 * L + 1, "all_gather": L}
