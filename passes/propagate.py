@@ -78,7 +78,7 @@ def _propagate_call(node: fx.Node, world: int) -> str | None:
     in_vals = [val(a) for a in inputs]
     best = None
     for ins, out in strategies(spec, [v.shape for v in in_vals],
-                               [v.shape for v in outs], world):
+                               [getattr(v, "shape", None) for v in outs], world):
         cost = sum(transition_cost(a, r, v, world) for a, r, v in zip(actual, ins, in_vals)
                    if r is not None)
         if best is None or cost < best[0]:

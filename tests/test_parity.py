@@ -84,3 +84,27 @@ def test_interior_prepare_module_input_and_output(ranks, dtype):
     fwd, bwd = ranks.run(interior_boundaries, dtype)[0]
     assert fwd == {"all_reduce": 4, "all_gather": 1}
     assert bwd == {"all_reduce": 4, "all_gather": 1}
+
+
+class CpuFlashAttention(models.Attention):
+    """Attention written against the fused CPU kernel SDPA dispatches to (DTensor has no
+    sharding rule for it)."""
+
+    def forward(self, x):
+        bsz, seqlen, dim = x.shape
+        q, k, v = (w(x).view(bsz, seqlen, self.n_heads, -1).transpose(1, 2)
+                   for w in (self.wq, self.wk, self.wv))
+        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=True)[0]
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, dim))
+
+
+def cpu_flash_attention(rank, world, dtype):
+    return check_parity(rank, world, CpuFlashAttention, models.ATTENTION_PLAN,
+                        [_x(B, T, D)], dtype=dtype)
+
+
+@DTYPES
+def test_attention_on_the_fused_cpu_flash_kernel_shards_by_head(ranks, dtype):
+    fwd, bwd = ranks.run(cpu_flash_attention, dtype)[0]
+    assert fwd == {"all_reduce": 1}
+    assert bwd == {"all_reduce": 1}

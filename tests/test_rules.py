@@ -38,6 +38,17 @@ PROGRAMS = {
              (rand(2, 4, 8, 4), rand(2, 4, 8, 4), rand(2, 4, 8, 4))),
     "sdpa_gqa": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
                  (rand(2, 8, 4, 4), rand(2, 4, 4, 4), rand(2, 4, 4, 4))),
+    "sdpa_cpu_flash_with_mask": (
+        lambda q, k, v, m: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, attn_mask=m)[0],
+        (rand(2, 4, 8, 4), rand(2, 4, 8, 4), rand(2, 4, 8, 4), rand(8, 8))),
+    "sdpa_cpu_flash_causal_lse": (
+        lambda q, k, v: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, is_causal=True)[1],
+        (rand(2, 4, 8, 4), rand(2, 4, 8, 4), rand(2, 4, 8, 4))),
+    "sdpa_math_weights": (
+        lambda q, k, v: torch.ops.aten._scaled_dot_product_attention_math(q, k, v)[1],
+        (rand(2, 4, 8, 4), rand(2, 4, 8, 4), rand(2, 4, 8, 4))),
     "embedding": (lambda w, i: F.embedding(i, w), (rand(12, 8), torch.tensor([[1, 2], [3, 11]]))),
     "embedding_padding": (lambda w, i: F.embedding(i, w, padding_idx=5),
                           (rand(12, 8), torch.tensor([[5, 2], [7, 11]]))),
