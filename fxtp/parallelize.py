@@ -52,7 +52,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
     seed(gm, shardings, calls, group.world, _tied_names(model))
     fallbacks = propagate(gm, group.world, strict=strict)
     rewrite(gm, group.name, group.rank, group.world)
-    localize(gm, group.rank, group.world)
+    localize(gm, group)
     outputs = next(iter(reversed(gm.graph.nodes))).args[0]
     gm.fxtp = ParallelInfo({k: s.style for k, s in shardings.items()}, group.name, group.rank,
                            group.world, fallbacks,

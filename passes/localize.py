@@ -22,7 +22,9 @@ from .rules import RULES
 aten = torch.ops.aten
 
 
-def localize(gm: fx.GraphModule, rank: int, world: int) -> None:
+def localize(gm: fx.GraphModule, group) -> None:
+    """``group``: the :class:`~fxtp.mesh.Group` the module runs on."""
+    rank, world = group.rank, group.world
     graph = gm.graph
     localized: set[str] = set()
     shards: dict[int, torch.Tensor] = {}  # id(global tensor) -> local tensor, keeps ties
@@ -31,7 +33,7 @@ def localize(gm: fx.GraphModule, rank: int, world: int) -> None:
             rule = RULES.get(node.target)
             if rule is not None:
                 node.target, node.args, node.kwargs = rule.localize(
-                    node, node.meta[INPUTS], node.meta[PLACEMENT], rank, world, graph)
+                    node, node.meta[INPUTS], node.meta[PLACEMENT], group, graph)
             elif node.target is aten.sym_size.int:
                 _globalize_size(graph, node, world)
         elif node.op == "get_attr" and node.target not in localized:

@@ -16,7 +16,6 @@ from torch.distributed.tensor import Partial, Placement
 
 from fxtp.errors import ShardingError
 
-from .dimspec import strategies
 from .meta import FALLBACK, INPUTS, PLACEMENT, module_fqn
 from .placement import R, describe, is_replicate, transition_cost
 from .rules import PASSTHROUGH, RULES, output_vals, tensor_inputs, val
@@ -74,11 +73,9 @@ def _propagate_call(node: fx.Node, world: int) -> str | None:
         return (f"no sharding rule for {node.target} (node '{node.name}' in module "
                 f"'{where}') with input placements {describe(tuple(actual))}; gathering its "
                 f"inputs to Replicate")
-    spec = rule.spec(node)
     in_vals = [val(a) for a in inputs]
     best = None
-    for ins, out in strategies(spec, [v.shape for v in in_vals],
-                               [getattr(v, "shape", None) for v in outs], world):
+    for ins, out in rule.strategies(node, world):
         cost = sum(transition_cost(a, r, v, world) for a, r, v in zip(actual, ins, in_vals)
                    if r is not None)
         if best is None or cost < best[0]:

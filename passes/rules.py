@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Shard
 
-from .dimspec import DimSpec, fixed_label, parse
+from .dimspec import DimSpec, fixed_label, parse, strategies
 from .local_ops import vocab_parallel_embedding
 
 aten = torch.ops.aten
@@ -45,25 +45,39 @@ def output_vals(node: fx.Node) -> list:
 
 @dataclass(frozen=True)
 class Rule:
-    """``spec(node)`` states the dims; ``shape_arg`` is the index of a global shape argument
-    that localization rewrites for the output's placement; ``local_op(args, kwargs, inputs,
-    rank, world)``, given the placements chosen for the tensor inputs, returns the
-    ``(target, args, kwargs)`` to run instead when the op cannot run as is on its shards."""
+    """How fxtp shards one op.
+
+    ``spec(node)`` states the dims, from which the op's strategies derive; ``extra(node,
+    world)`` yields further ``(input placements, output placements)`` strategies a dim spec
+    cannot state (a rule whose local op communicates). ``shape_arg`` is the index of a
+    global shape argument that localization rewrites for the output's placement.
+    ``local_op(node, inputs, group)``, given the placements chosen for the tensor inputs
+    and the :class:`~fxtp.mesh.Group`, returns the ``(target, args, kwargs)`` to run instead
+    when the op cannot run as is on its shards."""
 
     spec: Callable[[fx.Node], DimSpec]
     shape_arg: Optional[int] = None
     local_op: Optional[Callable] = None
+    extra: Optional[Callable] = None
 
-    def localize(self, node: fx.Node, inputs, output, rank: int, world: int, graph=None):
+    def strategies(self, node: fx.Node, world: int):
+        """Every valid ``(input placements, output placements)`` of ``node``."""
+        shapes = lambda vals: [getattr(v, "shape", None) for v in vals]  # noqa: E731
+        yield from strategies(self.spec(node), shapes(val(a) for a in tensor_inputs(node)),
+                              shapes(output_vals(node)), world)
+        if self.extra is not None:
+            yield from self.extra(node, world)
+
+    def localize(self, node: fx.Node, inputs, output, group, graph=None):
         """``(target, args, kwargs)`` of this rank's computation of ``node`` (whose args
         are graph values), given its tensor inputs' and its output's placements."""
         target, args, kwargs = node.target, node.args, node.kwargs
         if self.local_op is not None:
-            target, args, kwargs = self.local_op(node, inputs, rank, world)
+            target, args, kwargs = self.local_op(node, inputs, group)
         if self.shape_arg is not None:
             args = list(args)
-            args[self.shape_arg] = localize_shape(args[self.shape_arg], output, world, graph,
-                                                  node)
+            args[self.shape_arg] = localize_shape(args[self.shape_arg], output, group.world,
+                                                  graph, node)
             args = tuple(args)
         return target, args, kwargs
 
@@ -345,11 +359,11 @@ def _embedding_spec(node):
     return parse("v+ d, ... -> ... d", _ranks(node), partial="product", partial_args=(0,))
 
 
-def _vocab_parallel(node, inputs, rank, world):
+def _vocab_parallel(node, inputs, group):
     if not (isinstance(inputs[0], Shard) and inputs[0].dim == 0):
         return node.target, node.args, node.kwargs
     weight, indices = node.args[:2]
-    offset = rank * (val(weight).shape[0] // world)
+    offset = group.rank * (val(weight).shape[0] // group.world)
     return vocab_parallel_embedding, (weight, indices, offset, _arg(node, 2, "padding_idx", -1)), {}
 
 

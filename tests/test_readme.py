@@ -14,10 +14,16 @@ def test_quick_start_runs_as_written(tmp_path):
     script = tmp_path / "quickstart.py"
     script.write_text(code)
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    logs = tmp_path / "logs"  # one stdout file per rank: their prints cannot interleave
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--standalone", str(script)], cwd=tmp_path, env=env,
+                          "--standalone", "--log-dir", str(logs), "--redirects", "1",
+                          str(script)], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    lines = [line.split() for line in run.stdout.splitlines() if line[:2] in ("0 ", "1 ")]
-    assert len(lines) == 2 and lines[0][1] == lines[1][1]  # the same loss on both ranks
-    assert "(32, 16)" in run.stdout and "fxtp_collectives_all_reduce" in run.stdout
+    out = {int(f.parent.name): f.read_text() for f in logs.rglob("stdout.log")}
+    assert sorted(out) == [0, 1], out
+    lines = [next(line.split() for line in out[r].splitlines() if line.startswith(f"{r} "))
+             for r in (0, 1)]
+    assert lines[0][1] == lines[1][1]  # the same loss on both ranks
+    assert all(line[2:] == ["(32,", "16)"] for line in lines)
+    assert "fxtp_collectives_all_reduce" in out[0]

@@ -12,7 +12,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from passes.dimspec import strategies
+from fxtp.mesh import Group
 from passes.rules import RULES, output_vals, tensor_inputs
 
 g = torch.Generator().manual_seed(0)
@@ -103,18 +103,15 @@ def _split_partial(value, world):
 def test_every_strategy_reassembles_the_single_device_result(node, values, world):
     rule = RULES[node.target]
     inputs = tensor_inputs(node)
-    in_vals = [n.meta["val"] for n in inputs]
-    out_vals = output_vals(node)
     expected = values[node]
     expected = list(expected) if isinstance(expected, (tuple, list)) else [expected]
     checked = 0
-    for ins, outs in strategies(rule.spec(node), [v.shape for v in in_vals],
-                                [v.shape for v in out_vals], world):
+    for ins, outs in rule.strategies(node, world):
         parts = {i: _split_partial(values[a], world) for i, (a, p) in
                  enumerate(zip(inputs, ins)) if isinstance(p, Partial)}
         per_rank = []
         for rank in range(world):
-            target, args, kwargs = rule.localize(node, ins, outs[0], rank, world)
+            target, args, kwargs = rule.localize(node, ins, outs[0], Group("sim", rank, world))
             it = iter(range(len(inputs)))
 
             def local(a):
