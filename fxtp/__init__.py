@@ -5,10 +5,12 @@ from .comm_count import count_collectives
 from .errors import FxtpError, PlanError, ShardingError, TraceError
 from .parallelize import parallelize
 from .styles import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
-                     PrepareModuleInputOutput, PrepareModuleOutput, RowwiseParallel)
+                     PrepareModuleInputOutput, PrepareModuleOutput, RowwiseParallel,
+                     SequenceParallel)
 
 __all__ = [
-    "parallelize", "ColwiseParallel", "RowwiseParallel", "PrepareModuleInput",
-    "PrepareModuleOutput", "PrepareModuleInputOutput", "ParallelStyle", "Shard", "Replicate",
-    "Partial", "count_collectives", "FxtpError", "PlanError", "ShardingError", "TraceError",
+    "parallelize", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
+    "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "ParallelStyle",
+    "Shard", "Replicate", "Partial", "count_collectives", "FxtpError", "PlanError",
+    "ShardingError", "TraceError",
 ]

@@ -12,10 +12,13 @@ function              forward                     backward
                                                   when the gradient is partial
 ``shard``             Replicate -> Shard(d)       all-gather (no forward comm)
 ``grad_sync``         identity                    all-reduce of a partial gradient
+``grad_sync_bucket``  identity on n tensors       one all-reduce of all their
+                                                  partial gradients (per dtype)
 ====================  ==========================  ==============================
 
 Collectives are the ``torch.ops._c10d_functional`` ops followed by ``wait_tensor``, which
-inductor lowers natively. Groups are passed by name so graphs stay printable.
+inductor lowers natively. Collectives along a dim other than 0 move it to the front and
+back, and return contiguous tensors (user code may ``view`` them). Groups are passed by name so graphs stay printable.
 """
 from __future__ import annotations
 
@@ -31,13 +34,13 @@ def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
 def _all_gather(x: torch.Tensor, dim: int, world: int, group: str) -> torch.Tensor:
     x = x.movedim(dim, 0).contiguous()
     out = _c10d.wait_tensor(_c10d.all_gather_into_tensor(x, world, group))
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, world: int, group: str) -> torch.Tensor:
     x = x.movedim(dim, 0).contiguous()
     out = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(x, "sum", world, group))
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()
 
 
 def _chunk(x: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
@@ -103,6 +106,23 @@ class _GradSync(torch.autograd.Function):
         return _all_reduce(grad, ctx.group), None
 
 
+class _GradSyncBucket(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, *xs):
+        ctx.group = group
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        out = list(grads)
+        for dtype in dict.fromkeys(g.dtype for g in grads):
+            idx = [i for i, g in enumerate(grads) if g.dtype == dtype]
+            flat = _all_reduce(torch.cat([grads[i].reshape(-1) for i in idx]), ctx.group)
+            for i, part in zip(idx, flat.split([grads[i].numel() for i in idx])):
+                out[i] = part.view_as(grads[i])
+        return (None, *out)
+
+
 def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     """Sum a Partial tensor over ``group``; the gradient passes through unchanged."""
     return _AllReduce.apply(x, group)
@@ -131,4 +151,11 @@ def grad_sync(x: torch.Tensor, group: str) -> torch.Tensor:
     return _GradSync.apply(x, group)
 
 
-COLLECTIVES = (all_reduce, reduce_scatter, all_gather, shard, grad_sync)
+def grad_sync_bucket(group: str, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Identity forward on every ``xs``; backward all-reduces all their partial gradients in
+    one collective per dtype, once every one of them is computed (replicated parameters
+    used on sharded activations: one all-reduce per step instead of one per parameter)."""
+    return _GradSyncBucket.apply(group, *xs)
+
+
+COLLECTIVES = (all_reduce, reduce_scatter, all_gather, shard, grad_sync, grad_sync_bucket)

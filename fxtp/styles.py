@@ -135,6 +135,30 @@ class RowwiseParallel(ParallelStyle):
                               desired_outputs=(self.output_layouts,))
 
 
+class SequenceParallel(ParallelStyle):
+    """Run a module whose parameters act elementwise on the hidden dim (LayerNorm, RMSNorm,
+    Dropout, ...) on activations sharded along ``sequence_dim``; its parameters stay
+    replicated and their gradients are all-reduced in backward (one bucket for all of them).
+    At the root, the input is what each rank passes: its sequence shard."""
+
+    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False):
+        self.sequence_dim = sequence_dim
+        self.use_local_output = use_local_output
+
+    def shard(self, fqn, module):
+        matrices = [n for n, p in module.named_parameters() if p.dim() != 1]
+        if matrices:
+            raise PlanError(
+                f"SequenceParallel cannot shard module '{fqn or '<root>'}' of type "
+                f"{type(module).__name__}: its parameter '{matrices[0]}' is not a 1-D "
+                f"per-feature vector. SequenceParallel is for modules whose parameters act "
+                f"elementwise on the hidden dim (LayerNorm, RMSNorm, Dropout); plan linear "
+                f"layers with ColwiseParallel/RowwiseParallel (output_layouts=Shard("
+                f"{self.sequence_dim}) to leave a rowwise output sequence-sharded).")
+        layout = (Shard(self.sequence_dim),)
+        return ModuleSharding(fqn, self, input_layouts=layout, desired_inputs=layout)
+
+
 class PrepareModuleInput(ParallelStyle):
     """Redistribute a module's inputs to ``desired_input_layouts`` on entry.
     ``input_layouts`` declares what the inputs are; at the root it says what each rank
@@ -225,6 +249,9 @@ def from_torch(style) -> ParallelStyle:
         return RowwiseParallel(input_layouts=one(style.input_layouts),
                                output_layouts=one(style.output_layouts),
                                use_local_output=style.use_local_output)
+    if isinstance(style, tp.SequenceParallel):
+        return SequenceParallel(sequence_dim=style.sequence_sharding[0].dim,
+                                use_local_output=style.use_local_output)
     if isinstance(style, tp.PrepareModuleInputOutput):
         inp, out = style.prepare_module_input, style.prepare_module_output
         return PrepareModuleInputOutput(

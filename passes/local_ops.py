@@ -16,3 +16,19 @@ def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, offset
     local_padding = padding_idx - offset if 0 <= padding_idx - offset < rows else None
     out = F.embedding(local, weight, padding_idx=local_padding)
     return out.masked_fill(outside.unsqueeze(-1), 0)
+
+
+def sharded_dropout(x: torch.Tensor, p: float, train: bool, dim: int, rank: int,
+                    world: int) -> torch.Tensor:
+    """Dropout of this rank's shard (along ``dim``) of a tensor: the mask of the whole tensor
+    is drawn, exactly as single-device dropout draws it, and this rank's chunk is applied.
+    Each shard thus gets its own part of the mask, the result equals the single-device one
+    for the same seed, and every rank's generator stays in step (so dropout on replicated
+    values still draws the same mask on every rank)."""
+    if not train or p == 0 or x.numel() == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] *= world
+    noise = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p)
+    noise = noise.chunk(world, dim)[rank].clone(memory_format=torch.contiguous_format)
+    return x * noise.div_(1 - p)

@@ -12,6 +12,8 @@ are all such ops reduce-scatters its gradient instead.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
@@ -21,7 +23,7 @@ from fxtp import collectives
 from .meta import COLLECTIVE, INPUTS, PLACEMENT
 from .placement import describe, is_replicate, transition_steps
 from .propagate import placement_of
-from .rules import tensor_inputs, val
+from .rules import aten, tensor_inputs, val
 from .seed import layout
 
 
@@ -82,32 +84,89 @@ def _collective(graph, kind, dim, src, before, group, rank, world) -> fx.Node:
     return node
 
 
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+          aten.transpose.int, aten.permute.default, aten.t.default, aten.unsqueeze.default,
+          aten.squeeze.dim, aten.flatten.using_ints, aten.alias.default, aten.clone.default,
+          aten.contiguous.default, aten.expand.default}
+
+
 def _contributes_partial_grad(user: fx.Node) -> bool:
-    """Does ``user`` hand a replicated input a per-rank partial gradient?"""
+    """Does ``user`` hand a replicated input a per-rank partial gradient? Either it touches
+    sharded or partial values, or it is a replicated view whose users all do (the gradient
+    is then synchronized before the view, on its input)."""
     if user.op != "call_function" or user.target is collectives.shard:
         return False
     placements = list(user.meta.get(INPUTS) or ()) + [user.meta.get(PLACEMENT)]
     flat = [p for q in placements for p in (q if isinstance(q, tuple) else (q,))]
-    return any(p is not None and not is_replicate(p) for p in flat)
+    return any(p is not None and not is_replicate(p) for p in flat) or _forwards_partial(user)
+
+
+def _forwards_partial(node: fx.Node) -> bool:
+    return node.target in _VIEWS and bool(node.users) and \
+        all(_contributes_partial_grad(u) for u in node.users)
+
+
+def _needs_grad(graph: fx.Graph) -> set:
+    """Nodes that may carry a gradient: inputs, trainable parameters and what is computed
+    from them, except through ``detach``."""
+    found = set()
+    for node in graph.nodes:
+        v = val(node)
+        if node.op == "placeholder" or (node.op == "get_attr" and getattr(v, "requires_grad", False)):
+            found.add(node)
+        elif node.op == "call_function" and node.target is not aten.detach.default and \
+                any(a in found for a in node.all_input_nodes):
+            found.add(node)
+    return found
 
 
 def _sync_partial_grads(graph: fx.Graph, group: str) -> None:
+    params = {}  # replicated parameter -> its users that give it partial gradients
+    needs_grad = _needs_grad(graph)
     for node in list(graph.nodes):
         v = val(node)
-        if not isinstance(v, torch.Tensor) or not v.dtype.is_floating_point or \
-                not is_replicate(placement_of(node)):
+        if node not in needs_grad or not isinstance(v, torch.Tensor) or \
+                not v.dtype.is_floating_point or not is_replicate(placement_of(node)) or \
+                _forwards_partial(node):
             continue
         partial_users = [u for u in node.users if _contributes_partial_grad(u)]
         if not partial_users:
+            continue
+        if node.op == "get_attr":
+            params[node] = partial_users
             continue
         if node.target is collectives.all_gather and len(partial_users) == len(node.users):
             node.args = node.args[:5] + (True,)
             continue
         with graph.inserting_after(node):
             sync = graph.call_function(collectives.grad_sync, (node, group))
-        sync.meta.update(val=v, nn_module_stack=dict(partial_users[0].meta.get(
-            "nn_module_stack", {})))
-        sync.meta[PLACEMENT] = placement_of(node)
-        sync.meta[COLLECTIVE] = "grad_sync"
+        _annotate(sync, node, partial_users[0], "grad_sync")
         for user in partial_users:
             user.replace_input_with(node, sync)
+    if params:
+        _bucket_param_grad_syncs(graph, params, group)
+
+
+def _bucket_param_grad_syncs(graph: fx.Graph, params: dict, group: str) -> None:
+    """One ``grad_sync_bucket`` for all replicated parameters read by sharded ops (sequence-
+    parallel norm weights, rowwise biases added to sequence shards): the parameters are
+    read first, and their partial users read the bucket's outputs."""
+    first = next(n for n in graph.nodes if n.op not in ("placeholder", "get_attr"))
+    for param in params:
+        first.prepend(param)
+    with graph.inserting_before(first):
+        bucket = graph.call_function(collectives.grad_sync_bucket, (group, *params))
+        bucket.meta[COLLECTIVE] = "grad_sync_bucket"
+        for i, (param, users) in enumerate(params.items()):
+            out = graph.call_function(operator.getitem, (bucket, i))
+            _annotate(out, param, users[0], None)
+            for user in users:
+                user.replace_input_with(param, out)
+
+
+def _annotate(node, like, user, kind) -> None:
+    """``node`` carries ``like``'s value and placement, in ``user``'s module scope."""
+    node.meta.update(val=val(like), nn_module_stack=dict(user.meta.get("nn_module_stack", {})))
+    node.meta[PLACEMENT] = placement_of(like)
+    if kind:
+        node.meta[COLLECTIVE] = kind

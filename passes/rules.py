@@ -17,7 +17,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Shard
 
 from .dimspec import DimSpec, fixed_label, parse, strategies
-from .local_ops import vocab_parallel_embedding
+from .local_ops import sharded_dropout, vocab_parallel_embedding
 
 aten = torch.ops.aten
 
@@ -367,6 +367,16 @@ def _vocab_parallel(node, inputs, group):
     return vocab_parallel_embedding, (weight, indices, offset, _arg(node, 2, "padding_idx", -1)), {}
 
 
+def _dropout(node, inputs, group):
+    """Dropout of a shard draws the whole mask and keeps its chunk (see
+    :func:`~passes.local_ops.sharded_dropout`); of a replicated value, the same mask on every
+    rank (all ranks' generators are in step)."""
+    if not isinstance(inputs[0], Shard):
+        return node.target, node.args, node.kwargs
+    x, p, train = node.args[0], _arg(node, 1, "p"), _arg(node, 2, "train")
+    return sharded_dropout, (x, p, train, inputs[0].dim, group.rank, group.world), {}
+
+
 def _same_dims(node):
     """Every dim of the input maps to the same dim of the output, whose size may be a
     multiple of it (``repeat_interleave`` along a dim keeps contiguous blocks together)."""
@@ -398,7 +408,7 @@ NONLINEAR_POINTWISE = [
     aten.tanh.default, aten.exp.default, aten.log.default, aten.rsqrt.default,
     aten.sqrt.default, aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor, aten.abs.default,
     aten.erf.default, aten.cos.default, aten.sin.default, aten.reciprocal.default,
-    aten.dropout.default, aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.where.self,
+    aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.where.self,
     aten.clamp.default, aten.maximum.default, aten.minimum.default, aten.ones_like.default,
     aten.full_like.default, aten.eq.Tensor, aten.eq.Scalar, aten.ne.Scalar, aten.lt.Scalar,
     aten.gt.Scalar, aten.logical_not.default, aten.rsub.Scalar, aten.tril.default,
@@ -424,6 +434,7 @@ RULES.update({
     aten.mm.default: einsum("m k+, k+ n -> m n", "product"),
     aten.bmm.default: einsum("b m k+, b k+ n -> b m n", "product"),
     aten.embedding.default: Rule(_embedding_spec, local_op=_vocab_parallel),
+    aten.dropout.default: Rule(pointwise().spec, local_op=_dropout),
     aten.scaled_dot_product_attention.default: Rule(_sdpa_spec),
     aten._scaled_dot_product_flash_attention_for_cpu.default: Rule(_sdpa_spec),
     aten._scaled_dot_product_flash_attention.default: Rule(_sdpa_spec),

@@ -143,7 +143,9 @@ def _constrain_outputs(graph, fqn, sharding, call: ModuleCall, world):
 
 def _split_partial_bias(graph) -> None:
     """``linear(x, w, b)`` with ``w`` Shard(1), ``addmm(b, x, w)`` with ``w`` Shard(0):
-    the matmul gives partial sums, so the bias is added after them, once."""
+    the matmul gives partial sums, so the bias is added after them, once. When the module's
+    output layout marker reads the matmul, the bias is added after the marker: the partial
+    sums are reduced (all-reduce, or reduce-scatter to sequence shards) before the add."""
     for node in list(graph.nodes):
         if node.target is aten.linear.default and len(node.args) > 2 and \
                 node.args[2] is not None and _sharded_on(node.args[1], 1):
@@ -155,11 +157,28 @@ def _split_partial_bias(graph) -> None:
             continue
         with graph.inserting_before(node):
             product = graph.call_function(*matmul)
-            add = graph.call_function(aten.add.Tensor, (product, bias))
         product.meta.update(node.meta)
-        add.meta.update(node.meta)
-        node.replace_all_uses_with(add)
+        node.replace_all_uses_with(product)
+        summed = _output_marker(product) or product
+        with graph.inserting_after(summed):
+            add = graph.call_function(aten.add.Tensor, (summed, bias))
+        add.meta.update(node.meta, val=val(summed))
+        summed.replace_all_uses_with(add, delete_user_cb=lambda u: u is not add)
         graph.erase_node(node)
+
+
+def _output_marker(node):
+    """The layout marker ``node`` reaches through its only users, views that keep its last
+    dim (Conv1D views its 2-D product back to (batch, seq, features)), if any."""
+    while len(node.users) == 1:
+        (user,) = node.users
+        if user.target is layout:
+            return user
+        if user.target not in (aten.view.default, aten.reshape.default) or \
+                val(user).shape[-1] != val(node).shape[-1]:
+            return None
+        node = user
+    return None
 
 
 def _sharded_on(node, dim) -> bool:

@@ -73,10 +73,12 @@ def test_stacked_blocks_with_wildcard_plan_issue_megatron_minimum(ranks, dtype):
 @DTYPES
 def test_root_prepare_module_input_output_shards_batch(ranks, dtype):
     fwd, bwd = ranks.run(root_boundaries, dtype)[0]
-    # all-gather the batch shards in, all-reduce the rowwise sums, keep this rank's rows out
-    assert fwd == {"all_gather": 1, "all_reduce": 1}
-    # gather the output gradient rows; reduce-scatter the colwise input gradient
-    assert bwd == {"all_gather": 1, "reduce_scatter": 1}
+    # all-gather the batch shards in; the rowwise sums are reduce-scattered straight to this
+    # rank's rows (the bias is added after the reduction)
+    assert fwd == {"all_gather": 1, "reduce_scatter": 1}
+    # gather the output gradient rows; reduce-scatter the colwise input gradient; the bias,
+    # added to this rank's rows, has a partial gradient: one all-reduce of its D values
+    assert bwd == {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1}
 
 
 @DTYPES

@@ -56,7 +56,8 @@ def test_non_style_values_and_non_placements_are_rejected():
 
 
 @pytest.mark.parametrize("name", ["ColwiseParallel", "RowwiseParallel", "PrepareModuleInput",
-                                  "PrepareModuleOutput", "PrepareModuleInputOutput"])
+                                  "PrepareModuleOutput", "PrepareModuleInputOutput",
+                                  "SequenceParallel"])
 def test_style_constructors_mirror_torch(name):
     ours = inspect.signature(getattr(fxtp, name))
     theirs = inspect.signature(getattr(torch_tp, name))

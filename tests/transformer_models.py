@@ -7,6 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxtp
+from fxtp import Replicate, Shard
 
 
 # --- GPT-2 -------------------------------------------------------------------------------
@@ -277,4 +278,45 @@ def llama_layer_plan():
         "layers.*.attention.wo": fxtp.RowwiseParallel(),
         "layers.*.feed_forward.w[13]": fxtp.ColwiseParallel(),
         "layers.*.feed_forward.w2": fxtp.RowwiseParallel(),
+    }
+
+
+def llama_sp_plan(loss_parallel=False):
+    """torchtitan's plan: sequence-parallel norms, layer inputs gathered on entry, rowwise
+    outputs reduce-scattered back to sequence shards; the head's output replicated or, for
+    loss parallel, left sharded by class."""
+    return {
+        "tok_embeddings": fxtp.RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": fxtp.SequenceParallel(),
+        "output": fxtp.ColwiseParallel(input_layouts=Shard(1),
+                                       output_layouts=Shard(-1) if loss_parallel else Replicate()),
+        "layers.*.attention_norm": fxtp.SequenceParallel(),
+        "layers.*.attention": fxtp.PrepareModuleInput(input_layouts=(Shard(1), None),
+                                                      desired_input_layouts=(Replicate(), None)),
+        "layers.*.attention.w[qkv]": fxtp.ColwiseParallel(),
+        "layers.*.attention.wo": fxtp.RowwiseParallel(output_layouts=Shard(1)),
+        "layers.*.ffn_norm": fxtp.SequenceParallel(),
+        "layers.*.feed_forward": fxtp.PrepareModuleInput(input_layouts=(Shard(1),),
+                                                         desired_input_layouts=(Replicate(),)),
+        "layers.*.feed_forward.w[13]": fxtp.ColwiseParallel(),
+        "layers.*.feed_forward.w2": fxtp.RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def gpt2_sp_plan(loss_parallel=False):
+    """Sequence parallel for :class:`GPT2`: as :func:`llama_sp_plan`, with LayerNorms."""
+    return {
+        "wte": fxtp.RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "ln_f": fxtp.SequenceParallel(),
+        "lm_head": fxtp.ColwiseParallel(input_layouts=Shard(1),
+                                        output_layouts=Shard(-1) if loss_parallel else Replicate()),
+        "h.*.ln_[12]": fxtp.SequenceParallel(),
+        "h.*.attn": fxtp.PrepareModuleInput(input_layouts=(Shard(1),),
+                                            desired_input_layouts=(Replicate(),)),
+        "h.*.mlp": fxtp.PrepareModuleInput(input_layouts=(Shard(1),),
+                                           desired_input_layouts=(Replicate(),)),
+        "h.*.attn.[qkv]_proj": fxtp.ColwiseParallel(),
+        "h.*.attn.c_proj": fxtp.RowwiseParallel(output_layouts=Shard(1)),
+        "h.*.mlp.c_fc": fxtp.ColwiseParallel(),
+        "h.*.mlp.c_proj": fxtp.RowwiseParallel(output_layouts=Shard(1)),
     }

@@ -1,0 +1,191 @@
+"""Sequence parallel: norms run on sequence shards, layer inputs are all-gathered on entry
+and rowwise outputs reduce-scattered back, against the single-device model, with the
+collectives of Megatron's sequence parallelism and one bucketed all-reduce for the
+replicated parameters used on shards."""
+import pytest
+import torch
+import torch.nn as nn
+
+import fxtp
+from fxtp import Replicate, Shard
+from tests import transformer_models as tm
+from tests.parity import check_parity
+
+TOKENS = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+DTYPES = pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+L = 2
+
+
+def llama(rank, world, dtype):
+    return check_parity(rank, world, lambda: tm.Llama(tm.LlamaConfig(n_heads=8, n_kv_heads=4)),
+                        tm.llama_sp_plan(), [TOKENS], dtype=dtype, input_grads=False,
+                        with_bytes=True)
+
+
+def gpt2(rank, world, dtype):
+    return check_parity(rank, world, tm.GPT2, tm.gpt2_sp_plan(), [TOKENS], dtype=dtype,
+                        input_grads=False)
+
+
+@DTYPES
+def test_llama_sequence_parallel(ranks, dtype):
+    fwd, bwd, fwd_bytes, bwd_bytes = ranks.run(llama, dtype)[0]
+    # per layer: gather before attention and feed-forward, reduce-scatter after wo and w2;
+    # the embedding's sum is reduce-scattered, the final norm's output gathered for the head,
+    # and the logits gathered.
+    assert fwd == {"all_gather": 2 * L + 2, "reduce_scatter": 2 * L + 1}
+    # the conjugates; the logits gather's backward is a local chunk; one all-reduce for the
+    # gradients of all 2L + 1 norm weights
+    assert bwd == {"all_gather": 2 * L + 1, "reduce_scatter": 2 * L + 1, "all_reduce": 1}
+    cfg, (b, t), world, item = tm.LlamaConfig(), TOKENS.shape, ranks.world, 8 if dtype == torch.float64 else 4
+    activation = b * t * cfg.dim * item  # one full (B, T, D) activation
+    assert fwd_bytes == {"all_gather": (2 * L + 1) * activation // world
+                         + b * t * cfg.vocab_size // world * item,
+                         "reduce_scatter": (2 * L + 1) * activation}
+    assert bwd_bytes == {"all_gather": (2 * L + 1) * activation // world,
+                         "reduce_scatter": (2 * L + 1) * activation,
+                         "all_reduce": (2 * L + 1) * cfg.dim * item}
+
+
+@DTYPES
+def test_gpt2_sequence_parallel_with_tied_embeddings_and_rowwise_biases(ranks, dtype):
+    fwd, bwd = ranks.run(gpt2, dtype)[0]
+    assert fwd == {"all_gather": 2 * L + 2, "reduce_scatter": 2 * L + 1}
+    # + the all-gather of the position embedding's gradient (its output was chunked to add
+    # to the sequence shards, as Megatron does); one all-reduce for the 2 LayerNorms per
+    # layer, ln_f and the rowwise biases
+    assert bwd == {"all_gather": 2 * L + 2, "reduce_scatter": 2 * L + 1, "all_reduce": 1}
+
+
+HF_LLAMA_SP_PLAN = {
+    "model.embed_tokens": fxtp.RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+    "model.norm": fxtp.SequenceParallel(),
+    "model.layers.*.input_layernorm": fxtp.SequenceParallel(),
+    "model.layers.*.post_attention_layernorm": fxtp.SequenceParallel(),
+    "model.layers.*.self_attn": fxtp.PrepareModuleInput(
+        input_kwarg_layouts={"hidden_states": Shard(1)},
+        desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+    "model.layers.*.mlp": fxtp.PrepareModuleInput(input_layouts=(Shard(1),),
+                                                  desired_input_layouts=(Replicate(),)),
+    "model.layers.*.self_attn.[qkv]_proj": fxtp.ColwiseParallel(),
+    "model.layers.*.self_attn.o_proj": fxtp.RowwiseParallel(output_layouts=Shard(1)),
+    "model.layers.*.mlp.[gu][ap]*_proj": fxtp.ColwiseParallel(),
+    "model.layers.*.mlp.down_proj": fxtp.RowwiseParallel(output_layouts=Shard(1)),
+    "lm_head": fxtp.ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+}
+
+HF_GPT2_SP_PLAN = {
+    "transformer.wte": fxtp.RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+    "transformer.drop": fxtp.SequenceParallel(),
+    "transformer.ln_f": fxtp.SequenceParallel(),
+    "transformer.h.*.ln_[12]": fxtp.SequenceParallel(),
+    "transformer.h.*.attn": fxtp.PrepareModuleInput(input_layouts=(Shard(1),),
+                                                    desired_input_layouts=(Replicate(),)),
+    "transformer.h.*.mlp": fxtp.PrepareModuleInput(input_layouts=(Shard(1),),
+                                                   desired_input_layouts=(Replicate(),)),
+    "transformer.h.*.attn.c_attn": fxtp.ColwiseParallel(),
+    "transformer.h.*.attn.c_proj": fxtp.RowwiseParallel(output_layouts=Shard(1)),
+    "transformer.h.*.mlp.c_fc": fxtp.ColwiseParallel(),
+    "transformer.h.*.mlp.c_proj": fxtp.RowwiseParallel(output_layouts=Shard(1)),
+    "lm_head": fxtp.ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+}
+
+
+def hf(rank, world, dtype, name):
+    from tests import test_huggingface as hf_models
+    make, plan = {"llama": (hf_models.llama, HF_LLAMA_SP_PLAN),
+                  "gpt2": (hf_models.gpt2, HF_GPT2_SP_PLAN)}[name]
+    return check_parity(rank, world, make, plan, [TOKENS], dtype=dtype, input_grads=False,
+                        kwargs={"use_cache": False}, output=lambda out: out.logits)
+
+
+@DTYPES
+def test_hugging_face_llama_sequence_parallel(ranks, dtype):
+    pytest.importorskip("transformers")
+    fwd, bwd = ranks.run(hf, dtype, "llama")[0]
+    assert fwd == {"all_gather": 2 * L + 2, "reduce_scatter": 2 * L + 1}
+    assert bwd == {"all_gather": 2 * L + 1, "reduce_scatter": 2 * L + 1, "all_reduce": 1}
+
+
+@DTYPES
+def test_hugging_face_gpt2_sequence_parallel(ranks, dtype):
+    pytest.importorskip("transformers")
+    fwd, bwd = ranks.run(hf, dtype, "gpt2")[0]
+    # + L each way: the fused c_attn output is gathered before its q, k, v split
+    assert fwd == {"all_gather": 3 * L + 2, "reduce_scatter": 2 * L + 1}
+    assert bwd == {"all_gather": 3 * L + 2, "reduce_scatter": 2 * L + 1, "all_reduce": 1}
+
+
+class DropoutBlock(nn.Module):
+    """Dropout on sequence shards (SequenceParallel), on feature shards (between the
+    colwise and rowwise linears) and on the replicated output."""
+
+    def __init__(self, dim=16):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.drop_seq = nn.Dropout(0.3)
+        self.up = nn.Linear(dim, 4 * dim)
+        self.drop_hidden = nn.Dropout(0.5)
+        self.down = nn.Linear(4 * dim, dim)
+        self.proj = nn.Linear(dim, dim)
+        self.drop_out = nn.Dropout(0.2)
+
+    def forward(self, x):
+        h = self.drop_seq(self.norm(x))
+        h = x + self.down(self.drop_hidden(torch.relu(self.up(h))))
+        return self.drop_out(self.proj(h))
+
+
+DROPOUT_PLAN = {
+    "": fxtp.PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Shard(1)),
+    "norm": fxtp.SequenceParallel(),
+    "drop_seq": fxtp.SequenceParallel(),
+    "up": fxtp.ColwiseParallel(input_layouts=Shard(1)),
+    "down": fxtp.RowwiseParallel(output_layouts=Shard(1)),
+    "proj": fxtp.PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
+}
+
+
+def dropout(rank, world, dtype):
+    from tests.parity import example
+    import torch.distributed as dist
+    counts = check_parity(rank, world, DropoutBlock, DROPOUT_PLAN, [example(2, 8, 16)],
+                          dtype=dtype)
+    # reproducible, and replicated results identical on every rank
+    torch.manual_seed(0)
+    gm = fxtp.parallelize(DropoutBlock().to(dtype), DROPOUT_PLAN,
+                          example_inputs=(example(2, 8, 16).to(dtype),))
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        runs.append(gm(example(2, 8, 16).to(dtype)))
+    assert torch.equal(runs[0], runs[1])
+    everyone = [torch.empty_like(runs[0]) for _ in range(world)]
+    dist.all_gather(everyone, runs[0])
+    assert all(torch.equal(everyone[0], other) for other in everyone)
+    return counts
+
+
+@DTYPES
+def test_dropout_masks_match_single_device_for_replicated_and_sharded_values(ranks, dtype):
+    """With the same torch.manual_seed, each shard's dropout mask is its part of the mask
+    single-device dropout draws (so shards differ), and replicated values draw the same
+    mask on every rank: the parity check compares every step to the single-device model."""
+    fwd, bwd = ranks.run(dropout, dtype)[0]
+    assert fwd == {"all_gather": 2, "reduce_scatter": 1}
+    assert bwd == {"all_gather": 2, "reduce_scatter": 1, "all_reduce": 1}
+
+
+def test_sequence_parallel_on_a_linear_is_an_error():
+    from fxtp.plan import resolve_plan
+    with pytest.raises(fxtp.PlanError, match=r"SequenceParallel cannot shard module 'up' of "
+                                             r"type Linear.*'weight'.*ColwiseParallel"):
+        resolve_plan(DropoutBlock(), {"up": fxtp.SequenceParallel()})
+
+
+def test_torch_sequence_parallel_is_accepted_verbatim():
+    from torch.distributed.tensor.parallel import SequenceParallel
+    from fxtp.plan import resolve_plan
+    sharding = resolve_plan(DropoutBlock(), {"norm": SequenceParallel(sequence_dim=0)})["norm"]
+    assert isinstance(sharding.style, fxtp.SequenceParallel)
+    assert sharding.desired_inputs == (Shard(0),) and sharding.params == {}
