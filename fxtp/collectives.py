@@ -16,9 +16,15 @@ function              forward                     backward
                                                   partial gradients (per dtype)
 ====================  ==========================  ==============================
 
+``split_factor=k`` makes the sharding ``_StridedShard(d, k)``: dim ``d`` is ``k`` equal
+blocks and a rank holds its piece of every block, in block order. The blocks are reordered
+locally around the same collectives (block-major on the full tensor, rank-major on the
+wire), so a strided gather or scatter moves exactly the bytes of a contiguous one.
+
 Collectives are the ``torch.ops._c10d_functional`` ops followed by ``wait_tensor``, which
 inductor lowers natively. Collectives along a dim other than 0 move it to the front and
-back, and return contiguous tensors (user code may ``view`` them). Groups are passed by name so graphs stay printable.
+back, and return contiguous tensors (user code may ``view`` them). Groups are passed by
+name so graphs stay printable.
 """
 from __future__ import annotations
 
@@ -31,20 +37,34 @@ def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), "sum", group))
 
 
-def _all_gather(x: torch.Tensor, dim: int, world: int, group: str) -> torch.Tensor:
+def _swap_blocks(x: torch.Tensor, dim: int, outer: int, inner: int) -> torch.Tensor:
+    """Dim ``dim`` read as ``outer`` x ``inner`` blocks, rewritten as ``inner`` x ``outer``:
+    ``(k, world)`` turns block-major order into rank-major, ``(world, k)`` back."""
+    if outer == 1 or inner == 1:
+        return x
+    return x.unflatten(dim, (outer, inner, -1)).transpose(dim, dim + 1).flatten(dim, dim + 2)
+
+
+def _all_gather(x: torch.Tensor, dim: int, world: int, group: str,
+                split_factor: int = 1) -> torch.Tensor:
     x = x.movedim(dim, 0).contiguous()
     out = _c10d.wait_tensor(_c10d.all_gather_into_tensor(x, world, group))
-    return out.movedim(0, dim).contiguous()
+    return _swap_blocks(out, 0, world, split_factor).movedim(0, dim).contiguous()
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, world: int, group: str) -> torch.Tensor:
-    x = x.movedim(dim, 0).contiguous()
+def _reduce_scatter(x: torch.Tensor, dim: int, world: int, group: str,
+                    split_factor: int = 1) -> torch.Tensor:
+    x = _swap_blocks(x.movedim(dim, 0), 0, split_factor, world).contiguous()
     out = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(x, "sum", world, group))
     return out.movedim(0, dim).contiguous()
 
 
-def _chunk(x: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
-    return x.chunk(world, dim)[rank].contiguous()
+def _chunk(x: torch.Tensor, dim: int, rank: int, world: int,
+           split_factor: int = 1) -> torch.Tensor:
+    if split_factor == 1:
+        return x.chunk(world, dim)[rank].contiguous()
+    pieces = x.unflatten(dim, (split_factor, world, -1)).select(dim + 1, rank)
+    return pieces.flatten(dim, dim + 1).contiguous()
 
 
 class _AllReduce(torch.autograd.Function):
@@ -59,40 +79,40 @@ class _AllReduce(torch.autograd.Function):
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, world, group):
-        ctx.args = (dim, world, group)
-        return _reduce_scatter(x, dim, world, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, *ctx.args), None, None, None
-
-
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, rank, world, group, partial_grad):
-        ctx.args = (dim, rank, world, group, partial_grad)
-        return _all_gather(x, dim, world, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        dim, rank, world, group, partial_grad = ctx.args
-        if partial_grad:
-            grad = _reduce_scatter(grad, dim, world, group)
-        else:
-            grad = _chunk(grad, dim, rank, world)
-        return grad, None, None, None, None, None
-
-
-class _Shard(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, rank, world, group):
-        ctx.args = (dim, world, group)
-        return _chunk(x, dim, rank, world)
+    def forward(ctx, x, dim, world, group, split_factor):
+        ctx.args = (dim, world, group, split_factor)
+        return _reduce_scatter(x, dim, world, group, split_factor)
 
     @staticmethod
     def backward(ctx, grad):
         return _all_gather(grad, *ctx.args), None, None, None, None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, rank, world, group, partial_grad, split_factor):
+        ctx.args = (dim, rank, world, group, partial_grad, split_factor)
+        return _all_gather(x, dim, world, group, split_factor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dim, rank, world, group, partial_grad, split_factor = ctx.args
+        if partial_grad:
+            grad = _reduce_scatter(grad, dim, world, group, split_factor)
+        else:
+            grad = _chunk(grad, dim, rank, world, split_factor)
+        return grad, None, None, None, None, None, None
+
+
+class _Shard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, rank, world, group, split_factor):
+        ctx.args = (dim, world, group, split_factor)
+        return _chunk(x, dim, rank, world, split_factor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, *ctx.args), None, None, None, None, None
 
 
 class _GradSync(torch.autograd.Function):
@@ -128,22 +148,24 @@ def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     return _AllReduce.apply(x, group)
 
 
-def reduce_scatter(x: torch.Tensor, dim: int, world: int, group: str) -> torch.Tensor:
+def reduce_scatter(x: torch.Tensor, dim: int, world: int, group: str,
+                   split_factor: int = 1) -> torch.Tensor:
     """Sum a Partial tensor and keep this rank's chunk along ``dim``."""
-    return _ReduceScatter.apply(x, dim, world, group)
+    return _ReduceScatter.apply(x, dim, world, group, split_factor)
 
 
 def all_gather(x: torch.Tensor, dim: int, rank: int, world: int, group: str,
-               partial_grad: bool = False) -> torch.Tensor:
+               partial_grad: bool = False, split_factor: int = 1) -> torch.Tensor:
     """Concatenate every rank's shard along ``dim``. With ``partial_grad`` the incoming
     gradient is a per-rank partial sum and is reduce-scattered; otherwise it is replicated
     and this rank's chunk is taken."""
-    return _AllGather.apply(x, dim, rank, world, group, partial_grad)
+    return _AllGather.apply(x, dim, rank, world, group, partial_grad, split_factor)
 
 
-def shard(x: torch.Tensor, dim: int, rank: int, world: int, group: str) -> torch.Tensor:
+def shard(x: torch.Tensor, dim: int, rank: int, world: int, group: str,
+          split_factor: int = 1) -> torch.Tensor:
     """Keep this rank's chunk of a replicated tensor (no forward communication)."""
-    return _Shard.apply(x, dim, rank, world, group)
+    return _Shard.apply(x, dim, rank, world, group, split_factor)
 
 
 def grad_sync(x: torch.Tensor, group: str) -> torch.Tensor:

@@ -1,6 +1,8 @@
-"""``parallelize``: trace -> seed -> propagate -> rewrite -> localize."""
+"""``parallelize``: trace -> seed -> propagate -> strided (re-propagate) -> rewrite ->
+localize."""
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -12,6 +14,7 @@ from passes.meta import PLACEMENT
 from passes.propagate import propagate
 from passes.rewrite import rewrite
 from passes.seed import seed
+from passes.strided import stride_fused_splits
 
 from .mesh import resolve_group
 from .plan import Plan, resolve_plan
@@ -51,6 +54,10 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
     gm, calls = trace(model, tuple(example_inputs), example_kwargs, shardings, dynamic_shapes)
     seed(gm, shardings, calls, group.world, _tied_names(model))
     fallbacks = propagate(gm, group.world, strict=strict)
+    if stride_fused_splits(gm, group.world):
+        fallbacks = propagate(gm, group.world, strict=strict)
+    for message in fallbacks:
+        warnings.warn("fxtp: " + message, stacklevel=2)
     rewrite(gm, group.name, group.rank, group.world)
     localize(gm, group)
     outputs = next(iter(reversed(gm.graph.nodes))).args[0]

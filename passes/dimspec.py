@@ -7,6 +7,9 @@ never sharded (a softmax or normalized dim). ``...`` stands for leading batch di
 from the right as in broadcasting. ``_`` is a dim that is never sharded.
 
 Both sharding propagation (the candidate strategies) and shape localization derive from it.
+A label whose dim has the same size on every tensor carrying it may also be strided
+(``_StridedShard``) when its inputs arrive strided: the op maps the dim index for index, so
+every rank's blocks line up.
 """
 from __future__ import annotations
 
@@ -15,8 +18,9 @@ from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
 from torch.distributed.tensor import Placement, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
-from .placement import P, R
+from .placement import P, R, split_factor
 
 Labels = tuple[str, ...]
 _fresh = itertools.count()
@@ -84,10 +88,12 @@ def _base(label: str) -> str:
     return label.rstrip("+!")
 
 
-def strategies(spec: DimSpec, in_shapes: Sequence, out_shapes: Sequence, world: int
+def strategies(spec: DimSpec, in_shapes: Sequence, out_shapes: Sequence, world: int,
+               actual: Sequence = ()
                ) -> Iterator[tuple[tuple[Optional[Placement], ...], tuple[Placement, ...]]]:
     """Yield every valid ``(input placements, output placements)`` for the op: all
-    Replicate, one strategy per shardable label whose dims divide evenly by ``world``, and
+    Replicate, one strategy per shardable label whose dims divide evenly by ``world`` (and
+    its strided form, see :func:`_strided`, given the inputs' ``actual`` placements), and
     the Partial pass-through strategies."""
     n_in = len(spec.inputs)
     yield tuple(None if s is None else R for s in spec.inputs), (R,) * len(spec.outputs)
@@ -115,6 +121,9 @@ def strategies(spec: DimSpec, in_shapes: Sequence, out_shapes: Sequence, world: 
         outs = tuple(P if summed else place(lab, s) for lab, s in zip(spec.outputs, out_shapes))
         if False not in ins and False not in outs:
             yield ins, outs
+            strided = _strided(ins, outs, actual, in_shapes, out_shapes, world)
+            if strided is not None:
+                yield strided
     partial_outs = (P,) * len(spec.outputs)
     if spec.partial == "sum":
         yield tuple(None if s is None else P for s in spec.inputs), partial_outs
@@ -123,3 +132,23 @@ def strategies(spec: DimSpec, in_shapes: Sequence, out_shapes: Sequence, world: 
             if spec.inputs[i] is not None:
                 yield tuple(P if j == i else (None if s is None else R)
                             for j, s in enumerate(spec.inputs)), partial_outs
+
+
+def _strided(ins, outs, actual, in_shapes, out_shapes, world):
+    """``(ins, outs)`` with every ``Shard(d)`` made ``_StridedShard(d, k)``, when the inputs
+    sharded by it arrive strided with one split factor ``k`` and the label's dim has one
+    static size, divisible by ``k * world``, on every tensor carrying it; else ``None``."""
+    factors = {split_factor(a) for a, p in zip(actual, ins)
+               if isinstance(p, Shard) and isinstance(a, _StridedShard) and a.dim == p.dim}
+    if len(factors) != 1:
+        return None
+    (k,) = factors
+    sizes = [shape[p.dim] for p, shape in zip(ins + outs, list(in_shapes) + list(out_shapes))
+             if isinstance(p, Shard)]
+    if not all(isinstance(s, int) for s in sizes) or len(set(sizes)) != 1 or \
+            sizes[0] % (k * world):
+        return None
+
+    def stride(p):
+        return _StridedShard(p.dim, split_factor=k) if isinstance(p, Shard) else p
+    return tuple(map(stride, ins)), tuple(map(stride, outs))

@@ -2,10 +2,11 @@
 
 Global shape arguments (``view``, ``reshape``, ``expand``) become local shapes, ops whose
 rule has a local form on their shards are swapped for it (a vocab-sharded embedding becomes
-a masked lookup), reads of a
-sharded dim's size (``sym_size``) are scaled back to the global size so shape arithmetic in
-user code stays global, and parameters and buffers are replaced by copies of this rank's
-shards (never the user's tensors). ``node.meta["val"]`` keeps the global shape.
+a masked lookup, a split of a strided input takes local sizes), reads of a sharded dim's
+size (``sym_size``) are scaled back to the global size so shape arithmetic in user code
+stays global, and parameters and buffers are replaced by copies of this rank's shards
+(:func:`passes.placement.local_part`; never the user's tensors). ``node.meta["val"]``
+keeps the global shape.
 """
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ import operator
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.distributed.tensor import Shard
 
 from .meta import INPUTS, PLACEMENT
+from .placement import is_sharded, local_part
 from .rules import RULES
 
 aten = torch.ops.aten
@@ -46,7 +47,7 @@ def localize(gm: fx.GraphModule, group) -> None:
 def _globalize_size(graph, node, world):
     source, dim = node.args
     placement = source.meta.get(PLACEMENT)
-    if isinstance(placement, Shard) and placement.dim == dim % source.meta["val"].dim():
+    if is_sharded(placement) and placement.dim == dim % source.meta["val"].dim():
         with graph.inserting_after(node):
             scaled = graph.call_function(operator.mul, (node, world))
         node.replace_all_uses_with(scaled, delete_user_cb=lambda u: u is not scaled)
@@ -59,9 +60,7 @@ def _localize_attr(gm, target: str, placement, rank: int, world: int, shards: di
     value = getattr(owner, name)
     local = shards.get(id(value))
     if local is None:
-        local = value.chunk(world, placement.dim)[rank] if isinstance(placement, Shard) \
-            else value
-        local = local.clone()
+        local = local_part(value, placement, rank, world).clone()
         if isinstance(value, nn.Parameter):
             local = nn.Parameter(local, requires_grad=value.requires_grad)
         shards[id(value)] = local

@@ -1,7 +1,10 @@
 """Placement algebra: normalizing, comparing, costing and planning placement changes.
 
-Placements are torch's own ``Shard(d)``, ``Replicate()`` and ``Partial()`` objects; ``Shard``
-dims are normalized to be non-negative for the tensor they describe.
+Placements are torch's own ``Shard(d)``, ``Replicate()`` and ``Partial()`` objects, and
+``_StridedShard(d, split_factor=k)`` (dim ``d`` cut into ``k`` equal blocks, each sharded
+over the ranks: a rank holds its piece of every block, in block order; fused projections
+use it, see :mod:`passes.strided`). Shard dims are normalized to be non-negative for the
+tensor they describe.
 """
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from typing import Optional
 
 import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 R = Replicate()
 P = Partial()
@@ -17,17 +21,49 @@ INF = math.inf
 LOCAL_COPY_COST = 1e-3  # a chunk costs no communication, but prefer not to move at all
 
 
+def is_sharded(p) -> bool:
+    """``Shard`` or ``_StridedShard`` (which is not a ``Shard`` subclass)."""
+    return isinstance(p, (Shard, _StridedShard))
+
+
+def split_factor(p) -> int:
+    """The number of blocks a sharded dim is cut into before sharding: 1 for ``Shard``."""
+    return p.split_factor if isinstance(p, _StridedShard) else 1
+
+
+def with_dim(p, dim: int):
+    """The placement ``p`` (sharded) with its dim replaced, keeping any split factor."""
+    k = split_factor(p)
+    return _StridedShard(dim, split_factor=k) if k > 1 else Shard(dim)
+
+
 def normalize(p: Optional[Placement], ndim: int) -> Optional[Placement]:
     """``Shard(-1)`` -> ``Shard(ndim - 1)``; other placements unchanged."""
-    if isinstance(p, Shard) and p.dim < 0:
+    if is_sharded(p) and p.dim < 0:
         if p.dim + ndim < 0:
             raise ValueError(f"{p} is out of range for a {ndim}-d tensor")
-        return Shard(p.dim + ndim)
+        return with_dim(p, p.dim + ndim)
     return p
 
 
 def is_replicate(p) -> bool:
     return isinstance(p, Replicate)
+
+
+def local_part(value: torch.Tensor, p, rank: int, world: int) -> torch.Tensor:
+    """The part of the global ``value`` that ``rank`` holds under ``p`` (a view).
+    ``_StridedShard(d, k)``: ``cat([block.chunk(world, d)[rank] for block in
+    value.chunk(k, d)], d)``, which needs the dim's size to divide by ``k * world``."""
+    if not is_sharded(p):
+        return value
+    k = split_factor(p)
+    if k == 1:
+        return value.chunk(world, p.dim)[rank]
+    if value.shape[p.dim] % (k * world):
+        raise ValueError(f"{describe(p)}: dim {p.dim} of size {value.shape[p.dim]} does not "
+                         f"divide into {k} blocks of {world} shards")
+    return torch.cat([block.chunk(world, p.dim)[rank] for block in value.chunk(k, p.dim)],
+                     p.dim)
 
 
 def numel_hint(val: torch.Tensor) -> int:
@@ -50,32 +86,35 @@ def transition_cost(src: Placement, dst: Placement, val: torch.Tensor, world: in
         # A reduce-scatter moves half an all-reduce's bytes, but the shards then need an
         # all-gather downstream unless a plan layout asks for them, so the choice between
         # reducing to Shard and to Replicate is left to explicit layouts: cost them alike.
-        return 2 * share + (LOCAL_COPY_COST if isinstance(dst, Shard) else 0.0)
-    if isinstance(dst, Shard):
+        return 2 * share + (LOCAL_COPY_COST if is_sharded(dst) else 0.0)
+    if is_sharded(dst):
         return LOCAL_COPY_COST if isinstance(src, Replicate) else share + LOCAL_COPY_COST
     return share  # all-gather
 
 
-def transition_steps(src: Placement, dst: Placement) -> list[tuple[str, Optional[int]]]:
-    """The collectives that turn ``src`` into ``dst``: ``[(kind, dim), ...]`` with kinds
-    ``all_reduce``, ``reduce_scatter``, ``all_gather`` and ``shard`` (local chunk)."""
+def transition_steps(src: Placement, dst: Placement) -> list[tuple[str, Optional[Placement]]]:
+    """The collectives that turn ``src`` into ``dst``: ``[(kind, sharding), ...]`` with kinds
+    ``all_reduce``, ``reduce_scatter``, ``all_gather`` and ``shard`` (local chunk), and the
+    sharding each one gathers from or produces (``None`` for ``all_reduce``)."""
     if src == dst:
         return []
     if isinstance(src, Partial):
         return [("all_reduce", None)] if isinstance(dst, Replicate) else \
-            [("reduce_scatter", dst.dim)]
+            [("reduce_scatter", dst)]
     if isinstance(src, Replicate):
-        return [("shard", dst.dim)]
-    steps = [("all_gather", src.dim)]
-    return steps + [("shard", dst.dim)] if isinstance(dst, Shard) else steps
+        return [("shard", dst)]
+    steps = [("all_gather", src)]
+    return steps + [("shard", dst)] if is_sharded(dst) else steps
 
 
 def describe(p) -> str:
-    """Short text for dumps: ``S(1)``, ``R``, ``P``; tuples joined with commas."""
+    """Short text for dumps: ``S(1)``, ``S(1)/3`` (strided in 3 blocks), ``R``, ``P``;
+    tuples joined with commas."""
     if p is None:
         return "-"
     if isinstance(p, (tuple, list)):
         return "(" + ", ".join(describe(q) for q in p) + ")"
-    if isinstance(p, Shard):
-        return f"S({p.dim})"
+    if is_sharded(p):
+        k = split_factor(p)
+        return f"S({p.dim})" + (f"/{k}" if k > 1 else "")
     return "R" if isinstance(p, Replicate) else "P"

@@ -4,12 +4,11 @@ For each op the rule registry yields candidate strategies (input placements -> o
 placements); the one that needs the fewest bytes of redistribution from the inputs' actual
 placements wins. Results: ``meta[PLACEMENT]`` (what the node produces) and ``meta[INPUTS]``
 (what it needs of each tensor input; ``None`` = as is). An op without a rule that receives
-a non-replicated input falls back to gathering everything to Replicate, with a warning
-naming op and module, or a :class:`ShardingError` in strict mode.
+a non-replicated input falls back to gathering everything to Replicate: its message, naming
+op and module, is returned (and kept in ``meta[FALLBACK]``), or in strict mode raised as a
+:class:`ShardingError`. Propagation may run again after seeds change; each run starts over.
 """
 from __future__ import annotations
-
-import warnings
 
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Placement
@@ -26,6 +25,7 @@ def propagate(gm: fx.GraphModule, world: int, strict: bool = False) -> list[str]
     """Annotate ``gm`` in place; return the fallback messages."""
     fallbacks = []
     for node in gm.graph.nodes:
+        node.meta.pop(FALLBACK, None)
         if node.op == "output":
             node.meta[INPUTS] = tuple(R if isinstance(placement_of(a), Partial) else None
                                       for a in tensor_inputs(node))
@@ -35,7 +35,6 @@ def propagate(gm: fx.GraphModule, world: int, strict: bool = False) -> list[str]
                 if strict:
                     raise ShardingError(message + " (strict=True). Add a rule to "
                                         "passes.rules.RULES or keep this op's inputs replicated.")
-                warnings.warn("fxtp: " + message, stacklevel=2)
                 node.meta[FALLBACK] = message
                 fallbacks.append(message)
     return fallbacks
@@ -75,7 +74,7 @@ def _propagate_call(node: fx.Node, world: int) -> str | None:
                 f"inputs to Replicate")
     in_vals = [val(a) for a in inputs]
     best = None
-    for ins, out in rule.strategies(node, world):
+    for ins, out in rule.strategies(node, world, actual):
         cost = sum(transition_cost(a, r, v, world) for a, r, v in zip(actual, ins, in_vals)
                    if r is not None)
         if best is None or cost < best[0]:

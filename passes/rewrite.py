@@ -16,12 +16,12 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate
 
 from fxtp import collectives
 
 from .meta import COLLECTIVE, INPUTS, PLACEMENT
-from .placement import describe, is_replicate, transition_steps
+from .placement import describe, is_replicate, split_factor, transition_steps
 from .propagate import placement_of
 from .rules import aten, tensor_inputs, val
 from .seed import layout
@@ -37,8 +37,8 @@ def rewrite(gm: fx.GraphModule, group: str, rank: int, world: int) -> None:
             return src
         if key not in made:
             out = src
-            for kind, dim in transition_steps(placement_of(src), dst):
-                out = _collective(graph, kind, dim, out, before, group, rank, world)
+            for kind, sharding in transition_steps(placement_of(src), dst):
+                out = _collective(graph, kind, sharding, out, before, group, rank, world)
             made[key] = out
         return made[key]
 
@@ -74,12 +74,14 @@ _KINDS = {
 }
 
 
-def _collective(graph, kind, dim, src, before, group, rank, world) -> fx.Node:
-    fn, args = _KINDS[kind](src, dim, group, rank, world)
+def _collective(graph, kind, sharding, src, before, group, rank, world) -> fx.Node:
+    """``sharding``: the placement the collective gathers from or produces."""
+    fn, args = _KINDS[kind](src, sharding and sharding.dim, group, rank, world)
+    k = split_factor(sharding)
     with graph.inserting_before(before):
-        node = graph.call_function(fn, args)
+        node = graph.call_function(fn, args, {"split_factor": k} if k > 1 else {})
     node.meta.update(val=val(src), nn_module_stack=dict(before.meta.get("nn_module_stack", {})))
-    node.meta[PLACEMENT] = Shard(dim) if kind in ("reduce_scatter", "shard") else Replicate()
+    node.meta[PLACEMENT] = sharding if kind in ("reduce_scatter", "shard") else Replicate()
     node.meta[COLLECTIVE] = kind
     return node
 

@@ -15,9 +15,11 @@ import sympy
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from .dimspec import DimSpec, fixed_label, parse, strategies
 from .local_ops import sharded_dropout, vocab_parallel_embedding
+from .placement import is_sharded
 
 aten = torch.ops.aten
 
@@ -49,8 +51,9 @@ class Rule:
 
     ``spec(node)`` states the dims, from which the op's strategies derive; ``extra(node,
     world)`` yields further ``(input placements, output placements)`` strategies a dim spec
-    cannot state (a rule whose local op communicates). ``shape_arg`` is the index of a
-    global shape argument that localization rewrites for the output's placement.
+    cannot state (a rule whose local op communicates, a split served by a strided input).
+    ``shape_arg`` is the index of a global shape argument that localization rewrites for
+    the output's placement.
     ``local_op(node, inputs, group)``, given the placements chosen for the tensor inputs
     and the :class:`~fxtp.mesh.Group`, returns the ``(target, args, kwargs)`` to run instead
     when the op cannot run as is on its shards."""
@@ -60,11 +63,12 @@ class Rule:
     local_op: Optional[Callable] = None
     extra: Optional[Callable] = None
 
-    def strategies(self, node: fx.Node, world: int):
-        """Every valid ``(input placements, output placements)`` of ``node``."""
+    def strategies(self, node: fx.Node, world: int, actual=()):
+        """Every valid ``(input placements, output placements)`` of ``node``; ``actual``,
+        the placements its tensor inputs have now, lets strided labels follow them."""
         shapes = lambda vals: [getattr(v, "shape", None) for v in vals]  # noqa: E731
         yield from strategies(self.spec(node), shapes(val(a) for a in tensor_inputs(node)),
-                              shapes(output_vals(node)), world)
+                              shapes(output_vals(node)), world, actual)
         if self.extra is not None:
             yield from self.extra(node, world)
 
@@ -277,6 +281,27 @@ def _split_spec(node):
     return DimSpec((labels,), tuple(labels for _ in output_vals(node)), "sum")
 
 
+def _equal_parts(node, world):
+    """A split into k > 1 equal parts, each divisible by ``world``, is served by the input
+    ``_StridedShard(d, k)`` (each rank holds its piece of every part): every output is
+    ``Shard(d)``, computed by splitting the local shard into local sizes."""
+    d = _arg(node, 2, "dim", 0) % _rank(node.args[0])
+    parts = [v.shape[d] for v in output_vals(node)]
+    if len(parts) > 1 and all(isinstance(p, int) and p == parts[0] for p in parts) and \
+            parts[0] % world == 0:
+        yield (_StridedShard(d, split_factor=len(parts)),), (Shard(d),) * len(parts)
+
+
+def _local_split(node, inputs, group):
+    """Split sizes of a strided input are this rank's sizes (``chunk`` counts parts)."""
+    if not isinstance(inputs[0], _StridedShard) or node.target is aten.chunk.default:
+        return node.target, node.args, node.kwargs
+    sizes = node.args[1]
+    local = [s // group.world for s in sizes] if isinstance(sizes, (list, tuple)) else \
+        sizes // group.world
+    return node.target, (node.args[0], local) + tuple(node.args[2:]), node.kwargs
+
+
 def _slice_spec(node):
     n = _rank(node.args[0])
     d = _arg(node, 1, "dim", 0) % n
@@ -463,8 +488,9 @@ RULES.update({
     aten.squeeze.dim: Rule(_squeeze_spec),
     aten.squeeze.dims: Rule(_squeeze_spec),
     aten.cat.default: Rule(_cat_spec),
-    aten.split.Tensor: Rule(_split_spec),
-    aten.split_with_sizes.default: Rule(_split_spec),
+    aten.split.Tensor: Rule(_split_spec, local_op=_local_split, extra=_equal_parts),
+    aten.split_with_sizes.default: Rule(_split_spec, local_op=_local_split, extra=_equal_parts),
+    aten.chunk.default: Rule(_split_spec, extra=_equal_parts),
     aten.slice.Tensor: Rule(_slice_spec),
     aten.select.int: Rule(_slice_spec),
     aten.flatten.using_ints: Rule(_view_spec),
@@ -483,7 +509,7 @@ PASSTHROUGH = {operator.getitem}
 def localize_shape(shape, placement, world: int, graph: fx.Graph, before: fx.Node):
     """Rewrite a global shape list for an output with ``placement``: the sharded entry is
     divided by ``world`` (``-1`` stays inferred; a symbolic size gets a floordiv node)."""
-    if not isinstance(placement, Shard):
+    if not is_sharded(placement):
         return shape
     shape = list(shape)
     d = placement.dim

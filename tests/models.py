@@ -77,3 +77,83 @@ STACK_PLAN = {
 
 def activations(*shape, dtype):
     return torch.randn(*shape, dtype=dtype)
+
+
+class FusedAttention(nn.Module):
+    """Attention with one fused q/k/v projection whose output is split ``split`` ways:
+    ``"split"`` (``qkv.split(D, -1)``), ``"chunk"`` (``qkv.chunk(3, -1)``), ``"sizes"``
+    (``torch.split(qkv, [D, D, D], -1)``) or ``"gqa"`` (half as many key/value heads:
+    unequal sizes ``[D, D / 2, D / 2]``)."""
+
+    def __init__(self, dim=DIM, n_heads=HEADS, split="split"):
+        super().__init__()
+        self.n_heads, self.split = n_heads, split
+        self.kv_dim = dim // 2 if split == "gqa" else dim
+        self.qkv = nn.Linear(dim, dim + 2 * self.kv_dim)
+        self.wo = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        bsz, seqlen, dim = x.shape
+        qkv = self.qkv(x)
+        if self.split == "split":
+            q, k, v = qkv.split(dim, -1)
+        elif self.split == "chunk":
+            q, k, v = qkv.chunk(3, -1)
+        else:
+            q, k, v = torch.split(qkv, [dim, self.kv_dim, self.kv_dim], -1)
+        head_dim = dim // self.n_heads
+        q, k, v = (t.view(bsz, seqlen, -1, head_dim).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                             enable_gqa=self.split == "gqa")
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, dim))
+
+
+class FusedSwiGLU(nn.Module):
+    """SwiGLU with the gate and up projections fused into one ``w13``, then chunked."""
+
+    def __init__(self, dim=DIM, hidden=2 * DIM):
+        super().__init__()
+        self.w13 = nn.Linear(dim, 2 * hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        gate, up = self.w13(x).chunk(2, -1)
+        return self.w2(F.silu(gate) * up)
+
+
+class FusedBlock(nn.Module):
+    def __init__(self, dim=DIM, split="split"):
+        super().__init__()
+        self.attention_norm = nn.LayerNorm(dim)
+        self.attention = FusedAttention(dim, split=split)
+        self.ffn_norm = nn.LayerNorm(dim)
+        self.feed_forward = FusedSwiGLU(dim)
+
+    def forward(self, x):
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class FusedStack(nn.Module):
+    """``n_layers`` fused blocks; ``shared``: one block applied ``n_layers`` times (ALBERT's
+    cross-layer parameter sharing), so each fused weight feeds several projections."""
+
+    def __init__(self, n_layers=2, dim=DIM, split="split", shared=False):
+        super().__init__()
+        n_blocks = 1 if shared else n_layers
+        self.layers = nn.ModuleList(FusedBlock(dim, split) for _ in range(n_blocks))
+        self.order = [0] * n_layers if shared else list(range(n_layers))
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x):
+        for i in self.order:
+            x = self.layers[i](x)
+        return self.norm(x)
+
+
+FUSED_PLAN = {
+    "layers.*.attention.qkv": fxtp.ColwiseParallel(),
+    "layers.*.attention.wo": fxtp.RowwiseParallel(),
+    "layers.*.feed_forward.w13": fxtp.ColwiseParallel(),
+    "layers.*.feed_forward.w2": fxtp.RowwiseParallel(),
+}

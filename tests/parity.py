@@ -5,6 +5,7 @@ import copy
 
 import torch
 from torch.distributed.tensor import Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 import fxtp
 
@@ -36,7 +37,12 @@ def example(*shape, seed=1):
 
 
 def local_part(full: torch.Tensor, placement, rank: int, world: int) -> torch.Tensor:
-    """The part of ``full`` a rank holds under ``placement``."""
+    """The part of ``full`` a rank holds under ``placement``: ``Shard(d)`` a contiguous
+    chunk; ``_StridedShard(d, k)`` its chunk of each of the ``k`` blocks, concatenated."""
+    if isinstance(placement, _StridedShard):
+        return torch.cat([local_part(block, Shard(placement.dim), rank, world)
+                          for block in full.chunk(placement.split_factor, placement.dim)],
+                         placement.dim)
     if isinstance(placement, Shard):
         return full.chunk(world, placement.dim)[rank]
     return full

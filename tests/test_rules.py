@@ -2,18 +2,24 @@
 
 For each op in a set of small traced programs, and for every (input placements -> output
 placements) strategy its dim spec yields at world size 2 and 4, the op is run on simulated
-per-rank local inputs (Shard: that rank's chunk; Replicate: the full tensor; Partial: a
-random split that sums to it) with localized shape arguments, and the per-rank results
-must reassemble the op's single-device output. No process group is needed.
+per-rank local inputs (Shard: that rank's chunk; strided: its chunk of every block;
+Replicate: the full tensor; Partial: a random split that sums to it) with localized shape
+arguments, and the per-rank results must reassemble the op's single-device output. Programs
+whose inputs arrive strided are propagated first, so each op is also offered the strided
+strategies its inputs' placements call for. No process group is needed.
 """
 import pytest
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from fxtp.mesh import Group
+from passes.meta import INPUTS, PLACEMENT
+from passes.propagate import placement_of, propagate
 from passes.rules import RULES, output_vals, tensor_inputs
+from tests.parity import local_part
 
 g = torch.Generator().manual_seed(0)
 
@@ -61,36 +67,79 @@ PROGRAMS = {
         (rand(2, 4, 4, 4), torch.polar(torch.ones(4, 1, 2, dtype=torch.float64), rand(4, 1, 2)))),
     "slice_select": (lambda x: x[:, 1:3] + x[:, 0:1] * x.select(1, 2).unsqueeze(1),
                      (rand(4, 4, 8),)),
+    "fused_split": (lambda x: x.split(8, dim=-1)[1], (rand(2, 4, 24),)),
+    "fused_chunk": (lambda x: x.chunk(2, dim=1)[0], (rand(4, 16, 2),)),
+    "fused_split_sizes": (lambda x: torch.split(x, [8, 8, 8], 2)[2], (rand(2, 4, 24),)),
 }
+
+
+SPLITS = (torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default,
+          torch.ops.aten.chunk.default)
+
+
+def strided(dim, k):
+    return _StridedShard(dim, split_factor=k)
+
+
+R = Replicate()
+# program, inputs, the inputs' placements: strided shards flow from the inputs to the split
+STRIDED = {
+    "linear_view_split": (lambda x, w, b: F.linear(x, w, b).view(2, 4, 24).split(8, -1),
+                          (rand(8, 8), rand(24, 8), rand(24)), (R, strided(0, 3), strided(0, 3))),
+    "conv1d_addmm_chunk": (lambda b, x, w: torch.addmm(b, x, w).chunk(3, -1),
+                           (rand(24), rand(8, 8), rand(8, 24)), (strided(0, 3), R, strided(1, 3))),
+    "swiglu_mm": (lambda x, w: (lambda a, b: F.silu(a) * b)(*(x @ w.t()).chunk(2, -1)),
+                  (rand(8, 8), rand(16, 8)), (R, strided(0, 2))),
+    "pointwise_transpose_sizes": (
+        lambda x, y: torch.split((F.gelu(x) * y + x).transpose(1, 2), [8, 8, 8], 1),
+        (rand(2, 4, 24), rand(4, 24)), (strided(2, 3), strided(1, 3))),
+    "summed_label": (lambda x, w: F.linear(x, w), (rand(4, 16), rand(8, 16)),
+                     (strided(1, 2), strided(1, 2))),
+}
+
+
+def _record(fn, args):
+    """The exported program of ``fn(*args)`` and every node's value."""
+    class M(torch.nn.Module):
+        def forward(self, *xs):
+            return fn(*xs)
+    gm = torch.export.export(M(), args, strict=False).module()
+    values = {}
+    env = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], args))
+
+    class Record(fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            values[n] = out
+            return out
+    Record(gm).run(*args)
+    values.update(env)
+    return gm, values
+
+
+def _ops(gm):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in RULES]
 
 
 def _cases():
     for name, (fn, args) in PROGRAMS.items():
-        class M(torch.nn.Module):
-            def forward(self, *xs):
-                return fn(*xs)
-        gm = torch.export.export(M(), args, strict=False).module()
-        values = {}
-        env = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], args))
-
-        class Record(fx.Interpreter):
-            def run_node(self, n):
-                out = super().run_node(n)
-                values[n] = out
-                return out
-        Record(gm).run(*args)
-        values.update(env)
-        for node in gm.graph.nodes:
-            if node.op == "call_function" and node.target in RULES:
-                yield pytest.param(node, values, id=f"{name}:{node.name}")
+        gm, values = _record(fn, args)
+        for node in _ops(gm):
+            yield pytest.param(node, values, id=f"{name}:{node.name}")
 
 
 def _local(value, placement, rank, world, parts):
-    if isinstance(placement, Shard):
-        return value.chunk(world, placement.dim)[rank]
     if isinstance(placement, Partial):
         return parts[rank]
-    return value
+    return local_part(value, placement, rank, world)
+
+
+def _assemble(parts, placement):
+    """The global tensor whose per-rank parts under ``placement`` are ``parts``."""
+    if isinstance(placement, _StridedShard):
+        d, k = placement.dim, placement.split_factor
+        return torch.cat([torch.cat([p.chunk(k, d)[j] for p in parts], d) for j in range(k)], d)
+    return torch.cat(parts, dim=placement.dim)
 
 
 def _split_partial(value, world):
@@ -101,12 +150,34 @@ def _split_partial(value, world):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("node,values", list(_cases()))
 def test_every_strategy_reassembles_the_single_device_result(node, values, world):
+    assert _check_strategies(node, values, world) >= 1
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", list(STRIDED))
+def test_strided_inputs_reach_the_split_without_redistribution(name, world):
+    """Ops keeping a strided dim whole carry it; an equal split of it gives Shard parts."""
+    fn, args, placements = STRIDED[name]
+    gm, values = _record(fn, args)
+    for node, p in zip([n for n in gm.graph.nodes if n.op == "placeholder"], placements):
+        node.meta[PLACEMENT] = p
+    propagate(gm, world)
+    for node in _ops(gm):
+        actual = [placement_of(a) for a in tensor_inputs(node)]
+        assert list(node.meta[INPUTS]) == actual, node.format_node()
+        assert _check_strategies(node, values, world, actual) >= 1
+    splits = [n for n in _ops(gm) if n.target in SPLITS]
+    assert all(type(p) is Shard for n in splits for p in n.meta[PLACEMENT])
+
+
+def _check_strategies(node, values, world, actual=()):
+    """Run every strategy of ``node`` on simulated ranks; return how many were checked."""
     rule = RULES[node.target]
     inputs = tensor_inputs(node)
     expected = values[node]
     expected = list(expected) if isinstance(expected, (tuple, list)) else [expected]
     checked = 0
-    for ins, outs in rule.strategies(node, world):
+    for ins, outs in rule.strategies(node, world, actual):
         parts = {i: _split_partial(values[a], world) for i, (a, p) in
                  enumerate(zip(inputs, ins)) if isinstance(p, Partial)}
         per_rank = []
@@ -124,8 +195,8 @@ def test_every_strategy_reassembles_the_single_device_result(node, values, world
             per_rank.append(list(out) if isinstance(out, (tuple, list)) else [out])
         for j, (p, exp) in enumerate(zip(outs, expected)):
             got = [r[j] for r in per_rank]
-            if isinstance(p, Shard):
-                whole = torch.cat(got, dim=p.dim)
+            if isinstance(p, (Shard, _StridedShard)):
+                whole = _assemble(got, p)
             elif isinstance(p, Partial):
                 whole = sum(got)
             else:
@@ -134,4 +205,4 @@ def test_every_strategy_reassembles_the_single_device_result(node, values, world
                     torch.testing.assert_close(other, whole)
             torch.testing.assert_close(whole, exp, msg=lambda m: f"{ins} -> {outs}: {m}")
         checked += 1
-    assert checked >= 1
+    return checked

@@ -1,0 +1,101 @@
+"""Strided pass: serve a fused projection's split without a gather (Megatron's fused QKV).
+
+A colwise projection whose output is split into ``k`` equal parts along its sharded dim
+(``q, k, v = qkv(x).split(D, -1)``, ``w13(x).chunk(2, -1)``) gives each rank a contiguous
+chunk of ``[q|k|v]``, which cannot serve the split, so propagation gathers it. Laid out as
+``_StridedShard(d, split_factor=k)`` each rank holds ``[q_r|k_r|v_r]`` and every part
+comes out ``Shard(d)`` with no communication.
+
+After a first propagation, for every op that gathers a ``Shard(d)`` input its rule could
+take as ``_StridedShard(d, k)``, this pass walks back from that input along the nodes that
+carry dim ``d`` with the same size (their chosen strategy shards it on every input it
+comes from, with no redistribution) to where the shard comes from. Only when every source
+is a parameter and every node on the way has no other user are those parameters re-seeded
+strided, and any ``Shard(d)`` module-boundary layout on the way (a colwise output) becomes
+the strided layout: the same dim is sharded, in another block order. Propagation then runs
+again and carries the strided placement down to the split. Anything else (a tied
+parameter, a fused output read elsewhere, unequal parts) keeps the gather.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch.fx as fx
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from .meta import INPUTS, PLACEMENT
+from .placement import is_replicate
+from .propagate import placement_of
+from .rules import RULES, tensor_inputs, val
+from .seed import layout
+
+
+def stride_fused_splits(gm: fx.GraphModule, world: int) -> bool:
+    """Re-seed the parameters behind every gathered fused split strided; True if any was
+    (propagation must then run again)."""
+    readers = Counter(id(_tensor(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr")
+    changed = False
+    for node in gm.graph.nodes:
+        strided = _wanted(node, world)
+        carriers: dict[fx.Node, int] = {}
+        if strided is None or not _carried_from_params(node.args[0], strided.dim, carriers):
+            continue
+        if any(readers[id(_tensor(gm, n.target))] > 1 for n in carriers if n.op == "get_attr"):
+            continue  # tied: the same tensor is also read under another name
+        for n, dim in carriers.items():
+            placement = _StridedShard(dim, split_factor=strided.split_factor)
+            if n.op == "get_attr":
+                n.meta[PLACEMENT] = placement
+            elif n.target is layout:
+                n.args = (n.args[0], placement)
+        changed = True
+    return changed
+
+
+def _wanted(node: fx.Node, world: int):
+    """The ``_StridedShard`` that ``node``'s rule could take for its first input, which is
+    ``Shard`` on the same dim and which the chosen strategy gathers; else ``None``."""
+    rule = RULES.get(node.target) if node.op == "call_function" else None
+    if rule is None or not tensor_inputs(node):
+        return None
+    actual = [placement_of(a) for a in tensor_inputs(node)]
+    if not isinstance(actual[0], Shard) or node.meta[INPUTS][0] == actual[0]:
+        return None
+    for ins, _ in rule.strategies(node, world, actual):
+        if isinstance(ins[0], _StridedShard) and ins[0].dim == actual[0].dim:
+            return ins[0]
+    return None
+
+
+def _carried_from_params(node: fx.Node, dim: int, carriers: dict) -> bool:
+    """Whether ``node``'s sharded ``dim`` comes, index for index and through nodes with
+    one user each, from parameters only; records every node on the way in ``carriers``
+    (node -> its dim)."""
+    if len(node.users) != 1:
+        return False
+    carriers[node] = dim
+    if node.op == "get_attr":
+        return True
+    p = placement_of(node)
+    if node.op != "call_function" or not (isinstance(p, Shard) and p.dim == dim):
+        return False
+    size, carried = val(node).shape[dim], False
+    for arg, needed in zip(tensor_inputs(node), node.meta[INPUTS]):
+        if needed is None or is_replicate(needed):
+            continue
+        if not (isinstance(needed, Shard) and placement_of(arg) == needed and
+                _same_static(val(arg).shape[needed.dim], size) and
+                _carried_from_params(arg, needed.dim, carriers)):
+            return False
+        carried = True
+    return carried
+
+
+def _same_static(a, b) -> bool:
+    return isinstance(a, int) and isinstance(b, int) and a == b
+
+
+def _tensor(gm: fx.GraphModule, target: str):
+    owner, _, name = target.rpartition(".")
+    return getattr(gm.get_submodule(owner), name)

@@ -1,0 +1,128 @@
+"""Fused projections: one colwise linear for q, k and v, one for SwiGLU's gate and up, whose
+output is split along its sharded dim. Their weights are laid out strided,
+``_StridedShard(d, split_factor=k)`` (each rank holds its piece of every part, as in
+Megatron's fused QKV), so the split needs no communication. A split that cannot be served
+that way still gathers, and is still correct."""
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor.placement_types import _StridedShard
+
+import fxtp
+from fxtp import collectives
+from passes.placement import describe
+from tests import models
+from tests.parity import check_parity, example, local_part
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+L = 2
+B, T, D = models.BATCH, models.SEQ, models.DIM
+
+
+def fused(rank, world, dtype, split, shared=False):
+    return check_parity(rank, world, lambda: models.FusedStack(L, split=split, shared=shared),
+                        models.FUSED_PLAN, [example(B, T, D)], dtype=dtype)
+
+
+@DTYPES
+@pytest.mark.parametrize("split", ["split", "chunk", "sizes"])
+def test_fused_qkv_and_swiglu_issue_the_megatron_minimum(ranks, dtype, split):
+    """2 all-reduces per layer forward (rowwise sums) and backward (colwise input grads)."""
+    fwd, bwd = ranks.run(fused, dtype, split)[0]
+    assert fwd == {"all_reduce": 2 * L}
+    assert bwd == {"all_reduce": 2 * L}
+
+
+@DTYPES
+def test_unequal_fused_split_gathers_it(ranks, dtype):
+    """q, k, v of sizes D, D/2, D/2 (grouped-query attention) cannot come from one strided
+    layout: the fused output is gathered (its backward is a local chunk) and the attention
+    output re-chunked for the rowwise wo (its backward all-gathers). SwiGLU stays minimal."""
+    fwd, bwd = ranks.run(fused, dtype, "gqa")[0]
+    assert fwd == {"all_reduce": 2 * L, "all_gather": L}
+    assert bwd == {"all_reduce": 2 * L, "all_gather": L}
+
+
+@DTYPES
+def test_fused_weights_shared_across_layers_are_gathered(ranks, dtype):
+    """One block applied L times: each fused weight feeds L projections, so it keeps its
+    contiguous shards and both fused outputs are gathered in every layer."""
+    fwd, bwd = ranks.run(fused, dtype, "split", True)[0]
+    assert fwd == {"all_reduce": 2 * L, "all_gather": 2 * L}
+    assert bwd == {"all_reduce": 2 * L, "all_gather": 2 * L}
+
+
+def test_fused_weight_shards_hold_a_piece_of_every_part(fake_group):
+    """Rank 1 of 2, D = 16: q, k and v are rows 0-15, 16-31, 32-47 of qkv.weight; rank 1
+    holds rows 8-15, 24-31 and 40-47, in that order. w13 (gate rows 0-31, up rows 32-63)
+    likewise holds 16-31 and 48-63."""
+    fake_group(2, rank=1)
+    model = models.FusedStack(1)
+    gm = fxtp.parallelize(model, models.FUSED_PLAN, example_inputs=(example(B, T, D),))
+    attention, ffn = model.layers[0].attention, model.layers[0].feed_forward
+    rows = [*range(8, 16), *range(24, 32), *range(40, 48)]
+    placements = gm.fxtp.param_placements
+    assert placements["layers.0.attention.qkv.weight"] == _StridedShard(0, split_factor=3)
+    assert describe(placements["layers.0.attention.qkv.bias"]) == "S(0)/3"
+    assert torch.equal(gm.get_parameter("layers.0.attention.qkv.weight"),
+                       attention.qkv.weight[rows])
+    assert torch.equal(gm.get_parameter("layers.0.attention.qkv.bias"), attention.qkv.bias[rows])
+    assert placements["layers.0.feed_forward.w13.weight"] == _StridedShard(0, split_factor=2)
+    assert torch.equal(gm.get_parameter("layers.0.feed_forward.w13.weight"),
+                       ffn.w13.weight[[*range(16, 32), *range(48, 64)]])
+
+
+def strided_collectives(rank, world):
+    """Every strided collective against the global tensors it stands for."""
+    group, k, d = dist.group.WORLD.group_name, 3, 1
+    p = _StridedShard(d, split_factor=k)
+    shape = (2, k * world * 2, 3)
+    full, grad = example(*shape).double(), example(*shape, seed=2).double()
+    mine = local_part(full, p, rank, world)
+
+    # all-gather reassembles the tensor; its backward keeps this rank's strided piece
+    x = mine.clone().requires_grad_()
+    out = collectives.all_gather(x, d, rank, world, group, split_factor=k)
+    torch.testing.assert_close(out, full)
+    out.backward(grad)
+    torch.testing.assert_close(x.grad, local_part(grad, p, rank, world))
+
+    # ... or, when each rank's gradient is a partial sum, reduce-scatters it
+    x = mine.clone().requires_grad_()
+    collectives.all_gather(x, d, rank, world, group, True, split_factor=k).backward(
+        grad * (rank + 1))
+    total = world * (world + 1) // 2
+    torch.testing.assert_close(x.grad, local_part(grad * total, p, rank, world))
+
+    # shard keeps this rank's strided piece; its backward all-gathers the pieces
+    y = full.clone().requires_grad_()
+    piece = collectives.shard(y, d, rank, world, group, split_factor=k)
+    torch.testing.assert_close(piece, mine)
+    piece.backward(local_part(grad, p, rank, world))
+    torch.testing.assert_close(y.grad, grad)
+
+    # reduce-scatter sums the partial tensors and keeps this rank's strided piece
+    z = (full * (rank + 1)).requires_grad_()
+    piece = collectives.reduce_scatter(z, d, world, group, split_factor=k)
+    torch.testing.assert_close(piece, local_part(full * total, p, rank, world))
+    piece.backward(local_part(grad, p, rank, world))
+    torch.testing.assert_close(z.grad, grad)
+    return True
+
+
+def test_strided_collectives_and_their_backward(ranks):
+    assert all(ranks.run(strided_collectives))
+
+
+def fused_dynamic(rank, world):
+    from torch.export import Dim
+    shapes = [(2, 8), (3, 5), (1, 12)]
+    return check_parity(rank, world, lambda: models.FusedStack(L), models.FUSED_PLAN,
+                        [example(B, T, D)], dtype=torch.float64,
+                        inputs_per_step=[[example(b, t, D, seed=i)] for i, (b, t) in
+                                         enumerate(shapes)],
+                        dynamic_shapes={"x": {0: Dim("batch", max=64), 1: Dim("seq", max=32)}})
+
+
+def test_strided_layout_serves_dynamic_batch_and_sequence_dims(ranks):
+    assert ranks.run(fused_dynamic)[0] == ({"all_reduce": 2 * L}, {"all_reduce": 2 * L})
