@@ -24,8 +24,8 @@ import torch
 _c10d = torch.ops._c10d_functional
 
 
-def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
-    return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), "sum", group))
+def _all_reduce(x: torch.Tensor, group: str, op: str = "sum") -> torch.Tensor:
+    return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), op, group))
 
 
 def _all_gather(x: torch.Tensor, dim: int, world: int, group: str) -> torch.Tensor:

@@ -18,6 +18,7 @@ from torch.distributed.tensor import Shard
 
 from .dimspec import DimSpec, fixed_label, parse, strategies
 from .local_ops import vocab_parallel_embedding
+from .loss_parallel import class_sharded, cross_entropy_spec, loss_parallel
 
 aten = torch.ops.aten
 
@@ -430,6 +431,8 @@ RULES.update({
     aten._scaled_dot_product_efficient_attention.default: Rule(_sdpa_spec),
     aten._scaled_dot_product_cudnn_attention.default: Rule(_sdpa_spec),
     aten._scaled_dot_product_attention_math.default: Rule(_sdpa_spec),
+    aten.cross_entropy_loss.default: Rule(cross_entropy_spec, local_op=loss_parallel,
+                                          extra=class_sharded),
     aten.layer_norm.default: Rule(_layer_norm_spec),
     aten.rms_norm.default: Rule(_layer_norm_spec),
     aten.softmax.int: along_dims(_dim_list(1), "none"),
