@@ -8,8 +8,10 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 
 import fxtp
 from fxtp import Replicate, Shard
@@ -135,8 +137,6 @@ def test_probability_targets_get_their_gradient(ranks):
 
 
 def group_and_mesh(rank, world):
-    from torch.distributed.device_mesh import init_device_mesh
-    import torch.distributed as dist
     full, target = _rand(6, C, seed=1), _indices(6, seed=2)
     local = full.chunk(world, 1)[rank]
     expected = F.cross_entropy(full, target)
