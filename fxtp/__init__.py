@@ -3,6 +3,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from .comm_count import count_collectives
 from .errors import FxtpError, PlanError, ShardingError, TraceError
+from .loss import cross_entropy
 from .parallelize import parallelize
 from .styles import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
                      PrepareModuleInputOutput, PrepareModuleOutput, RowwiseParallel,
@@ -11,6 +12,6 @@ from .styles import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
 __all__ = [
     "parallelize", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
     "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "ParallelStyle",
-    "Shard", "Replicate", "Partial", "count_collectives", "FxtpError", "PlanError",
-    "ShardingError", "TraceError",
+    "Shard", "Replicate", "Partial", "count_collectives", "cross_entropy", "FxtpError",
+    "PlanError", "ShardingError", "TraceError",
 ]

@@ -33,8 +33,8 @@ import torch
 _c10d = torch.ops._c10d_functional
 
 
-def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
-    return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), "sum", group))
+def _all_reduce(x: torch.Tensor, group: str, op: str = "sum") -> torch.Tensor:
+    return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), op, group))
 
 
 def _swap_blocks(x: torch.Tensor, dim: int, outer: int, inner: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ class Group:
 
 def resolve_group(mesh: Union[DeviceMesh, dist.ProcessGroup, None]) -> Group:
     if not dist.is_initialized():
-        raise PlanError("fxtp.parallelize needs an initialized process group: call "
+        raise PlanError("fxtp needs an initialized process group: call "
                         "torch.distributed.init_process_group() first (or run under torchrun)")
     if isinstance(mesh, DeviceMesh):
         if mesh.ndim != 1:

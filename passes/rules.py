@@ -19,6 +19,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from .dimspec import DimSpec, fixed_label, parse, strategies
 from .local_ops import sharded_dropout, vocab_parallel_embedding
+from .loss_parallel import class_sharded, cross_entropy_spec, loss_parallel
 from .placement import is_sharded
 
 aten = torch.ops.aten
@@ -56,12 +57,14 @@ class Rule:
     the output's placement.
     ``local_op(node, inputs, group)``, given the placements chosen for the tensor inputs
     and the :class:`~fxtp.mesh.Group`, returns the ``(target, args, kwargs)`` to run instead
-    when the op cannot run as is on its shards."""
+    when the op cannot run as is on its shards; ``communicates`` says that local op issues
+    collectives for its ``extra`` strategies (they need a real process group to check)."""
 
     spec: Callable[[fx.Node], DimSpec]
     shape_arg: Optional[int] = None
     local_op: Optional[Callable] = None
     extra: Optional[Callable] = None
+    communicates: bool = False
 
     def strategies(self, node: fx.Node, world: int, actual=()):
         """Every valid ``(input placements, output placements)`` of ``node``; ``actual``,
@@ -466,6 +469,8 @@ RULES.update({
     aten._scaled_dot_product_efficient_attention.default: Rule(_sdpa_spec),
     aten._scaled_dot_product_cudnn_attention.default: Rule(_sdpa_spec),
     aten._scaled_dot_product_attention_math.default: Rule(_sdpa_spec),
+    aten.cross_entropy_loss.default: Rule(cross_entropy_spec, local_op=loss_parallel,
+                                          extra=class_sharded, communicates=True),
     aten.layer_norm.default: Rule(_layer_norm_spec),
     aten.rms_norm.default: Rule(_layer_norm_spec),
     aten.softmax.int: along_dims(_dim_list(1), "none"),

@@ -189,3 +189,75 @@ def test_torch_sequence_parallel_is_accepted_verbatim():
     sharding = resolve_plan(DropoutBlock(), {"norm": SequenceParallel(sequence_dim=0)})["norm"]
     assert isinstance(sharding.style, fxtp.SequenceParallel)
     assert sharding.desired_inputs == (Shard(0),) and sharding.params == {}
+
+
+# --- sequence parallel + loss parallel ----------------------------------------------------
+
+TARGETS = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+class WithLoss(nn.Module):
+    """A language model whose forward returns the next-token loss."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, tokens, targets):
+        logits = self.lm(tokens)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
+                                                 label_smoothing=0.1)
+
+
+def prefixed(plan, prefix="lm."):
+    return {prefix + k: v for k, v in plan.items()}
+
+
+def sp_loss_inside(rank, world, dtype, name):
+    make, plan = {"llama": (lambda: tm.Llama(tm.LlamaConfig(n_heads=8, n_kv_heads=4)),
+                            tm.llama_sp_plan(loss_parallel=True)),
+                  "gpt2": (tm.GPT2, tm.gpt2_sp_plan(loss_parallel=True))}[name]
+    return check_parity(rank, world, lambda: WithLoss(make()), prefixed(plan),
+                        [TOKENS, TARGETS], dtype=dtype, input_grads=False)
+
+
+@DTYPES
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_sequence_parallel_with_loss_parallel_inside_the_model(ranks, dtype, name):
+    """The logits stay class-sharded into the loss: no logits gather, the loss's 3
+    all-reduces instead; backward as with SP alone, minus nothing (the loss's is local)."""
+    fwd, bwd = ranks.run(sp_loss_inside, dtype, name)[0]
+    assert fwd == {"all_gather": 2 * L + 1, "reduce_scatter": 2 * L + 1, "all_reduce": 3}
+    wpe = 1 if name == "gpt2" else 0  # the position embedding's chunked output
+    assert bwd == {"all_gather": 2 * L + 1 + wpe, "reduce_scatter": 2 * L + 1, "all_reduce": 1}
+
+
+def sp_loss_outside(rank, world):
+    from tests.test_loss_parallel import loss_outside
+    return loss_outside(rank, world, True, tm.llama_sp_plan(loss_parallel=True))
+
+
+def test_sequence_parallel_with_the_loss_outside_the_model(ranks):
+    fwd, bwd = ranks.run(sp_loss_outside)[0]
+    assert fwd == {"all_reduce": 3}  # fxtp.cross_entropy's own
+    assert bwd == {"all_gather": 2 * L + 1, "reduce_scatter": 2 * L + 1, "all_reduce": 1}
+
+
+def hf_loss(rank, world, name):
+    from tests import test_huggingface as hf_models
+    make, plan = {"llama": (hf_models.llama, HF_LLAMA_SP_PLAN),
+                  "gpt2": (hf_models.gpt2, HF_GPT2_SP_PLAN)}[name]
+    plan = {**plan, "lm_head": fxtp.ColwiseParallel(input_layouts=Shard(1))}
+    return check_parity(rank, world, make, plan, [TOKENS], dtype=torch.float32,
+                        input_grads=False, kwargs={"labels": TARGETS, "use_cache": False},
+                        output=lambda out: out.loss)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_hugging_face_sequence_parallel_with_loss_parallel(ranks, name):
+    """fp32 only: Hugging Face computes its loss in fp32."""
+    pytest.importorskip("transformers")
+    fwd, bwd = ranks.run(hf_loss, name)[0]
+    assert fwd == {"all_gather": 2 * L + 1, "reduce_scatter": 2 * L + 1, "all_reduce": 3}
+    wpe = 1 if name == "gpt2" else 0
+    assert bwd == {"all_gather": 2 * L + 1 + wpe, "reduce_scatter": 2 * L + 1, "all_reduce": 1}

@@ -1,0 +1,71 @@
+"""The sharding rule of ``aten.cross_entropy_loss``: by tokens, or loss parallel by classes.
+
+Its dim spec shards the token dims (batch and spatial dims ``d1, ...``): per-token losses
+stay sharded with ``reduction="none"``, their sum is ``Partial`` with ``"sum"``; ``"mean"``
+divides by a count over all tokens and keeps them whole. The class dim never shards in the
+spec: class-sharded logits are served by an extra strategy whose local op is
+:func:`fxtp.loss.loss_parallel_cross_entropy` (3 all-reduces of per-token values, none
+backward), so propagation picks it over gathering the logits whenever they arrive sharded.
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+from torch.distributed.tensor import Replicate, Shard
+
+from .dimspec import DimSpec
+
+_ARGS = (("weight", None), ("reduction", 1), ("ignore_index", -100), ("label_smoothing", 0.0))
+
+
+def _options(node: fx.Node) -> dict:
+    """weight, reduction (aten's enum), ignore_index, label_smoothing of the node."""
+    return {name: node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+            for i, (name, default) in enumerate(_ARGS, start=2)}
+
+
+def _logits_and_target(node: fx.Node):
+    return node.args[0].meta["val"], node.args[1].meta["val"]
+
+
+def _class_dim(logits) -> int:
+    return 1 if logits.dim() >= 2 else 0
+
+
+def cross_entropy_spec(node: fx.Node) -> DimSpec:
+    logits, target = _logits_and_target(node)
+    options = _options(node)
+    mark = {0: "", 1: "!", 2: "+"}[options["reduction"]]
+    c = _class_dim(logits)
+    labels = tuple("c!" if j == c else f"d{j}{mark}" for j in range(logits.dim()))
+    tokens = labels[:c] + labels[c + 1:]
+    inputs = (labels, labels if target.is_floating_point() else tokens)
+    if options["weight"] is not None:
+        inputs += (("c!",),)
+    return DimSpec(inputs, (tokens if options["reduction"] == 0 else (),))
+
+
+def class_sharded(node: fx.Node, world: int):
+    """Logits (and probability targets) sharded over classes -> replicated loss."""
+    logits, target = _logits_and_target(node)
+    c = _class_dim(logits)
+    if not isinstance(logits.shape[c], int) or logits.shape[c] % world:
+        return
+    shard = Shard(c)
+    inputs = (shard, shard if target.is_floating_point() else Replicate())
+    if _options(node)["weight"] is not None:
+        inputs += (Replicate(),)
+    yield inputs, (Replicate(),)
+
+
+def loss_parallel(node: fx.Node, inputs, group):
+    """Class-sharded logits run :func:`~fxtp.loss.loss_parallel_cross_entropy`; token
+    shards and replicated logits run the op itself."""
+    from fxtp.loss import REDUCTIONS, loss_parallel_cross_entropy  # fxtp's init imports passes
+    logits = node.args[0]
+    c = _class_dim(logits.meta["val"])
+    if inputs[0] != Shard(c):
+        return node.target, node.args, node.kwargs
+    o = _options(node)
+    return loss_parallel_cross_entropy, (
+        logits, node.args[1], o["weight"], REDUCTIONS[o["reduction"]], o["ignore_index"],
+        o["label_smoothing"], c, group.rank, group.world, group.name), {}
