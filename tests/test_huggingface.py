@@ -29,15 +29,9 @@ def llama():
     return transformers.LlamaForCausalLM(cfg)
 
 
-def hf_llama(rank, world, dtype):
-    return check_parity(rank, world, llama, LLAMA_PLAN, [TOKENS], dtype=dtype,
-                        input_grads=False, kwargs={"use_cache": False},
-                        output=lambda out: out.logits)
-
-
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
 def test_llama_for_causal_lm(ranks, dtype):
-    fwd, bwd = ranks.run(hf_llama, dtype)[0]
+    fwd, bwd = ranks.run(hf, dtype, "llama")[0]
     assert fwd == {"all_reduce": 2 * L + 1, "all_gather": 1}
     assert bwd == {"all_reduce": 2 * L + 1}
 
@@ -59,8 +53,11 @@ def gpt2():
     return transformers.GPT2LMHeadModel(cfg)
 
 
-def hf_gpt2(rank, world, dtype):
-    return check_parity(rank, world, gpt2, GPT2_PLAN, [TOKENS], dtype=dtype,
+def hf(rank, world, dtype, name, plan=None):
+    """Parity of the Hugging Face model ``name`` ("llama", "gpt2") under ``plan`` (default:
+    the standard TP plan), comparing logits."""
+    make, standard = {"llama": (llama, LLAMA_PLAN), "gpt2": (gpt2, GPT2_PLAN)}[name]
+    return check_parity(rank, world, make, plan or standard, [TOKENS], dtype=dtype,
                         input_grads=False, kwargs={"use_cache": False},
                         output=lambda out: out.logits)
 
@@ -70,6 +67,6 @@ def test_gpt2_lm_head_model_with_conv1d_and_fused_qkv(ranks, dtype):
     """Conv1D layers shard like linears. The fused c_attn output is split into q, k, v
     along its sharded dim: c_attn's weight and bias are laid out strided (each rank holds
     [q_r | k_r | v_r]), so the split needs no gather: Megatron's minimum, as for Llama."""
-    fwd, bwd = ranks.run(hf_gpt2, dtype)[0]
+    fwd, bwd = ranks.run(hf, dtype, "gpt2")[0]
     assert fwd == {"all_reduce": 2 * L + 1, "all_gather": 1}
     assert bwd == {"all_reduce": 2 * L + 1}

@@ -92,11 +92,9 @@ HF_GPT2_SP_PLAN = {
 
 
 def hf(rank, world, dtype, name):
-    from tests import test_huggingface as hf_models
-    make, plan = {"llama": (hf_models.llama, HF_LLAMA_SP_PLAN),
-                  "gpt2": (hf_models.gpt2, HF_GPT2_SP_PLAN)}[name]
-    return check_parity(rank, world, make, plan, [TOKENS], dtype=dtype, input_grads=False,
-                        kwargs={"use_cache": False}, output=lambda out: out.logits)
+    from tests import test_huggingface
+    plan = {"llama": HF_LLAMA_SP_PLAN, "gpt2": HF_GPT2_SP_PLAN}[name]
+    return test_huggingface.hf(rank, world, dtype, name, plan)
 
 
 @DTYPES
