@@ -19,9 +19,7 @@ def gpt2_plan():
 
 
 def llama_plan():
-    return {"tok_embeddings": fxtp.RowwiseParallel(input_layouts=Replicate()),
-            **tm.llama_layer_plan(),
-            "output": fxtp.ColwiseParallel(output_layouts=Replicate())}
+    return tm.llama_tp_plan()
 
 
 def gpt2(rank, world, dtype, tie):

@@ -1,5 +1,6 @@
-"""Small single-device transformers (GPT-2 and Llama-3 style) written the way people write
-them, used as tensor-parallel parity subjects, and their per-layer TP plans."""
+"""Small single-device transformers written the way people write them, used as tensor-
+parallel parity subjects, and their TP plans: GPT-2 style here, Llama-3 style from
+:mod:`fxtp.llama` (the demo's model)."""
 from dataclasses import dataclass
 
 import torch
@@ -8,6 +9,8 @@ import torch.nn.functional as F
 
 import fxtp
 from fxtp import Replicate, Shard
+from fxtp.llama import (FeedForward, Llama, LlamaAttention, LlamaConfig, RMSNorm,  # noqa: F401
+                        TransformerBlock, llama_layer_plan, llama_sp_plan, llama_tp_plan)
 
 
 # --- GPT-2 -------------------------------------------------------------------------------
@@ -89,179 +92,7 @@ class GPT2(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-# --- Llama-3 -----------------------------------------------------------------------------
-
-@dataclass
-class LlamaConfig:
-    vocab_size: int = 64
-    dim: int = 32
-    n_layers: int = 2
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    multiple_of: int = 16
-    max_seq_len: int = 32
-    rope: str = "real"              # "real" (cos/sin, rotate_half) or "complex" (polar)
-    repeat_mode: str = "expand"     # "expand" (repeat_kv) or "repeat_interleave"
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def _norm(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-
-    def forward(self, x):
-        return self._norm(x.float()).type_as(x) * self.weight
-
-
-def precompute_freqs_cis(dim: int, end: int, theta: float = 10000.0):
-    """Meta's complex rotary table: (end, dim // 2) complex64."""
-    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: (dim // 2)].float() / dim))
-    freqs = torch.outer(torch.arange(end, dtype=torch.float32), freqs)
-    return torch.polar(torch.ones_like(freqs), freqs)
-
-
-def apply_rotary_emb_complex(xq, xk, freqs_cis):
-    """Meta's rotary embedding on (B, T, H, D); ``freqs_cis`` is (T, D // 2)."""
-    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
-    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
-    freqs_cis = freqs_cis.view(1, xq_.shape[1], 1, xq_.shape[-1])
-    xq_out = torch.view_as_real(xq_ * freqs_cis).flatten(3)
-    xk_out = torch.view_as_real(xk_ * freqs_cis).flatten(3)
-    return xq_out.type_as(xq), xk_out.type_as(xk)
-
-
-def precompute_cos_sin(dim: int, end: int, theta: float = 10000.0):
-    """HF's real rotary tables: cos, sin of shape (end, dim)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2).float() / dim))
-    freqs = torch.outer(torch.arange(end, dtype=torch.float32), inv_freq)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
-
-
-def rotate_half(x):
-    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary_emb_real(xq, xk, cos, sin):
-    """HF-style rotary embedding on (B, T, H, D); ``cos``/``sin`` are (T, D)."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return xq * cos + rotate_half(xq) * sin, xk * cos + rotate_half(xk) * sin
-
-
-def repeat_kv(x, n_rep: int):
-    """torch.repeat_interleave(x, dim=2, repeats=n_rep), as in Meta's llama code."""
-    bs, slen, n_kv_heads, head_dim = x.shape
-    if n_rep == 1:
-        return x
-    return (x[:, :, :, None, :]
-            .expand(bs, slen, n_kv_heads, n_rep, head_dim)
-            .reshape(bs, slen, n_kv_heads * n_rep, head_dim))
-
-
-class LlamaAttention(nn.Module):
-    """Grouped-query attention with rotary embeddings; global head counts in ``view``."""
-
-    def __init__(self, cfg: LlamaConfig):
-        super().__init__()
-        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
-        self.n_rep = cfg.n_heads // cfg.n_kv_heads
-        self.head_dim = cfg.dim // cfg.n_heads
-        self.rope, self.repeat_mode = cfg.rope, cfg.repeat_mode
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
-
-    def forward(self, x, freqs):
-        bsz, seqlen, _ = x.shape
-        xq = self.wq(x).view(bsz, seqlen, self.n_heads, self.head_dim)
-        xk = self.wk(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
-        xv = self.wv(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
-        if self.rope == "complex":
-            xq, xk = apply_rotary_emb_complex(xq, xk, freqs)
-        else:
-            xq, xk = apply_rotary_emb_real(xq, xk, *freqs)
-        if self.repeat_mode == "repeat_interleave":
-            xk = torch.repeat_interleave(xk, self.n_rep, dim=2)
-            xv = torch.repeat_interleave(xv, self.n_rep, dim=2)
-        else:
-            xk, xv = repeat_kv(xk, self.n_rep), repeat_kv(xv, self.n_rep)
-        q, k, v = xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).contiguous().view(bsz, seqlen, -1))
-
-
-class FeedForward(nn.Module):
-    """SwiGLU; hidden size as in Meta's code (2/3 of 4*dim, rounded up to multiple_of)."""
-
-    def __init__(self, dim: int, multiple_of: int):
-        super().__init__()
-        hidden = int(2 * (4 * dim) / 3)
-        hidden = multiple_of * ((hidden + multiple_of - 1) // multiple_of)
-        assert hidden % 4 == 0, hidden
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-
-    def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-class TransformerBlock(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
-        super().__init__()
-        self.attention_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.attention = LlamaAttention(cfg)
-        self.ffn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.multiple_of)
-
-    def forward(self, x, freqs):
-        h = x + self.attention(self.attention_norm(x), freqs)
-        return h + self.feed_forward(self.ffn_norm(h))
-
-
-class Llama(nn.Module):
-    """Llama-3: RMSNorm, GQA, rotary (``cfg.rope``), SwiGLU, untied output head."""
-
-    def __init__(self, cfg: LlamaConfig = None):
-        super().__init__()
-        cfg = cfg or LlamaConfig()
-        assert cfg.rope in ("real", "complex")
-        assert cfg.repeat_mode in ("expand", "repeat_interleave")
-        self.config = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        head_dim = cfg.dim // cfg.n_heads
-        if cfg.rope == "complex":
-            self.register_buffer("freqs_cis", precompute_freqs_cis(
-                head_dim, cfg.max_seq_len, cfg.rope_theta), persistent=False)
-        else:
-            cos, sin = precompute_cos_sin(head_dim, cfg.max_seq_len, cfg.rope_theta)
-            self.register_buffer("cos", cos, persistent=False)
-            self.register_buffer("sin", sin, persistent=False)
-
-    def forward(self, tokens):
-        _, seqlen = tokens.shape
-        h = self.tok_embeddings(tokens)
-        if self.config.rope == "complex":
-            freqs = self.freqs_cis[:seqlen]
-        else:
-            freqs = (self.cos[:seqlen], self.sin[:seqlen])
-        for layer in self.layers:
-            h = layer(h, freqs)
-        return self.output(self.norm(h))
-
-
-# --- TP plans (transformer layers only; embeddings and LM head stay replicated) ----------
+# --- GPT-2 TP plans ----------------------------------------------------------------------
 
 def gpt2_layer_plan():
     return {
@@ -269,37 +100,6 @@ def gpt2_layer_plan():
         "h.*.attn.c_proj": fxtp.RowwiseParallel(),
         "h.*.mlp.c_fc": fxtp.ColwiseParallel(),
         "h.*.mlp.c_proj": fxtp.RowwiseParallel(),
-    }
-
-
-def llama_layer_plan():
-    return {
-        "layers.*.attention.w[qkv]": fxtp.ColwiseParallel(),
-        "layers.*.attention.wo": fxtp.RowwiseParallel(),
-        "layers.*.feed_forward.w[13]": fxtp.ColwiseParallel(),
-        "layers.*.feed_forward.w2": fxtp.RowwiseParallel(),
-    }
-
-
-def llama_sp_plan(loss_parallel=False):
-    """torchtitan's plan: sequence-parallel norms, layer inputs gathered on entry, rowwise
-    outputs reduce-scattered back to sequence shards; the head's output replicated or, for
-    loss parallel, left sharded by class."""
-    return {
-        "tok_embeddings": fxtp.RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": fxtp.SequenceParallel(),
-        "output": fxtp.ColwiseParallel(input_layouts=Shard(1),
-                                       output_layouts=Shard(-1) if loss_parallel else Replicate()),
-        "layers.*.attention_norm": fxtp.SequenceParallel(),
-        "layers.*.attention": fxtp.PrepareModuleInput(input_layouts=(Shard(1), None),
-                                                      desired_input_layouts=(Replicate(), None)),
-        "layers.*.attention.w[qkv]": fxtp.ColwiseParallel(),
-        "layers.*.attention.wo": fxtp.RowwiseParallel(output_layouts=Shard(1)),
-        "layers.*.ffn_norm": fxtp.SequenceParallel(),
-        "layers.*.feed_forward": fxtp.PrepareModuleInput(input_layouts=(Shard(1),),
-                                                         desired_input_layouts=(Replicate(),)),
-        "layers.*.feed_forward.w[13]": fxtp.ColwiseParallel(),
-        "layers.*.feed_forward.w2": fxtp.RowwiseParallel(output_layouts=Shard(1)),
     }
 
 
