@@ -19,6 +19,7 @@ R = Replicate()
 P = Partial()
 INF = math.inf
 LOCAL_COPY_COST = 1e-3  # a chunk costs no communication, but prefer not to move at all
+LATENCY = 1.0  # a collective's fixed cost, in bytes: breaks ties between equal byte counts
 
 
 def is_sharded(p) -> bool:
@@ -75,11 +76,12 @@ def numel_hint(val: torch.Tensor) -> int:
 
 
 def transition_cost(src: Placement, dst: Placement, val: torch.Tensor, world: int) -> float:
-    """Bytes one rank sends to turn ``src`` into ``dst`` (ring algorithms)."""
+    """Bytes one rank sends to turn ``src`` into ``dst`` (ring algorithms), plus
+    ``LATENCY`` per collective (so fewer collectives win ties, e.g. on one rank)."""
     if src == dst:
         return 0.0
     nbytes = numel_hint(val) * val.dtype.itemsize
-    share = (world - 1) / world * nbytes
+    share = (world - 1) / world * nbytes + LATENCY
     if isinstance(dst, Partial):
         return INF  # fxtp never creates partial values by redistribution
     if isinstance(src, Partial):

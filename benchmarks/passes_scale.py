@@ -1,0 +1,99 @@
+"""How fxtp's passes scale: wall time and peak host memory of ``parallelize`` for Llama-3-8B
+and -70B shapes built on the meta device, at world size 8 on a fake process group (no data
+moves, nothing is allocated at full size), and how time grows with the layer count (a
+least-squares line, with its R^2).
+
+Each point runs in a fresh process, so its peak RSS is its own; a 1-layer model is
+parallelized first (the first call in a process pays torch.export's one-time set-up,
+reported as ``first_call_setup_s``), then the timed one.
+
+    python -m benchmarks.passes_scale           # 8B at 4..32 layers, 70B at 80
+    python -m benchmarks.passes_scale --quick   # 8B at 2 and 4 layers
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import subprocess
+import sys
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+SHAPES = {  # Meta's Llama-3 configurations
+    "8B": dict(dim=4096, n_heads=32, n_kv_heads=8, vocab_size=128256, multiple_of=1024,
+               ffn_dim_multiplier=1.3),
+    "70B": dict(dim=8192, n_heads=64, n_kv_heads=8, vocab_size=128256, multiple_of=4096,
+                ffn_dim_multiplier=1.3),
+}
+TARGET_8B_S = 10.0
+
+
+def one(shape: str, layers: int, world: int = 8) -> dict:
+    """Run in this process: parallelize one meta model; return time and peak RSS."""
+    import resource
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import fxtp
+    from fxtp.llama import Llama, LlamaConfig, llama_tp_plan
+    dist.init_process_group("fake", store=FakeStore(), rank=world - 1, world_size=world)
+    tokens = torch.randint(0, 100, (1, 16))
+    start = time.perf_counter()  # first use in a process: torch.export's one-time set-up
+    with torch.device("meta"):
+        fxtp.parallelize(Llama(LlamaConfig(n_layers=1, max_seq_len=64, **SHAPES[shape])),
+                         llama_tp_plan(), example_inputs=(tokens,))
+    warm_up = time.perf_counter() - start
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(n_layers=layers, max_seq_len=64, **SHAPES[shape]))
+    start = time.perf_counter()
+    gm = fxtp.parallelize(model, llama_tp_plan(), example_inputs=(tokens,))
+    seconds = time.perf_counter() - start
+    return {"shape": shape, "layers": layers, "seconds": seconds, "first_call_setup_s": warm_up,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "graph_nodes": len(gm.graph.nodes),
+            "params_global": sum(p.numel() for p in model.parameters())}
+
+
+def fit(points: list[dict]) -> dict:
+    """Least squares ``seconds = a + b * layers`` and its R^2."""
+    xs, ys = [p["layers"] for p in points], [p["seconds"] for p in points]
+    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    a = my - b * mx
+    ss_res = sum((y - a - b * x) ** 2 for x, y in zip(xs, ys))
+    ss_tot = sum((y - my) ** 2 for y in ys) or 1.0
+    return {"intercept_s": a, "seconds_per_layer": b, "r2": 1 - ss_res / ss_tot}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--one", nargs=2, metavar=("SHAPE", "LAYERS"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.one:
+        print(json.dumps(one(args.one[0], int(args.one[1]))))
+        return None
+    runs = [("8B", 2), ("8B", 4)] if args.quick else \
+        [("8B", n) for n in (4, 8, 16, 32)] + [("70B", 80)]
+    points = []
+    for shape, layers in runs:
+        out = subprocess.run([sys.executable, "-m", "benchmarks.passes_scale", "--one", shape,
+                              str(layers)], capture_output=True, text=True, check=True)
+        points.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        p = points[-1]
+        print(f"{shape:>4} {layers:3d} layers: {p['seconds']:7.2f} s, peak RSS "
+              f"{p['peak_rss_mib']:8.0f} MiB, {p['graph_nodes']} nodes", flush=True)
+    line = fit([p for p in points if p["shape"] == "8B"])
+    print(f"8B: {line['seconds_per_layer']:.3f} s/layer + {line['intercept_s']:.2f} s "
+          f"(R^2 {line['r2']:.4f})")
+    report = {"world": 8, "points": points, "fit_8B": line, "target_8B_s": TARGET_8B_S}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "passes_scale.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()
