@@ -1,0 +1,120 @@
+"""CUDA section: per-rank training step time of a Llama-3-8B-shaped layer stack (bf16) at
+world size 8 on a fake process group (each rank's compute and fxtp's / DTensor's overhead;
+the collectives move nothing), for fxtp compiled and eager, and DTensor TP eager and
+compiled. Run by ``benchmarks.run`` where CUDA is present, or alone:
+
+    python -m benchmarks.cuda
+"""
+from __future__ import annotations
+
+import copy
+import json
+import pathlib
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+
+
+class LayerStack(nn.Module):
+    """The transformer layers of :class:`fxtp.llama.Llama` on embeddings (no vocab)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        from fxtp.llama import TransformerBlock, precompute_cos_sin
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        cos, sin = precompute_cos_sin(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, h):
+        freqs = (self.cos[: h.shape[1]], self.sin[: h.shape[1]])
+        for layer in self.layers:
+            h = layer(h, freqs)
+        return h
+
+
+def _dtensor(model, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    for layer in model.layers:  # DTensor hands attention local tensors: local head counts
+        layer.attention.n_heads //= world
+        layer.attention.n_kv_heads //= world
+    plan = {**{f"layers.*.attention.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")},
+            "layers.*.attention.wo": RowwiseParallel(),
+            **{f"layers.*.feed_forward.{w}": ColwiseParallel() for w in ("w1", "w3")},
+            "layers.*.feed_forward.w2": RowwiseParallel()}
+    return parallelize_module(model, init_device_mesh("cuda", (world,)), plan)
+
+
+def _time(module, x, steps, warmup) -> dict:
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
+
+    def step():
+        module(x).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    start = time.perf_counter()
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    warm = time.perf_counter() - start
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return {"median_ms": statistics.median(times) * 1e3, "min_ms": min(times) * 1e3,
+            "warmup_s": warm}
+
+
+def run(layers: int = 2, batch: int = 1, seq: int = 2048, world: int = 8, steps: int = 10,
+        warmup: int = 3, variants=None) -> dict:
+    import fxtp
+    from fxtp.llama import LlamaConfig, llama_layer_plan
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    torch.cuda.set_device(0)
+    cfg = LlamaConfig(dim=4096, n_layers=layers, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                      multiple_of=1024, ffn_dim_multiplier=1.3, max_seq_len=seq)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LayerStack(cfg).to(torch.bfloat16)
+        x = torch.randn(batch, seq, cfg.dim, dtype=torch.bfloat16)
+    builders = {
+        "fxtp_eager": lambda m: fxtp.parallelize(m, llama_layer_plan(), example_inputs=(x,)),
+        "fxtp_compiled": lambda m: torch.compile(
+            fxtp.parallelize(m, llama_layer_plan(), example_inputs=(x,)), fullgraph=True),
+        "dtensor_eager": lambda m: _dtensor(m, world),
+        "dtensor_compiled": lambda m: torch.compile(_dtensor(m, world)),
+    }
+    out = {"device": torch.cuda.get_device_name(), "world": world, "layers": layers,
+           "batch": batch, "seq": seq, "dtype": "bfloat16", "torch": torch.__version__}
+    for name, build in builders.items():
+        if variants and name not in variants:
+            continue
+        try:
+            out[name] = _time(build(copy.deepcopy(model)), x, steps, warmup)
+        except Exception as e:  # noqa: BLE001 - reported, the others still run
+            out[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+        torch.cuda.empty_cache()
+    base = out.get("dtensor_eager", {}).get("median_ms")
+    for name in builders:
+        if base and "median_ms" in out.get(name, {}):
+            out[name]["vs_dtensor_eager"] = out[name]["median_ms"] / base
+    return out
+
+
+if __name__ == "__main__":
+    import sys
+    report = run(variants=sys.argv[1:] or None)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "cuda.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
