@@ -52,13 +52,24 @@ def _dtensor(model, world):
     return parallelize_module(model, init_device_mesh("cuda", (world,)), plan)
 
 
+def optimizers(module, lr=1e-4) -> list:
+    """AdamW over the module's parameters; DTensor and plain ones apart, since foreach
+    kernels (CUDA's default) cannot mix them (a DTensor model's unplanned norms are plain)."""
+    from torch.distributed.tensor import DTensor
+    groups = {}
+    for p in module.parameters():
+        groups.setdefault(isinstance(p, DTensor), []).append(p)
+    return [torch.optim.AdamW(params, lr=lr) for params in groups.values()]
+
+
 def _time(module, x, steps, warmup) -> dict:
-    opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
+    opts = optimizers(module)
 
     def step():
         module(x).float().pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
     start = time.perf_counter()
     for _ in range(warmup):
         step()
