@@ -90,15 +90,16 @@ class Dumper:
         if self.directory is None:
             return
         self.directory.mkdir(parents=True, exist_ok=True)
+        alone = self._alone()
         if error is not None:
             self.files["error.txt"] = "".join(traceback.format_exception(kind, error, tb))
-            shared = dict.fromkeys(self.files, self._alone())
+            shared = dict.fromkeys(self.files, alone)
         else:
-            shared = self._same_on_every_rank()
+            shared = self._same_on_every_rank(alone)
         for name, text in self.files.items():
             stem, dot, suffix = name.partition(".")
             if shared[name]:
-                if self.group.rank == 0:
+                if alone or self.group.rank == 0:
                     for stale in self.directory.glob(f"{stem}.rank*.{suffix}"):
                         stale.unlink()
                     _write(self.directory / name, text)
@@ -109,8 +110,8 @@ class Dumper:
         """Whether this process is the only rank (world size 1, or the fake backend)."""
         return self.group.world == 1 or dist.get_backend(_process_group(self.group)) == "fake"
 
-    def _same_on_every_rank(self) -> dict[str, bool]:
-        if self._alone():
+    def _same_on_every_rank(self, alone: bool) -> dict[str, bool]:
+        if alone:
             return dict.fromkeys(self.files, True)
         pg = _process_group(self.group)
         digests = {n: hashlib.sha256(t.encode()).hexdigest() for n, t in self.files.items()}

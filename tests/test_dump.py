@@ -46,9 +46,9 @@ def test_ranks_write_shared_files_once_and_rank_specific_code_per_rank(ranks4, t
 
 def test_the_environment_variable_dumps_and_one_process_writes_shared_names(
         fake_group, tmp_path, monkeypatch):
-    """On the fake backend (shape checks in one process) this rank writes every file under
-    the shared name, and removes per-rank copies a real run left there."""
-    fake_group(4)
+    """On the fake backend (shape checks in one process) this rank, whichever it is, writes
+    every file under the shared name, and removes per-rank copies a real run left there."""
+    fake_group(4, rank=3)
     (tmp_path / "03_rewritten.rank1.py").write_text("stale")
     monkeypatch.setenv("FXTP_DUMP_DIR", str(tmp_path))
     gm = fxtp.parallelize(llama(), tm.llama_plan(), example_inputs=(TOKENS,))
