@@ -88,6 +88,7 @@ function totals(t) {
 }
 function sum(obj) { return Object.values(obj).reduce((a, b) => a + b, 0); }
 function placementClass(p) {
+  if (p.startsWith("(")) p = p.slice(1).split(", ")[0];  // multi-output: its first
   if (p.startsWith("S(")) return p.includes("/") ? "p-St" : "p-S";
   return {R: "p-R", P: "p-P"}[p] || "p-none";
 }
