@@ -61,6 +61,17 @@ def loss_parallel_cross_entropy(logits, target, weight, reduction: str, ignore_i
                                float(label_smoothing), class_dim, rank, world, group)
 
 
+def forward_all_reduce_bytes(tokens: int, dtype: torch.dtype, probability_targets: bool,
+                             label_smoothing: float) -> list[int]:
+    """Bytes per rank of the 3 all-reduces :func:`loss_parallel_cross_entropy` issues forward
+    for ``tokens`` tokens of ``dtype`` logits (backward issues none): the per-token max, the
+    per-token sum of exponentials and the stacked target terms (2 per token for probability
+    targets; for class indices 1, 2 with label smoothing), in the compute dtype."""
+    item = _compute_dtype(dtype).itemsize
+    terms = 2 if probability_targets else 1 + bool(label_smoothing)
+    return [tokens * item, tokens * item, tokens * terms * item]
+
+
 def _check(logits, target, weight, reduction, ignore_index, smoothing, class_dim, world) -> int:
     """Validate the arguments as F.cross_entropy would; return the normalized class dim."""
     where = "fxtp.cross_entropy"

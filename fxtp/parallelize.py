@@ -1,5 +1,5 @@
 """``parallelize``: trace -> seed -> propagate -> strided (re-propagate) -> rewrite ->
-localize."""
+localize, each stage's result optionally dumped to files (:mod:`fxtp.dump`)."""
 from __future__ import annotations
 
 import warnings
@@ -16,6 +16,7 @@ from passes.rewrite import rewrite
 from passes.seed import seed
 from passes.strided import stride_fused_splits
 
+from .dump import Dumper
 from .mesh import resolve_group
 from .plan import Plan, resolve_plan
 from .trace import trace
@@ -36,7 +37,7 @@ class ParallelInfo:
 
 def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequence,
                 example_kwargs: Optional[dict] = None, dynamic_shapes=None,
-                strict: bool = False) -> fx.GraphModule:
+                strict: bool = False, dump_dir: Optional[str] = None) -> fx.GraphModule:
     """Return this rank's tensor-parallel ``GraphModule`` for ``model`` under ``plan``.
 
     ``example_inputs`` / ``example_kwargs`` are full (single-device) inputs used for
@@ -48,26 +49,39 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
     ``dynamic_shapes`` (``torch.export``'s format, e.g. ``{"x": {0: Dim("batch"),
     1: Dim("seq")}}``) marks dims that may change between calls: the result then serves
     every size without retracing.
+
+    ``dump_dir`` (or the environment variable ``FXTP_DUMP_DIR``) writes every stage's
+    result, :func:`fxtp.explain`'s report and an HTML view there (:mod:`fxtp.dump`).
     """
     shardings = resolve_plan(model, plan)
     group = resolve_group(mesh)
-    gm, calls = trace(model, tuple(example_inputs), example_kwargs, shardings, dynamic_shapes)
-    seed(gm, shardings, calls, group.world, _tied_names(model))
-    fallbacks = propagate(gm, group.world, strict=strict)
-    if stride_fused_splits(gm, group.world):
+    with Dumper(dump_dir, group) as dump:
+        gm, calls = trace(model, tuple(example_inputs), example_kwargs, shardings,
+                          dynamic_shapes)
+        dump.code("traced", gm)
+        seed(gm, shardings, calls, group.world, _tied_names(model))
         fallbacks = propagate(gm, group.world, strict=strict)
-    for message in fallbacks:
-        warnings.warn("fxtp: " + message, stacklevel=2)
-    rewrite(gm, group.name, group.rank, group.world)
-    localize(gm, group)
-    outputs = next(iter(reversed(gm.graph.nodes))).args[0]
-    gm.fxtp = ParallelInfo({k: s.style for k, s in shardings.items()}, group.name, group.rank,
-                           group.world, fallbacks,
-                           tuple(getattr(o, "meta", {}).get(PLACEMENT) for o in outputs),
-                           {n.target: n.meta[PLACEMENT] for n in gm.graph.nodes
-                            if n.op == "get_attr"})
+        if stride_fused_splits(gm, group.world):
+            fallbacks = propagate(gm, group.world, strict=strict)
+        dump.placements(gm)
+        for message in fallbacks:
+            warnings.warn("fxtp: " + message, stacklevel=2)
+        rewrite(gm, group.name, group.rank, group.world)
+        dump.code("rewritten", gm)
+        localize(gm, group)
+        dump.code("localized", gm)
+        gm.fxtp = _info(gm, shardings, group, fallbacks)
+        dump.report(gm)
     return gm
 
+
+def _info(gm: fx.GraphModule, shardings: dict, group, fallbacks: list[str]) -> ParallelInfo:
+    outputs = next(iter(reversed(gm.graph.nodes))).args[0]
+    return ParallelInfo({k: s.style for k, s in shardings.items()}, group.name, group.rank,
+                        group.world, fallbacks,
+                        tuple(getattr(o, "meta", {}).get(PLACEMENT) for o in outputs),
+                        {n.target: n.meta[PLACEMENT] for n in gm.graph.nodes
+                         if n.op == "get_attr"})
 
 def _tied_names(model: nn.Module) -> dict[str, list[str]]:
     """Parameter FQN -> all FQNs of that tensor, for tensors registered under several."""

@@ -27,3 +27,23 @@ def test_quick_start_runs_as_written(tmp_path):
     assert lines[0][1] == lines[1][1]  # the same loss on both ranks
     assert all(line[2:] == ["(32,", "16)"] for line in lines)
     assert "fxtp_collectives_all_reduce" in out[0]
+
+
+def test_explain_output_shown_is_the_quick_starts(fake_group):
+    """The README's `print(fxtp.explain(gm))` output is what the quick start's MLP gives."""
+    import torch
+
+    import fxtp
+    readme = (ROOT / "README.md").read_text()
+    quick_start = re.search(r"# save as quickstart\.py.*?```", readme, re.S).group(0)
+    imports = re.search(r"^import torch.*$", quick_start, re.M).group(0)
+    mlp = re.search(r"^class MLP.*?return .*?$", quick_start, re.S | re.M).group(0)
+    namespace = {}
+    exec(imports + "\n" + mlp, namespace)
+    shown = re.search(r"print\(fxtp\.explain\(gm\)\)\n```\n\n```text\n(.*?)```", readme,
+                      re.S).group(1)
+    fake_group(2)
+    gm = fxtp.parallelize(namespace["MLP"](), {"net1": fxtp.ColwiseParallel(),
+                                               "net2": fxtp.RowwiseParallel()},
+                          example_inputs=(torch.randn(4, 16),))
+    assert str(fxtp.explain(gm)).rstrip("\n") == shown.rstrip("\n")

@@ -120,3 +120,20 @@ def gpt2_sp_plan(loss_parallel=False):
         "h.*.mlp.c_fc": fxtp.ColwiseParallel(),
         "h.*.mlp.c_proj": fxtp.RowwiseParallel(output_layouts=Shard(1)),
     }
+
+
+# --- for `python -m fxtp explain` ----------------------------------------------------------
+
+def llama_8_heads():
+    """:class:`Llama` whose heads, KV heads and hidden sizes divide by 8 ranks."""
+    return Llama(LlamaConfig(n_heads=8, n_kv_heads=8))
+
+
+def llama_plan(seq_parallel=False):
+    """The whole :class:`Llama` under tensor parallelism: vocab-parallel embedding, the
+    layer plan, the head's logits gathered; torchtitan's plan with ``seq_parallel``."""
+    if seq_parallel:
+        return llama_sp_plan()
+    return {"tok_embeddings": fxtp.RowwiseParallel(input_layouts=Replicate()),
+            **llama_layer_plan(),
+            "output": fxtp.ColwiseParallel(output_layouts=Replicate())}

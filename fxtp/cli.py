@@ -1,0 +1,131 @@
+"""``python -m fxtp COMMAND``: fxtp's command line.
+
+``explain`` checks a plan without a cluster: the model is built on the meta device (no
+memory, no data), the passes run on a fake process group of ``--world-size`` ranks in this
+process, and the report of one rank is printed::
+
+    python -m fxtp explain --model pkg.module:factory --plan pkg.module:plan_fn \\
+        --world-size 8 --input 8x2048:int64 [--seq-parallel] [--dump-dir d] [--json]
+
+``factory()`` returns the model; ``plan_fn()`` returns the plan (``plan_fn(seq_parallel=
+True)`` with ``--seq-parallel``); a plan dict may be named instead of a function. Each
+``--input`` is one positional example input, ``SHAPE[:DTYPE]`` (``2x16:int64``; float32
+by default), made on the meta device.
+
+A subcommand is a function that adds its parser to the subparsers and sets ``run`` (a
+function of the parsed arguments returning the exit status); list it in ``COMMANDS``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from contextlib import contextmanager
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .errors import FxtpError
+from .explain import explain
+from .parallelize import parallelize
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fxtp",
+                                     description="fxtp: tensor parallelism as graph passes")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in COMMANDS:
+        add(commands)
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except FxtpError as e:
+        print(f"python -m fxtp {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+# --- explain ------------------------------------------------------------------------------
+
+def add_explain(commands) -> None:
+    p = commands.add_parser("explain", help="print what fxtp does to a model under a plan, "
+                            "on the meta device and a fake process group",
+                            description=__doc__.split("\n\n")[1])
+    p.add_argument("--model", required=True, metavar="MODULE:FACTORY",
+                   help="a function (or class) returning the model, e.g. "
+                        "tests.transformer_models:Llama")
+    p.add_argument("--plan", required=True, metavar="MODULE:PLAN",
+                   help="a function returning the plan (called with seq_parallel=True under "
+                        "--seq-parallel), or a plan dict")
+    p.add_argument("--world-size", required=True, type=int, help="tensor-parallel ranks")
+    p.add_argument("--input", required=True, action="append", type=example_input,
+                   metavar="SHAPE[:DTYPE]", help="one positional example input, e.g. "
+                   "2x16:int64 (float32 if no dtype); repeat for more inputs")
+    p.add_argument("--seq-parallel", action="store_true",
+                   help="call the plan function as plan_fn(seq_parallel=True)")
+    p.add_argument("--rank", type=int, default=0, help="the rank whose view is reported")
+    p.add_argument("--dump-dir", help="also write every stage, report.json and graph.html")
+    p.add_argument("--json", action="store_true", help="print report.json instead of tables")
+    p.set_defaults(run=run_explain)
+
+
+def run_explain(args) -> int:
+    factory, plan = load(args.model), load(args.plan)
+    if callable(plan):
+        plan = plan(seq_parallel=True) if args.seq_parallel else plan()
+    elif args.seq_parallel:
+        raise SystemExit(f"--seq-parallel needs a plan function; {args.plan} is not callable")
+    with torch.device("meta"):
+        model = factory()
+    with fake_group(args.world_size, args.rank):
+        gm = parallelize(model, plan, example_inputs=args.input, dump_dir=args.dump_dir)
+        report = explain(gm)
+    print(report.to_json() if args.json else report)
+    return 0
+
+
+def load(spec: str):
+    """``package.module:name.attr`` -> that object (importable from the current
+    directory)."""
+    module, sep, name = spec.partition(":")
+    if not sep or not name:
+        raise SystemExit(f"expected MODULE:NAME (e.g. tests.transformer_models:Llama), got "
+                         f"{spec!r}")
+    try:
+        obj = importlib.import_module(module)
+        for part in name.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise SystemExit(f"cannot load {spec}: {type(e).__name__}: {e}") from e
+    return obj
+
+
+def example_input(spec: str) -> torch.Tensor:
+    """``2x16:int64`` -> an int64 (2, 16) tensor on the meta device."""
+    shape, _, dtype_name = spec.partition(":")
+    dtype = getattr(torch, dtype_name or "float32", None)
+    try:
+        sizes = [int(s) for s in shape.split("x")]
+    except ValueError:
+        sizes = None
+    if not isinstance(dtype, torch.dtype) or sizes is None:
+        raise argparse.ArgumentTypeError(f"expected SHAPE[:DTYPE] such as 2x16:int64, got "
+                                         f"{spec!r}")
+    return torch.empty(sizes, dtype=dtype, device="meta")
+
+
+@contextmanager
+def fake_group(world_size: int, rank: int = 0):
+    """A fake process group of ``world_size`` ranks in this process (shapes only)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    if dist.is_initialized():
+        raise SystemExit("a process group is already initialized; run the fxtp command "
+                         "line in a fresh process")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+COMMANDS: list[Callable] = [add_explain]

@@ -1,0 +1,252 @@
+"""``fxtp.explain(gm)``: what fxtp did to a model, node by node, and what it costs per step.
+
+Reads what the passes leave in ``node.meta`` of the ``GraphModule`` that
+:func:`fxtp.parallelize` returned: placements, the collective each rewrite node issues,
+fallbacks, and ``val`` (the global shape; the local shape is this rank's chunk of it).
+
+Forward collectives are graph nodes. Backward collectives are not: each is the conjugate
+of a forward one (the table in :mod:`fxtp.collectives`), issued when gradients flow
+through it, i.e. when its input depends on a trainable parameter (or, with
+``input_grads=True``, on a floating root input) through differentiable ops:
+
+==================  ========================  =======================================
+forward             forward bytes per rank    backward
+==================  ========================  =======================================
+all_reduce          the partial tensor        none
+reduce_scatter      the partial tensor        all-gather of the output's shard
+all_gather          this rank's shard         chunk (none), or a reduce-scatter of the
+                                              full gradient when it is partial
+shard               none                      all-gather of the output's shard
+grad_sync           none                      all-reduce of the full gradient
+grad_sync_bucket    none                      one all-reduce per dtype, of the summed
+                                              parameter sizes
+loss_parallel       3 per-token all-reduces   none
+==================  ========================  =======================================
+
+Bytes per rank are those of the local tensor a rank hands to the collective, as
+:func:`fxtp.count_collectives` counts them; strided (``split_factor``) collectives move
+the bytes of contiguous ones. Symbolic dims count with their size hints (the example
+inputs' sizes), listed in ``summary.symbolic_dims``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+from passes.meta import COLLECTIVE, FALLBACK, PLACEMENT, module_fqn
+from passes.placement import describe, is_sharded, split_factor
+from passes.rules import val
+
+from .loss import forward_all_reduce_bytes, loss_parallel_cross_entropy
+from .report import Comm, Fallback, Layer, NodeInfo, Report, Summary, Totals
+
+aten = torch.ops.aten
+_NO_GRAD = {aten.detach.default, aten.zeros_like.default, aten.ones_like.default,
+            aten.full_like.default, aten.empty_like.default, aten.new_zeros.default,
+            aten.new_ones.default, aten.new_empty.default, aten.new_full.default}
+
+
+# fxtp collective -> (forward, backward) collective; the forward one sends the input's
+# local tensor, the backward one the gradient, which has the output's placement
+CONJUGATES = {
+    "all_reduce": ("all_reduce", None),
+    "reduce_scatter": ("reduce_scatter", "all_gather"),
+    "all_gather": ("all_gather", "reduce_scatter"),  # when the gradient is partial
+    "shard": (None, "all_gather"),
+    "grad_sync": (None, "all_reduce"),
+}
+
+
+def explain(gm: fx.GraphModule, *, input_grads: bool = False) -> Report:
+    """The report of ``gm`` (from :func:`fxtp.parallelize`) on its rank: print it for a
+    table, ``.to_json()`` for ``report.json``. ``input_grads``: whether the root inputs
+    require gradients (backward collectives that only they would cause are counted)."""
+    info = getattr(gm, "fxtp", None)
+    if info is None:
+        raise TypeError("fxtp.explain takes the GraphModule fxtp.parallelize returned "
+                        f"(it has a .fxtp attribute); got {type(gm).__name__}")
+    rank, world = info.rank, info.world_size
+    grads = _carry_grad(gm, input_grads)
+    hints: dict[str, int] = {}
+    nodes = [node_info(n, rank, world, hints, grads) for n in gm.graph.nodes]
+    params = _param_bytes(gm)
+    forward, backward, layers = _rollup(nodes, params)
+    fallbacks = [Fallback(n.name, row.op, row.module, n.meta[FALLBACK])
+                 for n, row in zip(gm.graph.nodes, nodes) if n.meta.get(FALLBACK)]
+    summary = Summary(world, forward, backward, forward.total_bytes() + backward.total_bytes(),
+                      sum(p[0] for p in params.values()), sum(p[1] for p in params.values()),
+                      layers, fallbacks, hints)
+    return Report(summary, nodes)
+
+
+def _rollup(nodes: list[NodeInfo], params: dict) -> tuple[Totals, Totals, list[Layer]]:
+    """Collectives forward and backward in all, and per layer with parameter memory;
+    layers in the model's parameter order, then the graph's."""
+    layers: dict[str, Layer] = {}
+
+    def layer(module: str) -> Layer:
+        return layers.setdefault(layer_of(module), Layer(layer_of(module)))
+    for fqn, (local, full) in params.items():
+        owner = layer(fqn.rpartition(".")[0])
+        owner.param_bytes += local
+        owner.param_bytes_unsharded += full
+    forward, backward = Totals(), Totals()
+    for row in nodes:
+        if row.collective:
+            for totals, comms in ((forward, row.forward), (backward, row.backward),
+                                  (layer(row.module).forward, row.forward),
+                                  (layer(row.module).backward, row.backward)):
+                totals.add(comms)
+    return forward, backward, list(layers.values())
+
+
+def node_info(node: fx.Node, rank: int, world: int, hints: dict,
+              grads: frozenset = frozenset()) -> NodeInfo:
+    """One node's row: shapes, placement, and the collectives it issues (backward ones
+    only where ``grads``, the nodes carrying gradients, holds its input)."""
+    v, p = val(node), node.meta.get(PLACEMENT)
+    tensor = isinstance(v, torch.Tensor)
+    kind = collective_of(node)
+    forward, backward = _comms(node, kind, rank, world, grads) if kind else ([], [])
+    owner = node.target.rpartition(".")[0] if node.op == "get_attr" else ""
+    return NodeInfo(
+        name=node.name, op=op_name(node), module=module_fqn(node) or owner,
+        dtype=str(v.dtype).removeprefix("torch.") if tensor else None,
+        global_shape=[_dim(s, hints)[0] for s in v.shape] if tensor else None,
+        local_shape=[d for d, _ in _local_dims(v, p, rank, world, hints)] if tensor else None,
+        placement=describe(p), collective=kind, forward=forward, backward=backward,
+        fallback=node.meta.get(FALLBACK))
+
+
+def collective_of(node: fx.Node) -> Optional[str]:
+    if node.op == "call_function" and node.target is loss_parallel_cross_entropy:
+        return "loss_parallel"
+    return node.meta.get(COLLECTIVE)
+
+
+def op_name(node: fx.Node) -> str:
+    """``aten.mm.default``, ``fxtp.all_gather``, ``getitem``; the fx op for non-calls."""
+    if node.op != "call_function":
+        return node.op
+    target = node.target
+    if isinstance(target, torch._ops.OperatorBase):
+        return str(target)
+    name = getattr(target, "__name__", str(target))
+    package = (getattr(target, "__module__", None) or "").split(".")[0]
+    return f"fxtp.{name}" if package in ("fxtp", "passes") else name
+
+
+def layer_of(fqn: str) -> str:
+    """``layers.3.attention.wq`` -> ``layers.3``; a module in no list is its own layer."""
+    parts = fqn.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return fqn
+
+
+def _dim(size, hints: dict) -> tuple:
+    """``(size as reported, size hint)``: an int, or a symbolic dim's expression."""
+    if isinstance(size, int):
+        return size, size
+    constant = size.node.maybe_as_int()
+    if constant is not None:
+        return constant, constant
+    text = str(size.node.expr)
+    hints[text] = size.node.hint if size.node.has_hint() else 1024  # as placement.numel_hint
+    return text, hints[text]
+
+
+def _chunk(size: int, rank: int, world: int) -> int:
+    """The size of ``rank``'s piece of ``torch.chunk(size, world)``."""
+    step = -(-size // world)
+    return max(0, min(step, size - rank * step))
+
+
+def _local_dims(v: torch.Tensor, p, rank: int, world: int, hints: dict) -> list[tuple]:
+    dims = [_dim(s, hints) for s in v.shape]
+    if not is_sharded(p):
+        return dims
+    k = split_factor(p)
+    size, hint = dims[p.dim]
+    local_hint = k * _chunk(hint // k, rank, world)
+    dims[p.dim] = (local_hint if isinstance(size, int) else f"{size}/{world}", local_hint)
+    return dims
+
+
+def _local_bytes(node: fx.Node, rank: int, world: int) -> int:
+    v = val(node)
+    dims = _local_dims(v, node.meta.get(PLACEMENT), rank, world, {})
+    return math.prod(h for _, h in dims) * v.dtype.itemsize
+
+
+def _comms(node: fx.Node, kind: str, rank: int, world: int, grads) -> tuple[list, list]:
+    """``(forward, backward)`` collectives of a collective node of ``kind``."""
+    if kind == "grad_sync_bucket":
+        by_dtype: dict = {}
+        for param in node.args[1:]:
+            by_dtype[val(param).dtype] = by_dtype.get(val(param).dtype, 0) + \
+                _local_bytes(param, rank, world)
+        flows = any(param in grads for param in node.args[1:])
+        return [], [Comm("all_reduce", b) for b in by_dtype.values()] if flows else []
+    x, flows = node.args[0], node.args[0] in grads
+    if kind == "loss_parallel":
+        logits, target = val(x), val(node.args[1])
+        tokens = _numel_hint(logits) // _hint(logits.shape[node.args[6]])
+        sizes = forward_all_reduce_bytes(tokens, logits.dtype, target.is_floating_point(),
+                                         node.args[5])
+        return [Comm("all_reduce", b) for b in sizes], []
+    forward, backward = CONJUGATES[kind]
+    if kind == "all_gather" and not (len(node.args) > 5 and node.args[5]):
+        backward = None  # the gradient is replicated: this rank's chunk is taken
+    return ([Comm(forward, _local_bytes(x, rank, world))] if forward else [],
+            [Comm(backward, _local_bytes(node, rank, world))] if backward and flows else [])
+
+
+def _hint(size) -> int:
+    return _dim(size, {})[1]
+
+
+def _numel_hint(v: torch.Tensor) -> int:
+    return math.prod(_hint(s) for s in v.shape)
+
+
+def _carry_grad(gm: fx.GraphModule, input_grads: bool) -> frozenset:
+    """Nodes whose value carries a gradient in backward: trainable parameters (and floating
+    root inputs with ``input_grads``) and floating values computed from them by
+    differentiable ops."""
+    found = set()
+    for node in gm.graph.nodes:
+        v = val(node)
+        floating = not isinstance(v, torch.Tensor) or v.dtype.is_floating_point or \
+            v.dtype.is_complex
+        if node.op == "placeholder":
+            carries = input_grads and isinstance(v, torch.Tensor) and floating
+        elif node.op == "get_attr":
+            carries = getattr(_attr(gm, node.target), "requires_grad", False)
+        else:
+            carries = node.op == "call_function" and node.target not in _NO_GRAD and \
+                not isinstance(v, (int, torch.SymInt)) and floating and \
+                any(a in found for a in node.all_input_nodes)
+        if carries:
+            found.add(node)
+    return frozenset(found)
+
+
+def _attr(gm: fx.GraphModule, target: str):
+    owner, _, name = target.rpartition(".")
+    return getattr(gm.get_submodule(owner), name)
+
+
+def _param_bytes(gm: fx.GraphModule) -> dict[str, tuple[int, int]]:
+    """Parameter FQN -> (bytes on this rank, bytes unsharded); tied parameters once."""
+    full = {n.target: val(n) for n in gm.graph.nodes if n.op == "get_attr"}
+    out = {}
+    for fqn, p in gm.named_parameters():
+        local = p.numel() * p.element_size()
+        v = full.get(fqn)
+        out[fqn] = (local, v.numel() * v.element_size() if isinstance(v, torch.Tensor) else local)
+    return out
