@@ -1,5 +1,10 @@
 """``python -m fxtp COMMAND``: fxtp's command line.
 
+``demo`` trains a small Llama with TP + sequence parallel + loss parallel next to the
+single-device model (2 gloo CPU ranks spawned, or the ranks of ``torchrun``)::
+
+    python -m fxtp demo [--steps 30] [--batch 4] [--world 2]
+
 ``explain`` checks a plan without a cluster: the model is built on the meta device (no
 memory, no data), the passes run on a fake process group of ``--world-size`` ranks in this
 process, and the report of one rank is printed::
@@ -128,4 +133,21 @@ def fake_group(world_size: int, rank: int = 0):
         dist.destroy_process_group()
 
 
-COMMANDS: list[Callable] = [add_explain]
+# --- demo ---------------------------------------------------------------------------------
+
+def add_demo(commands) -> None:
+    from . import demo
+    p = commands.add_parser("demo", help="train a small Llama with TP + sequence parallel + "
+                            "loss parallel next to the single-device model",
+                            description=demo.__doc__.split("\n\n")[0])
+    demo.add_arguments(p)
+    p.set_defaults(run=run_demo)
+
+
+def run_demo(args) -> int:
+    from . import demo
+    demo.main(args)
+    return 0
+
+
+COMMANDS: list[Callable] = [add_demo, add_explain]
