@@ -1,6 +1,7 @@
 """Small single-device transformers (GPT-2 and Llama-3 style) written the way people write
 them, used as tensor-parallel parity subjects, and their per-layer TP plans."""
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -99,6 +100,7 @@ class LlamaConfig:
     n_heads: int = 4
     n_kv_heads: int = 2
     multiple_of: int = 16
+    ffn_dim_multiplier: Optional[float] = None  # Llama-3-8B: 1.3
     max_seq_len: int = 32
     rope: str = "real"              # "real" (cos/sin, rotate_half) or "complex" (polar)
     repeat_mode: str = "expand"     # "expand" (repeat_kv) or "repeat_interleave"
@@ -199,11 +201,14 @@ class LlamaAttention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU; hidden size as in Meta's code (2/3 of 4*dim, rounded up to multiple_of)."""
+    """SwiGLU; hidden size as in Meta's code (2/3 of 4*dim, times ffn_dim_multiplier,
+    rounded up to multiple_of)."""
 
-    def __init__(self, dim: int, multiple_of: int):
+    def __init__(self, dim: int, multiple_of: int, ffn_dim_multiplier: Optional[float] = None):
         super().__init__()
         hidden = int(2 * (4 * dim) / 3)
+        if ffn_dim_multiplier is not None:
+            hidden = int(ffn_dim_multiplier * hidden)
         hidden = multiple_of * ((hidden + multiple_of - 1) // multiple_of)
         assert hidden % 4 == 0, hidden
         self.w1 = nn.Linear(dim, hidden, bias=False)
@@ -220,7 +225,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attention = LlamaAttention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.multiple_of)
+        self.feed_forward = FeedForward(cfg.dim, cfg.multiple_of, cfg.ffn_dim_multiplier)
 
     def forward(self, x, freqs):
         h = x + self.attention(self.attention_norm(x), freqs)
@@ -320,3 +325,25 @@ def gpt2_sp_plan(loss_parallel=False):
         "h.*.mlp.c_fc": fxtp.ColwiseParallel(),
         "h.*.mlp.c_proj": fxtp.RowwiseParallel(output_layouts=Shard(1)),
     }
+
+
+# --- initialization for models built on the meta device ----------------------------------
+
+@torch.no_grad()
+def init_weights(module: nn.Module) -> None:
+    """``parallelize(..., init_fn=init_weights)`` for these models: each module's own
+    tensors as their constructors initialize them (rotary tables recomputed)."""
+    if isinstance(module, (nn.Linear, nn.Embedding, nn.LayerNorm)):
+        module.reset_parameters()
+    elif isinstance(module, RMSNorm):
+        nn.init.ones_(module.weight)
+    elif isinstance(module, Llama):
+        cfg = module.config
+        head_dim = cfg.dim // cfg.n_heads
+        if cfg.rope == "complex":
+            module.freqs_cis.copy_(precompute_freqs_cis(head_dim, cfg.max_seq_len,
+                                                        cfg.rope_theta))
+        else:
+            cos, sin = precompute_cos_sin(head_dim, cfg.max_seq_len, cfg.rope_theta)
+            module.cos.copy_(cos)
+            module.sin.copy_(sin)
