@@ -88,21 +88,13 @@ def materialize(gm: fx.GraphModule, model: nn.Module, meta: dict[str, torch.Tens
                 init_fn: Optional[Callable[[nn.Module], None]], seed: int) -> None:
     """Give ``gm`` real local tensors for the ``meta`` FQNs and initialize them (see the
     module docstring). ``placements``: FQN -> placement; ``seed``: rank 0's draw."""
-    placeholders = dict(_named_tensors(gm, remove_duplicate=False))
-    real: dict[int, torch.Tensor] = {}
-    for fqn in meta:
-        value = placeholders[fqn]
-        if id(value) not in real:
-            local = _unwritten(value.shape, value.dtype, device)
-            real[id(value)] = nn.Parameter(local, value.requires_grad) \
-                if isinstance(value, nn.Parameter) else local
-        _register(gm, fqn, real[id(value)])
+    allocated = _allocate(gm, meta, device)
     first = {}  # id(model tensor) -> its first FQN, whose module initializes it
     for fqn, t in _named_tensors(model):
         if t.is_meta:
             first.setdefault(id(t), fqn)
     names = {fqn: first[id(t)] for fqn, t in meta.items()}  # every name -> first name
-    locals_ = {names[fqn]: real[id(placeholders[fqn])] for fqn in meta}
+    locals_ = {names[fqn]: allocated[fqn] for fqn in meta}
     placed = {names[fqn]: p for fqn, p in placements.items() if fqn in names and p}
     views = {fqn: _init_view(t.detach(), placed.get(fqn), mesh, meta[fqn].shape)
              for fqn, t in locals_.items()}
@@ -112,16 +104,32 @@ def materialize(gm: fx.GraphModule, model: nn.Module, meta: dict[str, torch.Tens
         owned = [fqn for fqn in locals_ if _within(fqn.rpartition(".")[0], prefix)]
         if init is None or not owned:
             continue
-        for stream in sorted({_stream(placed.get(fqn), group.rank) for fqn in owned}):
-            mine = {fqn for fqn in owned if _stream(placed.get(fqn), group.rank) == stream}
-            with swapped(model, {n: views[f] for n, f in names.items() if f in mine}), \
-                    _random_stream(seed, prefix, stream, device), torch.no_grad(), \
-                    warnings.catch_warnings():
+        streams = {fqn: _stream(placed.get(fqn), group.rank) for fqn in owned}
+        for stream in sorted(set(streams.values())):
+            # the other stream's tensors stay meta: what the initializer writes there is lost
+            shown = {n: views[f] for n, f in names.items() if streams.get(f) == stream}
+            with swapped(model, shown), _random_stream(seed, prefix, stream, device), \
+                    torch.no_grad(), warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="DTensor random operators")
                 init()
         if isinstance(module, nn.Embedding) and module.padding_idx is not None:
             _zero_padding_row(module, prefix, locals_, placed, group)
     _check_written(model, locals_, init_fn)
+
+
+def _allocate(gm: nn.Module, meta: dict, device) -> dict[str, torch.Tensor]:
+    """Register in ``gm`` a new local tensor (ties kept) for each ``meta`` FQN, whose value
+    in ``gm`` is still a fake or meta stand-in of the local shape; return them by FQN."""
+    stand_ins = dict(_named_tensors(gm, remove_duplicate=False))
+    made: dict[int, torch.Tensor] = {}
+    for fqn in meta:
+        value = stand_ins[fqn]
+        if id(value) not in made:
+            local = _unwritten(value.shape, value.dtype, device)
+            made[id(value)] = nn.Parameter(local, value.requires_grad) \
+                if isinstance(value, nn.Parameter) else local
+        _register(gm, fqn, made[id(value)])
+    return {fqn: made[id(stand_ins[fqn])] for fqn in meta}
 
 
 def _unwritten(shape, dtype, device) -> torch.Tensor:
