@@ -1,8 +1,10 @@
 """fxtp: tensor parallelism for PyTorch as a compiler pass over torch.fx graphs."""
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from .checkpoint import full_state_dict, load_full_state_dict, load_state_dict, state_dict
+from .clip import clip_grad_norm_
 from .comm_count import count_collectives
-from .errors import FxtpError, PlanError, ShardingError, TraceError
+from .errors import FxtpError, InputError, PlanError, ShardingError, TraceError
 from .explain import explain
 from .loss import cross_entropy
 from .parallelize import parallelize
@@ -15,6 +17,6 @@ __all__ = [
     "parallelize", "explain", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
     "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "ParallelStyle",
     "Shard", "Replicate", "Partial", "count_collectives", "cross_entropy", "Report",
-    "FxtpError",
-    "PlanError", "ShardingError", "TraceError",
+    "state_dict", "load_state_dict", "full_state_dict", "load_full_state_dict",
+    "clip_grad_norm_", "FxtpError", "InputError", "PlanError", "ShardingError", "TraceError",
 ]

@@ -83,7 +83,8 @@ def run_explain(args) -> int:
     with torch.device("meta"):
         model = factory()
     with fake_group(args.world_size, args.rank):
-        gm = parallelize(model, plan, example_inputs=args.input, dump_dir=args.dump_dir)
+        gm = parallelize(model, plan, example_inputs=args.input, dump_dir=args.dump_dir,
+                         device="meta")
         report = explain(gm)
     print(report.to_json() if args.json else report)
     return 0

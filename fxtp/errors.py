@@ -15,3 +15,7 @@ class ShardingError(FxtpError, RuntimeError):
 
 class TraceError(FxtpError, RuntimeError):
     """The model could not be traced to a graph."""
+
+
+class InputError(FxtpError, ValueError):
+    """A call's inputs differ from the ones ``parallelize`` traced."""

@@ -35,6 +35,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    def reset_parameters(self):
+        nn.init.ones_(self.weight)
+
     def _norm(self, x):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
 
@@ -173,6 +176,18 @@ class Llama(nn.Module):
             cos, sin = precompute_cos_sin(head_dim, cfg.max_seq_len, cfg.rope_theta)
             self.register_buffer("cos", cos, persistent=False)
             self.register_buffer("sin", sin, persistent=False)
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        """Recompute the rotary tables (a model built on the meta device has none)."""
+        cfg = self.config
+        head_dim = cfg.dim // cfg.n_heads
+        if cfg.rope == "complex":
+            self.freqs_cis.copy_(precompute_freqs_cis(head_dim, cfg.max_seq_len, cfg.rope_theta))
+        else:
+            for buffer, table in zip((self.cos, self.sin),
+                                     precompute_cos_sin(head_dim, cfg.max_seq_len, cfg.rope_theta)):
+                buffer.copy_(table)
 
     def forward(self, tokens):
         _, seqlen = tokens.shape

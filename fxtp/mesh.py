@@ -1,7 +1,7 @@
 """Resolve the ``mesh`` argument to the process group fxtp's collectives run on."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import torch.distributed as dist
@@ -17,6 +17,19 @@ class Group:
     name: str
     rank: int
     world: int
+    pg: Optional[dist.ProcessGroup] = field(default=None, compare=False, repr=False)
+    given_mesh: Optional[DeviceMesh] = field(default=None, compare=False, repr=False)
+
+    @property
+    def device_type(self) -> str:
+        """The device type the group's backend communicates on: ``cuda`` for NCCL."""
+        if self.given_mesh is not None:
+            return self.given_mesh.device_type
+        return "cuda" if "nccl" in str(dist.get_backend(self.pg)) else "cpu"
+
+    def device_mesh(self) -> DeviceMesh:
+        """The 1-D ``DeviceMesh`` over the group (DTensors of checkpoints live on it)."""
+        return self.given_mesh or DeviceMesh.from_group(self.pg, self.device_type)
 
 
 def resolve_group(mesh: Union[DeviceMesh, dist.ProcessGroup, None]) -> Group:
@@ -30,9 +43,10 @@ def resolve_group(mesh: Union[DeviceMesh, dist.ProcessGroup, None]) -> Group:
             raise PlanError(f"fxtp shards over a 1-D mesh; got a {mesh.ndim}-D DeviceMesh "
                             f"{tuple(mesh.shape)}. Pass the tensor-parallel dim: {hint}")
         pg: Optional[dist.ProcessGroup] = mesh.get_group()
+        given = mesh
     elif mesh is None or isinstance(mesh, dist.ProcessGroup):
-        pg = mesh or dist.group.WORLD
+        pg, given = mesh or dist.group.WORLD, None
     else:
         raise PlanError(f"mesh must be a 1-D DeviceMesh, a ProcessGroup or None, got "
                         f"{type(mesh).__name__}")
-    return Group(pg.group_name, dist.get_rank(pg), dist.get_world_size(pg))
+    return Group(pg.group_name, dist.get_rank(pg), dist.get_world_size(pg), pg, given)

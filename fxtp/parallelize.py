@@ -1,13 +1,16 @@
-"""``parallelize``: trace -> seed -> propagate -> strided (re-propagate) -> rewrite ->
-localize, each stage's result optionally dumped to files (:mod:`fxtp.dump`)."""
+"""``parallelize``: trace -> (same on every rank?) -> seed -> propagate -> strided
+(re-propagate) -> rewrite -> localize -> (materialize meta tensors) -> guard inputs, each
+stage's result optionally dumped to files (:mod:`fxtp.dump`)."""
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from passes.localize import localize
 from passes.meta import PLACEMENT
@@ -17,6 +20,9 @@ from passes.seed import seed
 from passes.strided import stride_fused_splits
 
 from .dump import Dumper
+from .errors import PlanError
+from .guards import check_fresh, check_same_on_every_rank, guard_inputs
+from .materialize import fake_tensors, materialize, meta_tensors, swapped
 from .mesh import resolve_group
 from .plan import Plan, resolve_plan
 from .trace import trace
@@ -33,11 +39,24 @@ class ParallelInfo:
     fallbacks: list[str] = field(default_factory=list)
     output_placements: tuple = ()
     param_placements: dict = field(default_factory=dict)
+    mesh: Optional[DeviceMesh] = None
+    state_keys: tuple = ()  # the model's state_dict() keys, in order
+
+
+def info_of(gm: nn.Module) -> ParallelInfo:
+    """``gm.fxtp``, or a :class:`PlanError` for a module parallelize did not return."""
+    info = getattr(gm, "fxtp", None)
+    if not isinstance(info, ParallelInfo):
+        raise PlanError(f"expected the result of fxtp.parallelize, got a "
+                        f"{type(gm).__name__} without gm.fxtp")
+    return info
 
 
 def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequence,
                 example_kwargs: Optional[dict] = None, dynamic_shapes=None,
-                strict: bool = False, dump_dir: Optional[str] = None) -> fx.GraphModule:
+                strict: bool = False, init_fn: Optional[Callable[[nn.Module], None]] = None,
+                device: Union[str, torch.device, None] = None,
+                dump_dir: Optional[str] = None) -> fx.GraphModule:
     """Return this rank's tensor-parallel ``GraphModule`` for ``model`` under ``plan``.
 
     ``example_inputs`` / ``example_kwargs`` are full (single-device) inputs used for
@@ -50,15 +69,26 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
     1: Dim("seq")}}``) marks dims that may change between calls: the result then serves
     every size without retracing.
 
+    A model built on the meta device gets only its local shards, allocated on ``device``
+    (default: the group's device) and initialized by ``init_fn(module)`` or the modules'
+    ``reset_parameters()`` (:mod:`fxtp.materialize`); with ``device="meta"`` they stay on
+    the meta device (shapes only: plan checks, :mod:`fxtp.cli`).
+
     ``dump_dir`` (or the environment variable ``FXTP_DUMP_DIR``) writes every stage's
     result, :func:`fxtp.explain`'s report and an HTML view there (:mod:`fxtp.dump`).
     """
+    check_fresh(model)
     shardings = resolve_plan(model, plan)
     group = resolve_group(mesh)
+    device = _device(device, group)
+    meta = meta_tensors(model)
     with Dumper(dump_dir, group) as dump:
-        gm, calls = trace(model, tuple(example_inputs), example_kwargs, shardings,
-                          dynamic_shapes)
+        with swapped(model, fake_tensors(meta, device)):
+            gm, calls = trace(model, tuple(example_inputs), example_kwargs, shardings,
+                              dynamic_shapes)
         dump.code("traced", gm)
+        init_seed = check_same_on_every_rank(group, _device(None, group), shardings, model,
+                                             gm, int(torch.randint(2 ** 62, ())) if meta else 0)
         seed(gm, shardings, calls, group.world, _tied_names(model))
         fallbacks = propagate(gm, group.world, strict=strict)
         if stride_fused_splits(gm, group.world):
@@ -69,19 +99,29 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
         rewrite(gm, group.name, group.rank, group.world)
         dump.code("rewritten", gm)
         localize(gm, group)
+        placements = {n.target: n.meta[PLACEMENT] for n in gm.graph.nodes if n.op == "get_attr"}
+        device_mesh = group.device_mesh()
+        if meta and device.type != "meta":
+            materialize(gm, model, meta, placements, group, device_mesh, device, init_fn,
+                        init_seed)
+        guard_inputs(gm, group.world)
         dump.code("localized", gm)
-        gm.fxtp = _info(gm, shardings, group, fallbacks)
+        outputs = next(iter(reversed(gm.graph.nodes))).args[0]
+        gm.fxtp = ParallelInfo({k: s.style for k, s in shardings.items()}, group.name,
+                               group.rank, group.world, fallbacks,
+                               tuple(getattr(o, "meta", {}).get(PLACEMENT) for o in outputs),
+                               placements, device_mesh, tuple(model.state_dict(keep_vars=True)))
         dump.report(gm)
     return gm
 
 
-def _info(gm: fx.GraphModule, shardings: dict, group, fallbacks: list[str]) -> ParallelInfo:
-    outputs = next(iter(reversed(gm.graph.nodes))).args[0]
-    return ParallelInfo({k: s.style for k, s in shardings.items()}, group.name, group.rank,
-                        group.world, fallbacks,
-                        tuple(getattr(o, "meta", {}).get(PLACEMENT) for o in outputs),
-                        {n.target: n.meta[PLACEMENT] for n in gm.graph.nodes
-                         if n.op == "get_attr"})
+def _device(device, group) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if group.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(group.device_type)
+
 
 def _tied_names(model: nn.Module) -> dict[str, list[str]]:
     """Parameter FQN -> all FQNs of that tensor, for tensors registered under several."""

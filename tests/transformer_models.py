@@ -10,6 +10,7 @@ import torch.nn.functional as F
 import fxtp
 from fxtp import Replicate, Shard
 from fxtp.llama import (FeedForward, Llama, LlamaAttention, LlamaConfig, RMSNorm,  # noqa: F401
+                        precompute_cos_sin, precompute_freqs_cis,
                         TransformerBlock, llama_layer_plan, llama_sp_plan, llama_tp_plan)
 
 
@@ -132,8 +133,23 @@ def llama_8_heads():
 def llama_plan(seq_parallel=False):
     """The whole :class:`Llama` under tensor parallelism: vocab-parallel embedding, the
     layer plan, the head's logits gathered; torchtitan's plan with ``seq_parallel``."""
-    if seq_parallel:
-        return llama_sp_plan()
-    return {"tok_embeddings": fxtp.RowwiseParallel(input_layouts=Replicate()),
-            **llama_layer_plan(),
-            "output": fxtp.ColwiseParallel(output_layouts=Replicate())}
+    return llama_sp_plan() if seq_parallel else llama_tp_plan()
+
+
+def init_weights(module: nn.Module) -> None:
+    """``parallelize(..., init_fn=init_weights)`` for these models: each module's own
+    tensors as their constructors initialize them (rotary tables recomputed)."""
+    if isinstance(module, (nn.Linear, nn.Embedding, nn.LayerNorm)):
+        module.reset_parameters()
+    elif isinstance(module, RMSNorm):
+        nn.init.ones_(module.weight)
+    elif isinstance(module, Llama):
+        cfg = module.config
+        head_dim = cfg.dim // cfg.n_heads
+        if cfg.rope == "complex":
+            module.freqs_cis.copy_(precompute_freqs_cis(head_dim, cfg.max_seq_len,
+                                                        cfg.rope_theta))
+        else:
+            cos, sin = precompute_cos_sin(head_dim, cfg.max_seq_len, cfg.rope_theta)
+            module.cos.copy_(cos)
+            module.sin.copy_(sin)

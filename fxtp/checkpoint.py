@@ -1,0 +1,118 @@
+"""Checkpoints of an fxtp module, under the single-device model's state-dict keys.
+
+* :func:`state_dict`: ``DTensor`` s on the module's mesh, for
+  ``torch.distributed.checkpoint`` (DCP), which saves them once and loads them back at any
+  world size, or into the single-device model. They share memory with the module's
+  tensors, except a fused projection's ``_StridedShard`` weight, which DCP cannot describe
+  as one chunk per rank: it is handed out re-laid as ``Shard(d)`` (an all-gather), and
+  :func:`load_state_dict` lays it back. ``dcp.load`` into the dict, then
+  ``load_state_dict`` copies whatever did not load in place.
+* :func:`full_state_dict` / :func:`load_full_state_dict`: plain full tensors on every rank
+  (one all-gather per sharded tensor to save, none to load), for ``torch.save`` and
+  ``model.load_state_dict``.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from passes.placement import is_sharded, local_part
+
+from .errors import PlanError
+from .parallelize import info_of
+
+
+def _tensors(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``gm`` under all its names."""
+    return {**dict(gm.named_parameters(remove_duplicate=False)),
+            **dict(gm.named_buffers(remove_duplicate=False))}
+
+
+def _dtensor(local: torch.Tensor, placement, mesh, world: int) -> DTensor:
+    shape = list(local.shape)
+    if is_sharded(placement):
+        shape[placement.dim] *= world
+    return DTensor.from_local(local, mesh, [placement], run_check=False,
+                              shape=torch.Size(shape),
+                              stride=torch.empty(shape, device="meta").stride())
+
+
+def _entries(gm: fx.GraphModule):
+    """``(key, this rank's tensor, placement)`` for each state-dict key (a tied tensor
+    has its placement under every name)."""
+    info, tensors = info_of(gm), _tensors(gm)
+    placed = {id(tensors[fqn]): p for fqn, p in info.param_placements.items() if p}
+    for key in info.state_keys:
+        yield key, tensors[key], placed.get(id(tensors[key]), Replicate())
+
+
+@torch.no_grad()
+def state_dict(gm: fx.GraphModule) -> dict[str, DTensor]:
+    """The model's state as ``DTensor`` s on ``gm.fxtp.mesh`` (see the module docstring)."""
+    info, out, made = info_of(gm), {}, {}
+    for key, t, placement in _entries(gm):
+        if id(t) not in made:  # tied names share one DTensor
+            dt = _dtensor(t.detach(), placement, info.mesh, info.world_size)
+            if isinstance(placement, _StridedShard):
+                dt = dt.redistribute(info.mesh, [Shard(placement.dim)])
+            made[id(t)] = dt
+        out[key] = made[id(t)]
+    return out
+
+
+@torch.no_grad()
+def load_state_dict(gm: fx.GraphModule, sd: Mapping[str, DTensor]) -> None:
+    """Copy ``DTensor`` s (any placement on ``gm``'s mesh, e.g. those :func:`state_dict`
+    returned, after ``dcp.load``) into ``gm``'s shards."""
+    info = info_of(gm)
+
+    def local(key, value, placement):
+        if not isinstance(value, DTensor):
+            raise PlanError(f"state_dict['{key}'] is a {type(value).__name__}, not a "
+                            f"DTensor; use fxtp.load_full_state_dict for full tensors")
+        return value.redistribute(info.mesh, [placement]).to_local()
+    _load(gm, sd, local)
+
+
+@torch.no_grad()
+def full_state_dict(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
+    """The model's state as full tensors, the same on every rank: what the single-device
+    model's ``state_dict()`` would hold."""
+    info, out, made = info_of(gm), {}, {}
+    for key, t, placement in _entries(gm):
+        if id(t) not in made:
+            made[id(t)] = _dtensor(t.detach(), placement, info.mesh,
+                                   info.world_size).full_tensor()
+        out[key] = made[id(t)]
+    return out
+
+
+@torch.no_grad()
+def load_full_state_dict(gm: fx.GraphModule, sd: Mapping[str, torch.Tensor]) -> None:
+    """Load full tensors (a single-device model's ``state_dict()``) into ``gm``: each rank
+    keeps its part. No communication."""
+    info = info_of(gm)
+    _load(gm, sd, lambda key, value, placement:
+          local_part(value, placement, info.rank, info.world_size))
+
+
+def _load(gm, sd: Mapping, local_of) -> None:
+    """Copy ``local_of(key, sd[key], placement)`` into each of ``gm``'s tensors; every key
+    must be present and no other."""
+    info = info_of(gm)
+    missing = [k for k in info.state_keys if k not in sd]
+    unexpected = [k for k in sd if k not in info.state_keys]
+    if missing or unexpected:
+        raise PlanError(f"state dict keys differ from the model's: missing {missing}, "
+                        f"unexpected {unexpected}")
+    for key, t, placement in _entries(gm):
+        value = local_of(key, sd[key], placement)
+        if value.shape != t.shape:
+            raise PlanError(f"state_dict['{key}'] gives this rank a {tuple(value.shape)} "
+                            f"tensor; its shard is {tuple(t.shape)} (placement {placement})")
+        if value.data_ptr() != t.data_ptr():  # DCP may have loaded it in place already
+            t.copy_(value)

@@ -1,0 +1,217 @@
+"""Meta-device models: trace without weights, then allocate and initialize only this
+rank's shards; the full weights never exist anywhere.
+
+A model built under ``torch.device("meta")`` is traced with its meta tensors swapped for
+fake tensors on the target device (no memory). After the passes, every meta parameter and
+buffer of the result is allocated with its local shape on ``device`` and initialized:
+
+* modules are visited children first (the order constructors initialize in); for each one
+  fxtp calls ``init_fn(module)`` when given, else ``module.reset_parameters()`` if the
+  module defines it;
+* during the call the module's tensors are this rank's shards: a sharded one as a
+  ``DTensor`` of the global shape, so ``torch.nn.init`` computes fans from the global shape
+  and draws the single-device distribution; a replicated one as a plain tensor;
+* sharded tensors draw from a stream of their own on each rank (shards are independent),
+  replicated ones from a stream shared by all ranks (identical everywhere); the streams
+  are seeded from one number drawn from rank 0's default generator, so the same seed
+  gives the same shards. The values are not slices of what single-device initialization
+  would draw;
+* a tensor registered under several names (tied weights) is initialized by the module of
+  its first name only;
+* a floating (integer) tensor left holding NaN (the integer maximum) afterwards was not
+  initialized: a :class:`PlanError` names it. Boolean buffers cannot be checked.
+
+DTensor indexes a sharded dim by gathering, so a write through ``t[i]`` on a sharded dim
+is lost; the one in torch's own initializers, ``nn.Embedding``'s zeroed ``padding_idx``
+row, is redone here on the rank holding it.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import warnings
+from typing import Callable, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor
+
+from passes.placement import is_sharded
+
+from .errors import PlanError
+
+
+def meta_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """FQN -> tensor for every meta parameter and buffer, under all its names."""
+    return {fqn: t for fqn, t in _named_tensors(model, remove_duplicate=False) if t.is_meta}
+
+
+def _named_tensors(module: nn.Module, remove_duplicate: bool = True):
+    yield from module.named_parameters(remove_duplicate=remove_duplicate)
+    yield from module.named_buffers(remove_duplicate=remove_duplicate)
+
+
+@contextlib.contextmanager
+def swapped(model: nn.Module, tensors: dict[str, torch.Tensor]):
+    """Register ``tensors`` (FQN -> tensor) in ``model`` in place of its own for the
+    duration of the block; the originals are restored on exit."""
+    saved = []
+    try:
+        for fqn, t in tensors.items():
+            owner_name, _, name = fqn.rpartition(".")
+            owner = model.get_submodule(owner_name)
+            slots = owner._parameters if name in owner._parameters else owner._buffers
+            saved.append((slots, name, slots[name]))
+            slots[name] = t
+        yield model
+    finally:
+        for slots, name, original in reversed(saved):
+            slots[name] = original
+
+
+def fake_tensors(meta: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Fake tensors on ``device`` standing for ``meta`` tensors (ties kept), to trace with."""
+    mode, fakes = FakeTensorMode(allow_non_fake_inputs=True), {}
+    with mode:
+        for t in meta.values():
+            if id(t) not in fakes:
+                fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+                fakes[id(t)] = nn.Parameter(fake, t.requires_grad) \
+                    if isinstance(t, nn.Parameter) else fake
+    return {fqn: fakes[id(t)] for fqn, t in meta.items()}
+
+
+def materialize(gm: fx.GraphModule, model: nn.Module, meta: dict[str, torch.Tensor],
+                placements: dict, group, mesh, device: torch.device,
+                init_fn: Optional[Callable[[nn.Module], None]], seed: int) -> None:
+    """Give ``gm`` real local tensors for the ``meta`` FQNs and initialize them (see the
+    module docstring). ``placements``: FQN -> placement; ``seed``: rank 0's draw."""
+    allocated = _allocate(gm, meta, device)
+    first = {}  # id(model tensor) -> its first FQN, whose module initializes it
+    for fqn, t in _named_tensors(model):
+        if t.is_meta:
+            first.setdefault(id(t), fqn)
+    names = {fqn: first[id(t)] for fqn, t in meta.items()}  # every name -> first name
+    locals_ = {names[fqn]: allocated[fqn] for fqn in meta}
+    placed = {names[fqn]: p for fqn, p in placements.items() if fqn in names and p}
+    views = {fqn: _init_view(t.detach(), placed.get(fqn), mesh, meta[fqn].shape)
+             for fqn, t in locals_.items()}
+    for prefix, module in reversed(list(model.named_modules())):
+        init = (lambda m=module: init_fn(m)) if init_fn else \
+            getattr(module, "reset_parameters", None)
+        owned = [fqn for fqn in locals_ if _within(fqn.rpartition(".")[0], prefix)]
+        if init is None or not owned:
+            continue
+        streams = {fqn: _stream(placed.get(fqn), group.rank) for fqn in owned}
+        for stream in sorted(set(streams.values())):
+            # the other stream's tensors stay meta: what the initializer writes there is lost
+            shown = {n: views[f] for n, f in names.items() if streams.get(f) == stream}
+            with swapped(model, shown), _random_stream(seed, prefix, stream, device), \
+                    torch.no_grad(), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="DTensor random operators")
+                init()
+        if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+            _zero_padding_row(module, prefix, locals_, placed, group)
+    _check_written(model, locals_, init_fn)
+
+
+def _allocate(gm: nn.Module, meta: dict, device) -> dict[str, torch.Tensor]:
+    """Register in ``gm`` a new local tensor (ties kept) for each ``meta`` FQN, whose value
+    in ``gm`` is still a fake or meta stand-in of the local shape; return them by FQN."""
+    stand_ins = dict(_named_tensors(gm, remove_duplicate=False))
+    made: dict[int, torch.Tensor] = {}
+    for fqn in meta:
+        value = stand_ins[fqn]
+        if id(value) not in made:
+            local = _unwritten(value.shape, value.dtype, device)
+            made[id(value)] = nn.Parameter(local, value.requires_grad) \
+                if isinstance(value, nn.Parameter) else local
+        _register(gm, fqn, made[id(value)])
+    return {fqn: made[id(stand_ins[fqn])] for fqn in meta}
+
+
+def _unwritten(shape, dtype, device) -> torch.Tensor:
+    """An allocation holding a marker no initializer writes: NaN, or the integer max."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    if dtype == torch.bool:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.full(shape, torch.iinfo(dtype).max, dtype=dtype, device=device)
+
+
+def _is_unwritten(t: torch.Tensor) -> bool:
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        return bool(torch.isnan(t).any())
+    if t.dtype == torch.bool or t.numel() == 0:
+        return False
+    return bool((t == torch.iinfo(t.dtype).max).all())
+
+
+def _register(gm: nn.Module, fqn: str, t: torch.Tensor) -> None:
+    owner_name, _, name = fqn.rpartition(".")
+    owner = gm.get_submodule(owner_name)
+    if name in owner._parameters:
+        owner._parameters[name] = t
+    else:
+        owner._buffers[name] = t
+
+
+def _init_view(local: torch.Tensor, placement, mesh, global_shape) -> torch.Tensor:
+    """What an initializer sees: the local tensor, or for a shard a DTensor of the
+    global shape over it."""
+    if not is_sharded(placement):
+        return local
+    return DTensor.from_local(local, mesh, [placement], run_check=False,
+                              shape=torch.Size(global_shape),
+                              stride=torch.empty(global_shape, device="meta").stride())
+
+
+def _within(owner: str, prefix: str) -> bool:
+    return prefix == "" or owner == prefix or owner.startswith(prefix + ".")
+
+
+def _stream(placement, rank: int) -> str:
+    return f"shard{rank}" if is_sharded(placement) else "replicated"
+
+
+@contextlib.contextmanager
+def _random_stream(seed: int, prefix: str, stream: str, device: torch.device):
+    """The default generators, seeded for one module and stream, restored afterwards."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, device_type=device.type):
+        digest = hashlib.sha256(f"{seed}/{prefix}/{stream}".encode()).digest()
+        torch.manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+        yield
+
+
+@torch.no_grad()
+def _zero_padding_row(module: nn.Embedding, prefix: str, locals_, placements, group):
+    fqn = f"{prefix}.weight" if prefix else "weight"
+    p = placements.get(fqn)
+    if fqn not in locals_ or not is_sharded(p) or p.dim != 0:
+        return  # unsharded rows: the initializer's own write went through
+    rows = locals_[fqn].shape[0]
+    row = module.padding_idx % module.num_embeddings - group.rank * rows
+    if 0 <= row < rows:
+        locals_[fqn][row].fill_(0)
+
+
+def _check_written(model: nn.Module, locals_: dict, init_fn) -> None:
+    missing = []
+    for fqn, t in locals_.items():
+        if _is_unwritten(t.detach()):
+            owner_name = fqn.rpartition(".")[0]
+            owner = model.get_submodule(owner_name)
+            why = "init_fn did not write it" if init_fn else \
+                "reset_parameters() did not write it" if hasattr(owner, "reset_parameters") \
+                else f"{type(owner).__name__} has no reset_parameters()"
+            missing.append(f"'{fqn}' ({why})")
+    if missing:
+        raise PlanError(
+            f"meta-device tensors were left uninitialized: {', '.join(missing)}. Pass "
+            f"parallelize(..., init_fn=fn): fxtp calls fn(module) for every module, children "
+            f"first, with the module's tensors as this rank's shards (DTensors of the global "
+            f"shape when sharded), and fn initializes them in place, e.g. "
+            f"nn.init.ones_(module.weight)")

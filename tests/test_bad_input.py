@@ -1,0 +1,140 @@
+"""Bad input: one test each, naming what the error must say (the FQN, op, input or rank
+involved, and the fix)."""
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.export import Dim
+
+import fxtp
+from tests import models
+
+B, D = 2, models.DIM
+
+
+def test_parallelize_without_a_process_group_says_how_to_start_one():
+    with pytest.raises(fxtp.PlanError, match="init_process_group"):
+        fxtp.parallelize(models.MLP(), models.MLP_PLAN, example_inputs=(torch.randn(2, 16),))
+
+
+def test_a_2d_mesh_is_rejected_with_the_slice_to_pass(fake_group):
+    fake_group(4)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    with pytest.raises(fxtp.PlanError, match=r'2-D DeviceMesh.*mesh\["tp"\]'):
+        fxtp.parallelize(models.MLP(), models.MLP_PLAN, mesh,
+                         example_inputs=(torch.randn(B, models.DIM),))
+
+
+def test_sizes_that_do_not_divide_by_the_world_size_are_a_clear_error(fake_group):
+    fake_group(4)
+    with pytest.raises(fxtp.PlanError, match=r"parameter 'net1\.weight' \(ColwiseParallel\) "
+                                             r"is sharded on dim 0 of size 6, which does not "
+                                             r"divide by the world size 4; choose sizes"):
+        fxtp.parallelize(models.MLP(dim=4, hidden=6), models.MLP_PLAN,
+                         example_inputs=(torch.randn(2, 4),))
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net1 = nn.Linear(D, D)
+
+    def forward(self, x):
+        if x.sum() > 0:  # a Python branch on a tensor's value
+            return self.net1(x)
+        return x
+
+
+def test_a_model_that_cannot_be_traced_gives_the_trace_error_and_a_hint(fake_group):
+    fake_group(2)
+    with pytest.raises(fxtp.TraceError, match=r"(?s)could not trace DataDependent.*"
+                                              r"data-dependent.*Hint:.*torch\.where"):
+        fxtp.parallelize(DataDependent(), {"net1": fxtp.ColwiseParallel()},
+                         example_inputs=(torch.randn(B, D),))
+
+
+def test_inputs_of_another_shape_than_traced_name_the_input_and_dynamic_shapes(fake_group):
+    fake_group(2)
+    gm = fxtp.parallelize(models.MLP(), models.MLP_PLAN, example_inputs=(torch.randn(B, D),))
+    with pytest.raises(fxtp.InputError, match=r"input 'x' has shape \(3, 16\); the graph was "
+                                              r"traced for \(2, 16\).*dynamic_shapes"):
+        gm(torch.randn(3, D))
+    dynamic = fxtp.parallelize(models.MLP(), models.MLP_PLAN, example_inputs=(torch.randn(B, D),),
+                               dynamic_shapes={"x": {0: Dim("batch")}})
+    with pytest.raises(fxtp.InputError, match=r"shape \(3, 8\).*traced for \(\*, 16\)"):
+        dynamic(torch.randn(3, 8))
+
+
+def test_a_sharded_root_input_must_be_this_ranks_shard(fake_group):
+    fake_group(2)
+    plan = {"": fxtp.PrepareModuleInput(input_layouts=fxtp.Shard(1),
+                                        desired_input_layouts=fxtp.Replicate()),
+            **models.MLP_PLAN}
+    gm = fxtp.parallelize(models.MLP(), plan, example_inputs=(torch.randn(B, 8, D),))
+    with pytest.raises(fxtp.InputError, match=r"shape \(2, 8, 16\); the graph was traced for "
+                                              r"\(2, 4, 16\) \(this rank's S\(1\) shard of "
+                                              r"\(2, 8, 16\)"):
+        gm(torch.randn(B, 8, D))  # the full input instead of the shard
+
+
+def test_inputs_of_another_dtype_than_traced_are_an_error(fake_group):
+    fake_group(2)
+    gm = fxtp.parallelize(models.MLP().double(), models.MLP_PLAN,
+                          example_inputs=(torch.randn(B, D, dtype=torch.float64),))
+    with pytest.raises(fxtp.InputError, match=r"input 'x' has dtype torch\.float32; the graph "
+                                              r"was traced for torch\.float64\. Cast it"):
+        gm(torch.randn(B, D))
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net1 = nn.Linear(D, D)
+
+    def forward(self, x, scale, mask=None):
+        y = self.net1(x) * scale
+        return y if mask is None else y * mask
+
+
+def test_non_tensor_inputs_are_constants_of_the_graph(fake_group):
+    """Export bakes a float argument into the graph: another value would be ignored."""
+    fake_group(2)
+    gm = fxtp.parallelize(Scaled(), {"net1": fxtp.ColwiseParallel()},
+                          example_inputs=(torch.randn(B, D), 0.5), example_kwargs={"mask": None})
+    assert gm(torch.randn(B, D), 0.5, mask=None).shape == (B, D // 2)
+    with pytest.raises(fxtp.InputError, match=r"input 'scale' was traced as the constant 0\.5 "
+                                              r".*got 0\.7\. Pass it as a tensor"):
+        gm(torch.randn(B, D), 0.7, mask=None)
+    with pytest.raises(fxtp.InputError, match=r"input 'x' must be a tensor.*got \[1\.0, 2\.0\]"):
+        gm([1.0, 2.0], 0.5, mask=None)
+    with pytest.raises(fxtp.InputError, match=r"input 'mask' was traced as the constant None"):
+        gm(torch.randn(B, D), 0.5, mask=torch.ones(B, D // 2))
+
+
+def test_parallelizing_a_parallelized_module_is_an_error(fake_group):
+    fake_group(2)
+    gm = fxtp.parallelize(models.MLP(), models.MLP_PLAN, example_inputs=(torch.randn(B, D),))
+    with pytest.raises(fxtp.PlanError, match=r"already the result of fxtp\.parallelize \(it "
+                                             r"holds rank 0's shards\).*original single-device"):
+        fxtp.parallelize(gm, models.MLP_PLAN, example_inputs=(torch.randn(B, D),))
+
+
+def parallelize_differently(rank, world, what):
+    plan, x = dict(models.MLP_PLAN), torch.randn(B, D)
+    if rank == 1 and what == "plan":
+        plan["net2"] = fxtp.RowwiseParallel(output_layouts=fxtp.Shard(0))
+    if rank == 1 and what == "inputs":
+        x = torch.randn(B + 2, D)
+    with pytest.raises(fxtp.PlanError) as error:
+        fxtp.parallelize(models.MLP(), plan, example_inputs=(x,))
+    return str(error.value)
+
+
+@pytest.mark.parametrize("what, differs", [("plan", "the plan"),
+                                           ("inputs", "the traced graph")])
+def test_ranks_that_parallelize_differently_all_fail_instead_of_hanging(ranks, what, differs):
+    messages = ranks.run(parallelize_differently, what)
+    for message in messages:  # every rank raised, and says which ranks differ in what
+        assert f"{differs} on ranks [1] differ from rank 0's" in message
+        assert "Every rank must pass the same model" in message
+    assert len(set(messages)) == 1

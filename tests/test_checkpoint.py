@@ -1,0 +1,131 @@
+"""Checkpoints: fxtp.state_dict gives DTensors that torch.distributed.checkpoint saves at
+one world size and loads at another, or into the single-device model (and back);
+fxtp.full_state_dict / load_full_state_dict do the same with plain tensors. Every round
+trip is bit-exact. The subjects hold every kind of placement: Shard(0), Shard(1),
+Replicate, _StridedShard (fused projections) and a tied weight."""
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+import fxtp
+from tests import models
+from tests import transformer_models as tm
+from tests.conftest import pool_of
+from tests.parity import local_part
+
+TOKENS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+SUBJECTS = {
+    "gpt2": (tm.GPT2, tm.gpt2_sp_plan(), TOKENS),
+    "fused": (lambda: models.FusedStack(2), models.FUSED_PLAN, torch.randn(2, 8, models.DIM)),
+}
+
+
+def build(name, seed):
+    make, plan, x = SUBJECTS[name]
+    torch.manual_seed(seed)
+    return fxtp.parallelize(make(), plan, example_inputs=(x,))
+
+
+def plain(name, seed):
+    torch.manual_seed(seed)
+    return SUBJECTS[name][0]()
+
+
+def save(rank, world, name, path):
+    gm = build(name, seed=0)
+    sd = fxtp.state_dict(gm)
+    placements = {k: v.placements[0] for k, v in sd.items()}
+    dcp.save(sd, checkpoint_id=path)
+    return fxtp.full_state_dict(gm), placements
+
+
+def load(rank, world, name, path):
+    gm = build(name, seed=1)  # other weights, overwritten by the load
+    sd = fxtp.state_dict(gm)
+    dcp.load(sd, checkpoint_id=path)
+    fxtp.load_state_dict(gm, sd)
+    return fxtp.full_state_dict(gm)
+
+
+def assert_equal(a: dict, b: dict):
+    assert list(a) == list(b)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def load_plain(name, path):
+    """DCP without a process group loads into a plain state dict in place."""
+    model = plain(name, seed=2)
+    sd = model.state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
+        dcp.load(sd, checkpoint_id=path)
+    return model
+
+
+@pytest.mark.parametrize("name", ["gpt2", "fused"])
+def test_dcp_saves_at_world_2_and_loads_at_world_4_and_into_the_plain_model(pools, tmp_path,
+                                                                              name):
+    path = str(tmp_path / "world2")
+    (full, placements), _ = pool_of(pools, 2).run(save, name, path)
+    if name == "fused":  # handed to DCP re-laid as plain shards
+        assert placements["layers.0.attention.qkv.weight"] == Shard(0)
+    else:
+        assert placements["lm_head.weight"] == Shard(0) and placements["h.0.ln_1.weight"].is_replicate()
+    for loaded in pool_of(pools, 4).run(load, name, path):
+        assert_equal(loaded, full)
+    assert_equal(load_plain(name, path).state_dict(), full)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "fused"])
+def test_a_plain_models_dcp_checkpoint_loads_into_the_parallel_module(ranks, tmp_path, name):
+    model = plain(name, seed=3)
+    path = str(tmp_path / "plain")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(model.state_dict(), checkpoint_id=path)
+    for loaded in ranks.run(load, name, path):
+        assert_equal(loaded, model.state_dict())
+
+
+def full_round_trip(rank, world, name, other):
+    gm = build(name, seed=0)
+    full = fxtp.full_state_dict(gm)
+    model = plain(name, seed=4)
+    model.load_state_dict(full)
+    assert_equal(model.state_dict(), full)
+    fxtp.load_full_state_dict(gm, other)
+    for key, t in gm.state_dict().items():  # each rank kept its own part
+        placement = gm.fxtp.param_placements.get(key)
+        assert torch.equal(t, local_part(other[key], placement, rank, world)), key
+    return fxtp.full_state_dict(gm)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "fused"])
+def test_full_state_dicts_round_trip_through_the_plain_model(ranks, name):
+    other = plain(name, seed=5).state_dict()
+    for full in ranks.run(full_round_trip, name, other):
+        assert_equal(full, other)
+
+
+def strided_layout(rank, world):
+    gm = build("fused", seed=0)
+    key = "layers.0.attention.qkv.weight"
+    assert isinstance(gm.fxtp.param_placements[key], _StridedShard)
+    sd = fxtp.state_dict(gm)
+    assert isinstance(sd[key], DTensor) and sd[key].placements == (Shard(0),)
+    assert sd["layers.0.attention.wo.weight"].to_local().data_ptr() == \
+        gm.get_parameter("layers.0.attention.wo.weight").data_ptr()  # shared, loads in place
+    with pytest.raises(fxtp.PlanError, match=r"missing \['norm\.bias'\]"):
+        fxtp.load_state_dict(gm, {k: v for k, v in sd.items() if k != "norm.bias"})
+    with pytest.raises(fxtp.PlanError, match=r"state_dict\['norm\.bias'\] is a Tensor, not "
+                                             r"a DTensor; use fxtp\.load_full_state_dict"):
+        fxtp.load_state_dict(gm, {**sd, "norm.bias": torch.zeros(models.DIM)})
+
+
+def test_state_dict_shares_memory_except_strided_shards_and_checks_keys(ranks4):
+    ranks4.run(strided_layout)

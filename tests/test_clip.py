@@ -1,0 +1,51 @@
+"""Gradient clipping: fxtp.clip_grad_norm_ computes the norm of the single-device gradients
+(sharded partial norms reduced in one collective, replicated gradients counted once) and
+clips like torch.nn.utils.clip_grad_norm_ on the single-device model."""
+import copy
+import math
+
+import pytest
+import torch
+
+import fxtp
+from tests import transformer_models as tm
+from tests.parity import TIGHT, local_part
+
+TOKENS = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+SUBJECTS = {  # GPT-2: tied embedding, rowwise biases and LayerNorms replicated
+    "llama": (lambda: tm.Llama(tm.LlamaConfig(n_heads=8, n_kv_heads=4)), tm.llama_sp_plan()),
+    "gpt2": (tm.GPT2, tm.gpt2_sp_plan()),
+}
+
+
+def clip(rank, world, name, norm_type, ratio):
+    make, plan = SUBJECTS[name]
+    torch.manual_seed(0)
+    model = make().double()
+    ref = copy.deepcopy(model)
+    gm = fxtp.parallelize(model, plan, example_inputs=(TOKENS,))
+    gm(TOKENS).square().mean().backward()
+    ref(TOKENS).square().mean().backward()
+    norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()], norm_type)
+    max_norm = ratio * norm.item()
+    with fxtp.count_collectives() as counted:
+        total = fxtp.clip_grad_norm_(gm, max_norm, norm_type)
+    ref_total = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm, norm_type)
+    torch.testing.assert_close(total, ref_total, rtol=1e-12, atol=0)
+    for n, p in gm.named_parameters():
+        expected = local_part(ref.get_parameter(n).grad, gm.fxtp.param_placements[n], rank, world)
+        torch.testing.assert_close(p.grad, expected, **TIGHT, msg=lambda m: f"{n}: {m}")
+    return dict(counted.counts), total.item(), norm.item()
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf], ids=["l2", "l1", "inf"])
+def test_clip_grad_norm_matches_torch_on_the_single_device_model(ranks, name, norm_type):
+    for counts, total, norm in ranks.run(clip, name, norm_type, 0.3):
+        assert counts == {"all_reduce": 1}
+        assert total == pytest.approx(norm, rel=1e-12)
+
+
+def test_gradients_under_max_norm_are_left_as_they_are(ranks):
+    for counts, total, norm in ranks.run(clip, "gpt2", 2.0, 10.0):
+        assert counts == {"all_reduce": 1} and total == pytest.approx(norm, rel=1e-12)
