@@ -12,3 +12,5 @@ __all__ = [
     "PrepareModuleOutput", "PrepareModuleInputOutput", "ParallelStyle", "Shard", "Replicate",
     "Partial", "count_collectives", "FxtpError", "PlanError", "ShardingError", "TraceError",
 ]
+
+from . import backend  # noqa: E402,F401 - registers the "fxtp" torch.compile backend
