@@ -38,6 +38,12 @@ def test_compiled_training_matches_eager(ranks2, case):
     assert counts["compiled"] == counts["eager"]  # inductor lowers every collective as is
 
 
+def test_fxtp_backend_trains_a_megatron_plan_like_eager(ranks2):
+    """A Megatron plan leaves the backend's passes nothing to remove: same collectives."""
+    counts = ranks2.run(train, "llama", "fxtp")[0]
+    assert counts["compiled"] == counts["eager"]
+
+
 def infer(rank, world):
     torch.manual_seed(0)
     x = _x(B, T, D)
