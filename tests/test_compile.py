@@ -19,7 +19,8 @@ from tests.test_transformers import TOKENS, llama_plan
 
 B, T, D = models.BATCH, models.SEQ, models.DIM
 
-# name -> (model, plan, inputs); sequence parallel and loss parallel join as one entry each
+# name -> (model, plan, inputs[, input placements]); sequence parallel and loss parallel
+# join as one entry each
 CASES = {
     "mlp": (models.MLP, models.MLP_PLAN, [_x(B, T, D)]),
     "attention_block": (lambda: models.Stack(n_layers=1), models.STACK_PLAN, [_x(B, T, D)]),
@@ -28,8 +29,9 @@ CASES = {
 
 
 def train(rank, world, case, backend="inductor"):
-    make, plan, inputs = CASES[case] if isinstance(case, str) else case
-    return check_compiled(rank, world, make, plan, inputs, backend=backend)
+    make, plan, inputs, *placements = CASES[case] if isinstance(case, str) else case
+    return check_compiled(rank, world, make, plan, inputs, backend=backend,
+                          input_placements=placements[0] if placements else None)
 
 
 @pytest.mark.parametrize("case", CASES)

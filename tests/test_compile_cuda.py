@@ -8,6 +8,7 @@ from torch.distributed.tensor import Shard
 
 import fxtp
 from tests.compiled import check_compiled
+from tests.parity import local_part
 from tests.test_compile import CASES
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -25,9 +26,9 @@ def nccl_group(tmp_path):
 
 
 def nccl_training(case, backend, device="cuda"):
-    make, plan, inputs = CASES[case]
+    make, plan, inputs, *placements = CASES[case]
     return check_compiled(0, 1, make, plan, inputs, backend=backend, dtype=torch.bfloat16,
-                          device=device)
+                          device=device, input_placements=placements[0] if placements else None)
 
 
 @BACKENDS
@@ -40,7 +41,7 @@ def test_bf16_training_on_nccl_matches_eager(nccl_group, case, backend):
 
 def fake_training(case, backend, device="cuda", world=4, steps=2):
     """Compile and take AdamW steps as rank 0 of ``world``; check every shape and dtype."""
-    make, plan, inputs = CASES[case]
+    make, plan, inputs, *placements = CASES[case]
     torch.manual_seed(0)
     model = make().to(device=device, dtype=torch.bfloat16)
     xs = [x.to(device=device, dtype=torch.bfloat16 if x.is_floating_point() else x.dtype)
@@ -48,17 +49,19 @@ def fake_training(case, backend, device="cuda", world=4, steps=2):
     gm = fxtp.parallelize(model, plan, example_inputs=xs)
     compiled = torch.compile(gm, backend=backend, fullgraph=True)
     opt = torch.optim.AdamW(gm.parameters())
+    local = [local_part(x, p, 0, world)
+             for x, p in zip(xs, placements[0] if placements else [None] * len(xs))]
     for _ in range(steps):
-        out = compiled(*xs)
+        out = compiled(*local)
         out.float().sum().backward()
         opt.step()
         opt.zero_grad()
-    assert (out.shape, out.dtype, out.device.type) == \
-        (model(*xs).shape, torch.bfloat16, device)  # outputs come back replicated
+    expected = local_part(model(*xs), gm.fxtp.output_placements[0], 0, world)
+    assert (out.shape, out.dtype, out.device.type) == (expected.shape, torch.bfloat16, device)
     for name, p in gm.named_parameters():
         full, placement = model.get_parameter(name), gm.fxtp.param_placements[name]
-        local = full.chunk(world, placement.dim)[0] if isinstance(placement, Shard) else full
-        assert (p.shape, p.dtype, p.device.type) == (local.shape, torch.bfloat16, device), name
+        shard = full.chunk(world, placement.dim)[0] if isinstance(placement, Shard) else full
+        assert (p.shape, p.dtype, p.device.type) == (shard.shape, torch.bfloat16, device), name
 
 
 @BACKENDS
