@@ -20,3 +20,5 @@ __all__ = [
     "state_dict", "load_state_dict", "full_state_dict", "load_full_state_dict",
     "clip_grad_norm_", "FxtpError", "InputError", "PlanError", "ShardingError", "TraceError",
 ]
+
+from . import backend  # noqa: E402,F401 - registers the "fxtp" torch.compile backend

@@ -25,8 +25,16 @@ Collectives are the ``torch.ops._c10d_functional`` ops followed by ``wait_tensor
 inductor lowers natively. Collectives along a dim other than 0 move it to the front and
 back, and return contiguous tensors (user code may ``view`` them). Groups are passed by
 name so graphs stay printable.
+
+The ``*_bucket`` functions issue one collective for several tensors (flatten, concatenate,
+one collective, split; ``grad_sync_bucket`` copies nothing forward); their backward is
+bucketed too. Under ``torch.compile`` the functions in :data:`COLLECTIVES` appear in
+dynamo's graph as single calls (``allow_in_graph``), which graph passes recognize; autograd
+traces through them when the graph is lowered.
 """
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 
@@ -173,11 +181,65 @@ def grad_sync(x: torch.Tensor, group: str) -> torch.Tensor:
     return _GradSync.apply(x, group)
 
 
-def grad_sync_bucket(group: str, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Identity forward on every ``xs``; backward all-reduces all their partial gradients in
-    one collective per dtype, once every one of them is computed (replicated parameters
-    used on sharded activations: one all-reduce per step instead of one per parameter)."""
+def all_reduce_bucket(xs: Sequence[torch.Tensor], group: str) -> tuple[torch.Tensor, ...]:
+    """:func:`all_reduce` of each tensor in ``xs`` (one dtype), as one collective."""
+    return _split_like(all_reduce(_flat_cat(xs), group), xs)
+
+
+def grad_sync_bucket(xs: Sequence[torch.Tensor], group: str) -> tuple[torch.Tensor, ...]:
+    """:func:`grad_sync` of each tensor in ``xs``: identity forward (no copy); backward, once
+    every gradient is computed, one all-reduce of all of them per dtype (replicated
+    parameters used on sharded activations: one all-reduce per step, not one each)."""
     return _GradSyncBucket.apply(group, *xs)
 
 
-COLLECTIVES = (all_reduce, reduce_scatter, all_gather, shard, grad_sync, grad_sync_bucket)
+def all_gather_bucket(xs: Sequence[torch.Tensor], dims: Sequence[int], rank: int, world: int,
+                      group: str, partial_grad: bool = False) -> tuple[torch.Tensor, ...]:
+    """:func:`all_gather` of each ``xs[i]`` along ``dims[i]``, as one collective."""
+    rows = [x.movedim(d, 0) for x, d in zip(xs, dims)]
+    flat = torch.cat([r.reshape(1, -1) for r in rows], dim=1)
+    full = all_gather(flat, 0, rank, world, group, partial_grad)  # (world, total)
+    parts = full.split([r.numel() for r in rows], dim=1)
+    return tuple(p.reshape(world * r.shape[0], *r.shape[1:]).movedim(0, d)
+                 for p, r, d in zip(parts, rows, dims))
+
+
+def reduce_scatter_bucket(xs: Sequence[torch.Tensor], dims: Sequence[int], world: int,
+                          group: str) -> tuple[torch.Tensor, ...]:
+    """:func:`reduce_scatter` of each ``xs[i]`` along ``dims[i]``, as one collective."""
+    rows = [x.movedim(d, 0) for x, d in zip(xs, dims)]
+    flat = torch.cat([r.reshape(world, -1) for r in rows], dim=1)  # row w: rank w's chunks
+    local = reduce_scatter(flat, 0, world, group)  # (1, total / world)
+    parts = local.split([r.numel() // world for r in rows], dim=1)
+    return tuple(p.reshape(r.shape[0] // world, *r.shape[1:]).movedim(0, d)
+                 for p, r, d in zip(parts, rows, dims))
+
+
+def shard_bucket(xs: Sequence[torch.Tensor], dims: Sequence[int], rank: int, world: int,
+                 group: str) -> tuple[torch.Tensor, ...]:
+    """:func:`shard` of each ``xs[i]`` along ``dims[i]``: one all-gather of their
+    gradients (the forward copies ``xs`` once)."""
+    rows = [x.movedim(d, 0) for x, d in zip(xs, dims)]
+    flat = torch.cat([r.reshape(world, -1) for r in rows], dim=1)
+    local = shard(flat, 0, rank, world, group)
+    parts = local.split([r.numel() // world for r in rows], dim=1)
+    return tuple(p.reshape(r.shape[0] // world, *r.shape[1:]).movedim(0, d)
+                 for p, r, d in zip(parts, rows, dims))
+
+
+def _flat_cat(xs: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([x.reshape(-1) for x in xs])
+
+
+def _split_like(flat: torch.Tensor, xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    return tuple(p.view(x.shape) for p, x in zip(flat.split([x.numel() for x in xs]), xs))
+
+
+COLLECTIVES = (all_reduce, reduce_scatter, all_gather, shard, grad_sync)
+BUCKETS = {all_reduce: all_reduce_bucket, grad_sync: grad_sync_bucket,
+           all_gather: all_gather_bucket, reduce_scatter: reduce_scatter_bucket,
+           shard: shard_bucket}
+"""Collective -> its bucketed form."""
+
+for _fn in COLLECTIVES:
+    torch.compiler.allow_in_graph(_fn)

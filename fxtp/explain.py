@@ -187,10 +187,10 @@ def _comms(node: fx.Node, kind: str, rank: int, world: int, grads) -> tuple[list
     """``(forward, backward)`` collectives of a collective node of ``kind``."""
     if kind == "grad_sync_bucket":
         by_dtype: dict = {}
-        for param in node.args[1:]:
+        for param in node.args[0]:
             by_dtype[val(param).dtype] = by_dtype.get(val(param).dtype, 0) + \
                 _local_bytes(param, rank, world)
-        flows = any(param in grads for param in node.args[1:])
+        flows = any(param in grads for param in node.args[0])
         return [], [Comm("all_reduce", b) for b in by_dtype.values()] if flows else []
     x, flows = node.args[0], node.args[0] in grads
     if kind == "loss_parallel":

@@ -157,7 +157,7 @@ def _bucket_param_grad_syncs(graph: fx.Graph, params: dict, group: str) -> None:
     for param in params:
         first.prepend(param)
     with graph.inserting_before(first):
-        bucket = graph.call_function(collectives.grad_sync_bucket, (group, *params))
+        bucket = graph.call_function(collectives.grad_sync_bucket, (list(params), group))
         bucket.meta[COLLECTIVE] = "grad_sync_bucket"
         for i, (param, users) in enumerate(params.items()):
             out = graph.call_function(operator.getitem, (bucket, i))

@@ -1,8 +1,15 @@
 import os
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# torch.compile: one inductor cache for the test process and every rank process (set before
+# they start), so each graph compiles once per machine; later runs load it.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                      str(Path(__file__).resolve().parent.parent / ".pytest_cache" / "inductor"))
+os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
+os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
 
 from tests.harness import RankPool  # noqa: E402
 
@@ -26,6 +33,11 @@ def pool_of(pools, world: int) -> RankPool:
 def ranks(request, pools):
     """A gloo process group of the parametrized world size: ``ranks.run(fn, *args)``."""
     return pool_of(pools, request.param)
+
+
+@pytest.fixture
+def ranks2(pools):
+    return pool_of(pools, 2)
 
 
 @pytest.fixture

@@ -65,6 +65,21 @@ class Stack(nn.Module):
         return self.norm(x)
 
 
+class Redundant(nn.Module):
+    """Four MLPs: ``second`` reads ``first``'s output, ``left`` and ``right`` both read
+    ``second``'s and their outputs are multiplied. Under :data:`REDUNDANT_PLAN`, ``first``'s
+    output is sharded only for ``second`` to gather it straight back, and ``left`` and
+    ``right`` each all-reduce on their own."""
+
+    def __init__(self, dim=DIM):
+        super().__init__()
+        self.first, self.second, self.left, self.right = (MLP(dim) for _ in range(4))
+
+    def forward(self, x):
+        h = self.second(self.first(x))
+        return self.left(h) * self.right(h)
+
+
 MLP_PLAN = {"net1": fxtp.ColwiseParallel(), "net2": fxtp.RowwiseParallel()}
 ATTENTION_PLAN = {"w[qkv]": fxtp.ColwiseParallel(), "wo": fxtp.RowwiseParallel()}
 STACK_PLAN = {
@@ -72,6 +87,16 @@ STACK_PLAN = {
     "layers.*.attention.wo": fxtp.RowwiseParallel(),
     "layers.*.feed_forward.net1": fxtp.ColwiseParallel(),
     "layers.*.feed_forward.net2": fxtp.RowwiseParallel(),
+}
+
+
+REDUNDANT_PLAN = {
+    "first": fxtp.PrepareModuleOutput(output_layouts=fxtp.Replicate(),
+                                      desired_output_layouts=fxtp.Shard(-1)),
+    "second": fxtp.PrepareModuleInput(input_layouts=fxtp.Shard(-1),
+                                      desired_input_layouts=fxtp.Replicate()),
+    "*.net1": fxtp.ColwiseParallel(),
+    "*.net2": fxtp.RowwiseParallel(),
 }
 
 

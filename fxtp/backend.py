@@ -1,0 +1,48 @@
+"""The ``"fxtp"`` torch.compile backend (registered on ``import fxtp``): fxtp's graph
+passes, then inductor.
+
+* ``torch.compile(gm, backend="fxtp")`` with ``gm = fxtp.parallelize(...)``: training and
+  inference. Dynamo's graph of ``gm`` calls fxtp's collectives; the passes of
+  :mod:`passes.optimize` merge, cancel and bucket them (forward and backward), then
+  inductor compiles with :mod:`passes.schedule` overlapping collectives with compute.
+* ``torch.compile(model, backend="fxtp", fullgraph=True, options={"plan": plan,
+  "mesh": mesh})``: a plain model, parallelized inside compile (:mod:`fxtp.in_compile`),
+  then as above. Made for inference; see that module for what training through it costs.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from passes.optimize import optimize
+
+from .errors import FxtpError
+
+NAME = "fxtp"
+INDUCTOR_CONFIG = {"reorder_for_peak_memory": False}
+"""Inductor's peak-memory reordering would move the compute placed between a collective and
+its wait (by :mod:`passes.schedule`) back before the collective."""
+
+
+def fxtp_backend(gm: fx.GraphModule, example_inputs, options=None, mode=None):
+    if mode is not None:
+        raise FxtpError(f"backend='fxtp' takes no mode (got mode={mode!r}); leave it out")
+    options = dict(options or {})
+    plan, mesh = options.pop("plan", None), options.pop("mesh", None)
+    if options:
+        raise FxtpError(f"backend='fxtp' takes options 'plan' and 'mesh'; unexpected: "
+                        f"{sorted(options)}")
+    if mesh is not None and plan is None:
+        raise FxtpError("backend='fxtp': options={'mesh': ...} needs a 'plan' too")
+    if plan is not None:
+        from .in_compile import parallelize_dynamo_graph
+        gm = parallelize_dynamo_graph(gm, example_inputs, plan, mesh)
+    optimize(gm)
+    from torch._inductor.compile_fx import compile_fx  # slow imports: only when compiling
+
+    from passes.schedule import OverlapCollectives
+    return compile_fx(gm, example_inputs, config_patches=INDUCTOR_CONFIG | {
+        "post_grad_custom_post_pass": OverlapCollectives()})
+
+
+torch._dynamo.register_backend(fxtp_backend, name=NAME)

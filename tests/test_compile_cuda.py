@@ -1,0 +1,71 @@
+"""The compiled paths on a CUDA device, bf16 end to end (model, inputs, gradients, AdamW):
+NCCL with one rank against the same module eager, and a fake process group of 4 ranks
+(shapes and dtypes only: a fake group moves no data). Skipped without CUDA."""
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Shard
+
+import fxtp
+from tests.compiled import check_compiled
+from tests.parity import local_part
+from tests.test_compile import CASES
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+BACKENDS = pytest.mark.parametrize("backend", ["inductor", "fxtp"])
+
+
+@pytest.fixture
+def nccl_group(tmp_path):
+    """NCCL with world size 1 in this process."""
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1),
+                            rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def nccl_training(case, backend, device="cuda"):
+    make, plan, inputs, *placements = CASES[case]
+    return check_compiled(0, 1, make, plan, inputs, backend=backend, dtype=torch.bfloat16,
+                          device=device, input_placements=placements[0] if placements else None)
+
+
+@BACKENDS
+@pytest.mark.parametrize("case", CASES)
+def test_bf16_training_on_nccl_matches_eager(nccl_group, case, backend):
+    counts = nccl_training(case, backend)
+    if backend == "inductor":
+        assert counts["compiled"] == counts["eager"]
+
+
+def fake_training(case, backend, device="cuda", world=4, steps=2):
+    """Compile and take AdamW steps as rank 0 of ``world``; check every shape and dtype."""
+    make, plan, inputs, *placements = CASES[case]
+    torch.manual_seed(0)
+    model = make().to(device=device, dtype=torch.bfloat16)
+    xs = [x.to(device=device, dtype=torch.bfloat16 if x.is_floating_point() else x.dtype)
+          for x in inputs]
+    gm = fxtp.parallelize(model, plan, example_inputs=xs)
+    compiled = torch.compile(gm, backend=backend, fullgraph=True)
+    opt = torch.optim.AdamW(gm.parameters())
+    local = [local_part(x, p, 0, world)
+             for x, p in zip(xs, placements[0] if placements else [None] * len(xs))]
+    for _ in range(steps):
+        out = compiled(*local)
+        out.float().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    expected = local_part(model(*xs), gm.fxtp.output_placements[0], 0, world)
+    assert (out.shape, out.dtype, out.device.type) == (expected.shape, torch.bfloat16, device)
+    for name, p in gm.named_parameters():
+        full, placement = model.get_parameter(name), gm.fxtp.param_placements[name]
+        shard = full.chunk(world, placement.dim)[0] if isinstance(placement, Shard) else full
+        assert (p.shape, p.dtype, p.device.type) == (shard.shape, torch.bfloat16, device), name
+
+
+@BACKENDS
+@pytest.mark.parametrize("case", CASES)
+def test_bf16_training_compiles_for_4_ranks_on_a_fake_group(fake_group, case, backend):
+    fake_group(4)
+    fake_training(case, backend)
