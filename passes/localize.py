@@ -7,6 +7,11 @@ size (``sym_size``) are scaled back to the global size so shape arithmetic in us
 stays global, and parameters and buffers are replaced by copies of this rank's shards
 (:func:`passes.placement.local_part`; never the user's tensors). ``node.meta["val"]``
 keeps the global shape.
+
+``view`` becomes ``reshape``: the trace dropped ``.contiguous()`` calls that were no-ops on
+the single-device strides (CPU attention returns a layout whose transpose is contiguous),
+and local kernels, other devices and collectives may lay out their results differently.
+``reshape`` is a view wherever ``view`` would have been one.
 """
 from __future__ import annotations
 
@@ -35,6 +40,8 @@ def localize(gm: fx.GraphModule, group) -> None:
             if rule is not None:
                 node.target, node.args, node.kwargs = rule.localize(
                     node, node.meta[INPUTS], node.meta[PLACEMENT], group, graph)
+            if node.target is aten.view.default:
+                node.target = aten.reshape.default
             elif node.target is aten.sym_size.int:
                 _globalize_size(graph, node, world)
         elif node.op == "get_attr" and node.target not in localized:

@@ -10,7 +10,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 import fxtp
-from tests.parity import LR, example, local_part, tolerance
+from tests.parity import LR, example, local_part, noise_floor, tolerance
 
 _KINDS = {"all_reduce_": "all_reduce", "all_reduce": "all_reduce",
           "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_out": "all_gather",
@@ -65,6 +65,7 @@ def check_compiled(rank, world, make_model, plan, inputs, *, backend="inductor",
     optimizers = [torch.optim.AdamW(m.parameters(), lr=LR) for m in (eager, gm)]
     counters.clear()
     result = {}
+    noise = {name: torch.zeros_like(p, dtype=torch.bool) for name, p in gm.named_parameters()}
     for step in range(steps):
         counts = (fxtp.count_collectives(), fxtp.count_collectives()) if step == 0 else None
         ref, ref_inputs = train_step(eager, xs, placements, rank, world, step, counts)
@@ -78,9 +79,11 @@ def check_compiled(rank, world, make_model, plan, inputs, *, backend="inductor",
             out, got_inputs = train_step(compiled, xs, placements, rank, world, step)
         torch.testing.assert_close(out, ref, **tolerance(dtype, ref, step),
                                    msg=lambda m: f"step {step} output: {m}")
+        floor = noise_floor([q.grad for q in eager.parameters()], dtype)
         for (name, p), q in zip(gm.named_parameters(), eager.parameters()):
             torch.testing.assert_close(p.grad, q.grad, **tolerance(dtype, q.grad, step),
                                        msg=lambda m: f"step {step} grad of {name}: {m}")
+            noise[name] |= q.grad.abs() <= floor
         for i, (a, b) in enumerate(zip(got_inputs, ref_inputs)):
             if b.grad is not None:
                 torch.testing.assert_close(a.grad, b.grad, **tolerance(dtype, b.grad, step),
@@ -89,7 +92,8 @@ def check_compiled(rank, world, make_model, plan, inputs, *, backend="inductor",
             opt.step()
             opt.zero_grad()
     for (name, p), q in zip(gm.named_parameters(), eager.parameters()):
-        torch.testing.assert_close(p, q, **tolerance(dtype, steps=steps),
+        keep = ~noise[name]  # see tests.parity.noise_floor
+        torch.testing.assert_close(p[keep], q[keep], **tolerance(dtype, steps=steps),
                                    msg=lambda m: f"{name} after {steps} AdamW steps: {m}")
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])

@@ -66,14 +66,14 @@ class Stack(nn.Module):
 
 
 class Redundant(nn.Module):
-    """Four MLPs: ``second`` reads ``first``'s output, ``left`` and ``right`` both read
-    ``second``'s and their outputs are multiplied. Under :data:`REDUNDANT_PLAN`, ``first``'s
-    output is sharded only for ``second`` to gather it straight back, and ``left`` and
-    ``right`` each all-reduce on their own."""
+    """Four bias-free MLPs: ``second`` reads ``first``'s output, ``left`` and ``right`` both
+    read ``second``'s and their outputs are multiplied. Under :data:`REDUNDANT_PLAN`,
+    ``first``'s partial output is reduce-scattered only for ``second`` to gather it straight
+    back, and ``left`` and ``right`` each all-reduce on their own."""
 
     def __init__(self, dim=DIM):
         super().__init__()
-        self.first, self.second, self.left, self.right = (MLP(dim) for _ in range(4))
+        self.first, self.second, self.left, self.right = (MLP(dim, bias=False) for _ in range(4))
 
     def forward(self, x):
         h = self.second(self.first(x))

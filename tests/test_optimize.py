@@ -20,14 +20,15 @@ def redundant(rank, world, post):
 
 
 def test_round_trip_cancels_and_independent_reductions_share_one(ranks):
-    """``first``'s output is sharded only to be gathered back by ``second``; ``left`` and
-    ``right`` all-reduce independently."""
+    """``first``'s partial output is reduce-scattered only to be gathered back by
+    ``second``; ``left`` and ``right`` all-reduce independently."""
     fwd, bwd, _, bwd_bytes = ranks.run(redundant, None)[0]
-    assert fwd == {"all_reduce": 4, "all_gather": 1}
-    # the gather's backward reduce-scatters the partial gradient, the shard's gathers it
+    assert fwd == {"reduce_scatter": 1, "all_gather": 1, "all_reduce": 3}
+    # the gather's backward reduce-scatters the partial gradient, the reduce-scatter's
+    # gathers it
     assert bwd == {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}
     fwd, bwd, _, opt_bwd_bytes = ranks.run(redundant, optimize)[0]
-    assert fwd == {"all_reduce": 3}  # first, second, left and right bucketed
+    assert fwd == {"all_reduce": 3}  # the round trip is one all-reduce; left and right share one
     assert bwd == {"all_reduce": 3}  # reduce-scatter + all-gather became one all-reduce
     assert sum(opt_bwd_bytes.values()) < sum(bwd_bytes.values())
 
