@@ -1,6 +1,6 @@
 """How fxtp's passes scale: wall time and peak host memory of ``parallelize`` for Llama-3-8B
 and -70B shapes built on the meta device, at world size 8 on a fake process group (no data
-moves, nothing is allocated at full size), and how time grows with the layer count (a
+moves; the shards stay on the meta device: the passes alone are measured), and how time grows with the layer count (a
 least-squares line, with its R^2).
 
 Each point runs in a fresh process, so its peak RSS is its own; a 1-layer model is
@@ -43,13 +43,13 @@ def one(shape: str, layers: int, world: int = 8) -> dict:
     tokens = torch.randint(0, 100, (1, 16))
     start = time.perf_counter()  # first use in a process: torch.export's one-time set-up
     with torch.device("meta"):
-        fxtp.parallelize(Llama(LlamaConfig(n_layers=1, max_seq_len=64, **SHAPES[shape])),
-                         llama_tp_plan(), example_inputs=(tokens,))
+        small = Llama(LlamaConfig(n_layers=1, max_seq_len=64, **SHAPES[shape]))
+    fxtp.parallelize(small, llama_tp_plan(), example_inputs=(tokens,), device="meta")
     warm_up = time.perf_counter() - start
     with torch.device("meta"):
         model = Llama(LlamaConfig(n_layers=layers, max_seq_len=64, **SHAPES[shape]))
     start = time.perf_counter()
-    gm = fxtp.parallelize(model, llama_tp_plan(), example_inputs=(tokens,))
+    gm = fxtp.parallelize(model, llama_tp_plan(), example_inputs=(tokens,), device="meta")
     seconds = time.perf_counter() - start
     return {"shape": shape, "layers": layers, "seconds": seconds, "first_call_setup_s": warm_up,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -81,7 +81,9 @@ def main(argv=None):
     points = []
     for shape, layers in runs:
         out = subprocess.run([sys.executable, "-m", "benchmarks.passes_scale", "--one", shape,
-                              str(layers)], capture_output=True, text=True, check=True)
+                              str(layers)], capture_output=True, text=True)
+        if out.returncode:
+            raise SystemExit(f"{shape} with {layers} layers failed:\n{out.stderr[-3000:]}")
         points.append(json.loads(out.stdout.strip().splitlines()[-1]))
         p = points[-1]
         print(f"{shape:>4} {layers:3d} layers: {p['seconds']:7.2f} s, peak RSS "

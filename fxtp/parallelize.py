@@ -87,8 +87,9 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
             gm, calls = trace(model, tuple(example_inputs), example_kwargs, shardings,
                               dynamic_shapes)
         dump.code("traced", gm)
+        draw = int(torch.randint(2 ** 62, (), device="cpu")) if meta else 0
         init_seed = check_same_on_every_rank(group, _device(None, group), shardings, model,
-                                             gm, int(torch.randint(2 ** 62, ())) if meta else 0)
+                                             gm, draw)
         seed(gm, shardings, calls, group.world, _tied_names(model))
         fallbacks = propagate(gm, group.world, strict=strict)
         if stride_fused_splits(gm, group.world):
