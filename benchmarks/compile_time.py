@@ -1,4 +1,5 @@
-"""How long torch.compile takes on fxtp's program of the tests' default Llama (CPU, gloo).
+"""How long torch.compile takes on fxtp's program of the demo's model (``fxtp.demo``: Llama
+with TP + sequence parallel + loss parallel) on CPU with gloo.
 
 For each backend: the first training step (forward, backward; compile included) with an
 empty inductor cache, then again in fresh processes with that cache warm, and a step once
@@ -25,19 +26,19 @@ def _rank(rank, port, cache_dir, backend, results):
     import torch.distributed as dist
 
     import fxtp
-    from tests import transformer_models as tm
-    from tests.test_transformers import TOKENS, llama_plan
+    from fxtp.demo import CONFIG, LanguageModel, batches, plan
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORLD)
     torch.manual_seed(0)
-    gm = fxtp.parallelize(tm.Llama(), llama_plan(), example_inputs=(TOKENS,))
+    batch = next(batches(CONFIG, 1, 4, "cpu"))
+    gm = fxtp.parallelize(LanguageModel(CONFIG), plan(), example_inputs=batch)
     compiled = torch.compile(gm, backend=backend, fullgraph=True)
     times = []
     for _ in range(3):
         dist.barrier()
         start = time.perf_counter()
-        compiled(TOKENS).sum().backward()
+        compiled(*batch).backward()
         times.append(time.perf_counter() - start)
     if rank == 0:
         results.put((times[0], times[-1]))
@@ -54,7 +55,7 @@ def measure(backend: str, cache_dir: str) -> tuple[float, float]:
 
 
 def main():
-    print(f"Llama (tests/transformer_models.py defaults), {WORLD} gloo ranks, "
+    print(f"the demo's model (fxtp.demo), {WORLD} gloo ranks, "
           f"{os.cpu_count()} CPUs, torch.compile(fxtp.parallelize(...)), training step")
     print(f"{'backend':10} {'first, cold cache':>18} {'first, warm cache':>18} "
           f"{'compiled step':>14}")

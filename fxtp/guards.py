@@ -53,7 +53,9 @@ def check_same_on_every_rank(group, device, plan: dict, model, gm: fx.GraphModul
     mine = torch.tensor([_digest(plan_text), _digest(shapes_text),
                          _digest(gm.code + repr(inputs)), init_seed], device=device)
     everyone = mine.repeat(group.world)  # a fake process group leaves it as it is
-    dist.all_gather_into_tensor(everyone, mine, group=group.pg)
+    # all_gather_single is torch >= 2.13's name, all_gather_into_tensor the older one
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(
+        everyone, mine, group=group.pg)
     everyone = everyone.view(group.world, -1).tolist()
     problems = []
     for i, item in enumerate(_ITEMS):

@@ -49,7 +49,7 @@ def noise_floor(grads, dtype) -> float:
 
 def example(*shape, seed=1):
     """An input tensor that is the same on every rank."""
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
 def local_part(full: torch.Tensor, placement, rank: int, world: int) -> torch.Tensor:

@@ -19,12 +19,21 @@ from tests.test_transformers import TOKENS, llama_plan
 
 B, T, D = models.BATCH, models.SEQ, models.DIM
 
-# name -> (model, plan, inputs[, input placements]); sequence parallel and loss parallel
-# join as one entry each
+def _llama_with_loss():
+    from tests.test_sequence_parallel import WithLoss
+    return WithLoss(tm.Llama(tm.LlamaConfig(n_layers=1)))
+
+
+# name -> (model, plan, inputs[, input placements])
 CASES = {
     "mlp": (models.MLP, models.MLP_PLAN, [_x(B, T, D)]),
     "attention_block": (lambda: models.Stack(n_layers=1), models.STACK_PLAN, [_x(B, T, D)]),
     "llama": (lambda: tm.Llama(tm.LlamaConfig(n_layers=1)), llama_plan(), [TOKENS]),
+    # sequence parallel, and sequence + loss parallel with the loss inside the graph
+    "llama_sp": (lambda: tm.Llama(tm.LlamaConfig(n_layers=1)), tm.llama_sp_plan(), [TOKENS]),
+    "llama_sp_loss": (_llama_with_loss,
+                      {f"lm.{k}": v for k, v in tm.llama_sp_plan(loss_parallel=True).items()},
+                      [TOKENS, TOKENS.roll(-1, 1)]),
 }
 
 
