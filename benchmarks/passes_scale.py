@@ -9,6 +9,8 @@ reported as ``first_call_setup_s``), then the timed one.
 
     python -m benchmarks.passes_scale           # 8B at 4..32 layers, 70B at 80
     python -m benchmarks.passes_scale --quick   # 8B at 2 and 4 layers
+
+Results: ``benchmarks/results/passes_scale.json`` and ``passes_scale.png``.
 """
 from __future__ import annotations
 
@@ -94,7 +96,29 @@ def main(argv=None):
     report = {"world": 8, "points": points, "fit_8B": line, "target_8B_s": TARGET_8B_S}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "passes_scale.json").write_text(json.dumps(report, indent=2))
+    plot(points, line, RESULTS / "passes_scale.png")
     return report
+
+
+def plot(points: list[dict], line: dict, path: pathlib.Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for shape, marker in (("8B", "o"), ("70B", "s")):
+        mine = [p for p in points if p["shape"] == shape]
+        ax.plot([p["layers"] for p in mine], [p["seconds"] for p in mine], marker,
+                label=f"Llama-3-{shape} shapes")
+    top = max(p["layers"] for p in points)
+    ax.plot([0, top], [line["intercept_s"], line["intercept_s"] + line["seconds_per_layer"] * top],
+            "--", label=f"fit (8B): {line['seconds_per_layer']:.3f} s/layer")
+    ax.axhline(TARGET_8B_S, color="grey", lw=0.5)
+    ax.set_xlabel("layers")
+    ax.set_ylabel("parallelize wall time (s)")
+    ax.set_title("fxtp passes, world 8 (fake group), meta device")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":

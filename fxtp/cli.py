@@ -15,7 +15,7 @@ process, and the report of one rank is printed::
 ``factory()`` returns the model; ``plan_fn()`` returns the plan (``plan_fn(seq_parallel=
 True)`` with ``--seq-parallel``); a plan dict may be named instead of a function. Each
 ``--input`` is one positional example input, ``SHAPE[:DTYPE]`` (``2x16:int64``; float32
-by default), made on the meta device.
+by default), made on the meta device; without any, one ``1x16:int64`` batch of token ids.
 
 A subcommand is a function that adds its parser to the subparsers and sets ``run`` (a
 function of the parsed arguments returning the exit status); list it in ``COMMANDS``.
@@ -63,9 +63,10 @@ def add_explain(commands) -> None:
                    help="a function returning the plan (called with seq_parallel=True under "
                         "--seq-parallel), or a plan dict")
     p.add_argument("--world-size", required=True, type=int, help="tensor-parallel ranks")
-    p.add_argument("--input", required=True, action="append", type=example_input,
-                   metavar="SHAPE[:DTYPE]", help="one positional example input, e.g. "
-                   "2x16:int64 (float32 if no dtype); repeat for more inputs")
+    p.add_argument("--input", action="append", type=example_input, metavar="SHAPE[:DTYPE]",
+                   help="one positional example input, e.g. 2x16:int64 (float32 if no "
+                   f"dtype); repeat for more inputs (default: {DEFAULT_INPUT}, a batch of "
+                   f"token ids for a language model)")
     p.add_argument("--seq-parallel", action="store_true",
                    help="call the plan function as plan_fn(seq_parallel=True)")
     p.add_argument("--rank", type=int, default=0, help="the rank whose view is reported")
@@ -74,7 +75,11 @@ def add_explain(commands) -> None:
     p.set_defaults(run=run_explain)
 
 
+DEFAULT_INPUT = "1x16:int64"
+
+
 def run_explain(args) -> int:
+    args.input = args.input or [example_input(DEFAULT_INPUT)]
     factory, plan = load(args.model), load(args.plan)
     if callable(plan):
         plan = plan(seq_parallel=True) if args.seq_parallel else plan()
