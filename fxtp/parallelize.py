@@ -87,12 +87,12 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
             gm, calls = trace(model, tuple(example_inputs), example_kwargs, shardings,
                               dynamic_shapes)
         dump.code("traced", gm)
-        draw = int(torch.randint(2 ** 62, (), device="cpu")) if meta else 0
+        draw = int(torch.randint(2 ** 62, (), device="cpu")) if meta else 0  # init seed
         init_seed = check_same_on_every_rank(group, _device(None, group), shardings, model,
                                              gm, draw)
         seed(gm, shardings, calls, group.world, _tied_names(model))
         fallbacks = propagate(gm, group.world, strict=strict)
-        if stride_fused_splits(gm, group.world):
+        if stride_fused_splits(gm, group.world):  # fused projections re-seeded strided
             fallbacks = propagate(gm, group.world, strict=strict)
         dump.placements(gm)
         for message in fallbacks:
@@ -107,13 +107,17 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
                         init_seed)
         guard_inputs(gm, group.world)
         dump.code("localized", gm)
-        outputs = next(iter(reversed(gm.graph.nodes))).args[0]
-        gm.fxtp = ParallelInfo({k: s.style for k, s in shardings.items()}, group.name,
-                               group.rank, group.world, fallbacks,
-                               tuple(getattr(o, "meta", {}).get(PLACEMENT) for o in outputs),
-                               placements, device_mesh, tuple(model.state_dict(keep_vars=True)))
+        gm.fxtp = _info(gm, model, shardings, group, fallbacks, placements, device_mesh)
         dump.report(gm)
     return gm
+
+
+def _info(gm, model, shardings, group, fallbacks, placements, device_mesh) -> ParallelInfo:
+    outputs = next(iter(reversed(gm.graph.nodes))).args[0]
+    return ParallelInfo({k: s.style for k, s in shardings.items()}, group.name, group.rank,
+                        group.world, fallbacks,
+                        tuple(getattr(o, "meta", {}).get(PLACEMENT) for o in outputs),
+                        placements, device_mesh, tuple(model.state_dict(keep_vars=True)))
 
 
 def _device(device, group) -> torch.device:
