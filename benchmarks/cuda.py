@@ -38,20 +38,6 @@ class LayerStack(nn.Module):
         return h
 
 
-def _dtensor(model, world):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
-    for layer in model.layers:  # DTensor hands attention local tensors: local head counts
-        layer.attention.n_heads //= world
-        layer.attention.n_kv_heads //= world
-    plan = {**{f"layers.*.attention.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")},
-            "layers.*.attention.wo": RowwiseParallel(),
-            **{f"layers.*.feed_forward.{w}": ColwiseParallel() for w in ("w1", "w3")},
-            "layers.*.feed_forward.w2": RowwiseParallel()}
-    return parallelize_module(model, init_device_mesh("cuda", (world,)), plan)
-
-
 def optimizers(module, lr=1e-4) -> list:
     """AdamW over the module's parameters; DTensor and plain ones apart, since foreach
     kernels (CUDA's default) cannot mix them (a DTensor model's unplanned norms are plain)."""
@@ -88,6 +74,7 @@ def _time(module, x, steps, warmup) -> dict:
 def run(layers: int = 2, batch: int = 1, seq: int = 2048, world: int = 8, steps: int = 10,
         warmup: int = 3, variants=None) -> dict:
     import fxtp
+    from benchmarks.run import dtensor_tp
     from fxtp.llama import LlamaConfig, llama_layer_plan
     from torch.testing._internal.distributed.fake_pg import FakeStore
     if not dist.is_initialized():
@@ -103,8 +90,8 @@ def run(layers: int = 2, batch: int = 1, seq: int = 2048, world: int = 8, steps:
         "fxtp_eager": lambda m: fxtp.parallelize(m, llama_layer_plan(), example_inputs=(x,)),
         "fxtp_compiled": lambda m: torch.compile(
             fxtp.parallelize(m, llama_layer_plan(), example_inputs=(x,)), fullgraph=True),
-        "dtensor_eager": lambda m: _dtensor(m, world),
-        "dtensor_compiled": lambda m: torch.compile(_dtensor(m, world)),
+        "dtensor_eager": lambda m: dtensor_tp(m, world, "cuda"),
+        "dtensor_compiled": lambda m: torch.compile(dtensor_tp(m, world, "cuda")),
     }
     out = {"device": torch.cuda.get_device_name(), "world": world, "layers": layers,
            "batch": batch, "seq": seq, "dtype": "bfloat16", "torch": torch.__version__}

@@ -62,7 +62,7 @@ def one(shape: str, layers: int, world: int = 8) -> dict:
 def fit(points: list[dict]) -> dict:
     """Least squares ``seconds = a + b * layers`` and its R^2."""
     xs, ys = [p["layers"] for p in points], [p["seconds"] for p in points]
-    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     a = my - b * mx
     ss_res = sum((y - a - b * x) ** 2 for x, y in zip(xs, ys))

@@ -74,7 +74,9 @@ def build(variant: str, model, tokens, rank: int, world: int):
         if variant.endswith("compiled") else module
 
 
-def dtensor_tp(model, world: int):
+def dtensor_tp(model, world: int, device_type: str = "cpu"):
+    """torch's DTensor TP of a :class:`fxtp.llama.Llama` (or of its layers alone) under the
+    same plan as fxtp's."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
@@ -82,13 +84,14 @@ def dtensor_tp(model, world: int):
     for layer in model.layers:  # see WHY_DTENSOR_PATCHED
         layer.attention.n_heads //= world
         layer.attention.n_kv_heads //= world
-    plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
-            "output": ColwiseParallel(output_layouts=Replicate()),
-            **{f"layers.*.attention.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")},
+    plan = {**{f"layers.*.attention.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")},
             "layers.*.attention.wo": RowwiseParallel(),
             **{f"layers.*.feed_forward.{w}": ColwiseParallel() for w in ("w1", "w3")},
             "layers.*.feed_forward.w2": RowwiseParallel()}
-    return parallelize_module(model, init_device_mesh("cpu", (world,)), plan)
+    if hasattr(model, "tok_embeddings"):
+        plan.update({"tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+                     "output": ColwiseParallel(output_layouts=Replicate())})
+    return parallelize_module(model, init_device_mesh(device_type, (world,)), plan)
 
 
 def train_step(module, opt, tokens, targets) -> torch.Tensor:

@@ -36,18 +36,13 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
+from passes.gradients import gradient_carriers
 from passes.meta import COLLECTIVE, FALLBACK, PLACEMENT, module_fqn
-from passes.placement import describe, is_sharded, split_factor
+from passes.placement import describe, is_sharded, size_hint, split_factor
 from passes.rules import val
 
 from .loss import forward_all_reduce_bytes, loss_parallel_cross_entropy
 from .report import Comm, Fallback, Layer, NodeInfo, Report, Summary, Totals
-
-aten = torch.ops.aten
-_NO_GRAD = {aten.detach.default, aten.zeros_like.default, aten.ones_like.default,
-            aten.full_like.default, aten.empty_like.default, aten.new_zeros.default,
-            aten.new_ones.default, aten.new_empty.default, aten.new_full.default}
-
 
 # fxtp collective -> (forward, backward) collective; the forward one sends the input's
 # local tensor, the backward one the gradient, which has the output's placement
@@ -156,7 +151,7 @@ def _dim(size, hints: dict) -> tuple:
     if constant is not None:
         return constant, constant
     text = str(size.node.expr)
-    hints[text] = size.node.hint if size.node.has_hint() else 1024  # as placement.numel_hint
+    hints[text] = size_hint(size)
     return text, hints[text]
 
 
@@ -218,22 +213,12 @@ def _carry_grad(gm: fx.GraphModule, input_grads: bool) -> frozenset:
     """Nodes whose value carries a gradient in backward: trainable parameters (and floating
     root inputs with ``input_grads``) and floating values computed from them by
     differentiable ops."""
-    found = set()
-    for node in gm.graph.nodes:
-        v = val(node)
-        floating = not isinstance(v, torch.Tensor) or v.dtype.is_floating_point or \
-            v.dtype.is_complex
+    def is_root(node, v):
         if node.op == "placeholder":
-            carries = input_grads and isinstance(v, torch.Tensor) and floating
-        elif node.op == "get_attr":
-            carries = getattr(_attr(gm, node.target), "requires_grad", False)
-        else:
-            carries = node.op == "call_function" and node.target not in _NO_GRAD and \
-                not isinstance(v, (int, torch.SymInt)) and floating and \
-                any(a in found for a in node.all_input_nodes)
-        if carries:
-            found.add(node)
-    return frozenset(found)
+            return input_grads and isinstance(v, torch.Tensor) and \
+                (v.dtype.is_floating_point or v.dtype.is_complex)
+        return getattr(_attr(gm, node.target), "requires_grad", False)
+    return gradient_carriers(gm.graph, is_root)
 
 
 def _attr(gm: fx.GraphModule, target: str):

@@ -26,6 +26,7 @@ import torch.fx as fx
 
 from fxtp import collectives as C
 
+from .gradients import gradient_carriers, value
 from .meta import COLLECTIVE
 from .placement import numel_hint
 
@@ -116,7 +117,7 @@ def bucket(graph: fx.Graph) -> None:
 
 def _next_bucket(graph: fx.Graph) -> Optional["_Bucket"]:
     """The first group of at least two collectives that can issue as one, in graph order."""
-    with_grad = _may_need_grad(graph)
+    with_grad = gradient_carriers(graph, _may_need_grad)
     open_buckets: dict[tuple, _Bucket] = {}
     for node in graph.nodes:
         args = call_args(node)
@@ -192,24 +193,14 @@ class _Bucket:
                 cursor = node
 
 
-def _may_need_grad(graph: fx.Graph) -> set[fx.Node]:
-    """Nodes whose values may receive gradients: those computed from a parameter that
-    requires them or from a floating-point input (fake values of activations do not say)."""
-    found: set[fx.Node] = set()
-    for node in graph.nodes:
-        value = _value(node)
-        if node.op in ("placeholder", "get_attr"):
-            if value is not None and (value.requires_grad or
-                                      node.op == "placeholder" and value.is_floating_point()):
-                found.add(node)
-        elif node.target is not torch.ops.aten.detach.default and \
-                any(a in found for a in node.all_input_nodes):
-            found.add(node)
-    return found
+def _may_need_grad(node: fx.Node, value) -> bool:
+    """A parameter that requires gradients, or a floating-point input (fake values of
+    activations do not say whether they will require them)."""
+    return isinstance(value, torch.Tensor) and (
+        value.requires_grad or node.op == "placeholder" and value.is_floating_point())
 
 
 def _value(node) -> Optional[torch.Tensor]:
-    """The (fake) tensor a node computes: fxtp graphs keep ``val``, dynamo ``example_value``."""
-    meta = getattr(node, "meta", {})
-    value = meta.get("val", meta.get("example_value"))
-    return value if isinstance(value, torch.Tensor) else None
+    """The (fake) tensor a node computes, if it is one."""
+    v = value(node) if isinstance(node, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None

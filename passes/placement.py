@@ -67,12 +67,19 @@ def local_part(value: torch.Tensor, p, rank: int, world: int) -> torch.Tensor:
                      p.dim)
 
 
+def size_hint(size) -> int:
+    """A dim's size: an int as is, a symbolic size by its hint (1024 where it has none)."""
+    if isinstance(size, int):
+        return size
+    return int(size.node.hint) if size.node.has_hint() else 1024
+
+
 def numel_hint(val: torch.Tensor) -> int:
     """Number of elements, using size hints for symbolic dims."""
     n = 1
     for s in val.shape:
-        n *= s if isinstance(s, int) else s.node.hint if s.node.has_hint() else 1024
-    return int(n)
+        n *= size_hint(s)
+    return n
 
 
 def transition_cost(src: Placement, dst: Placement, val: torch.Tensor, world: int) -> float:

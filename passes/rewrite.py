@@ -20,6 +20,7 @@ from torch.distributed.tensor import Replicate
 
 from fxtp import collectives
 
+from .gradients import gradient_carriers
 from .meta import COLLECTIVE, INPUTS, PLACEMENT
 from .placement import describe, is_replicate, split_factor, transition_steps
 from .propagate import placement_of
@@ -108,23 +109,10 @@ def _forwards_partial(node: fx.Node) -> bool:
         all(_contributes_partial_grad(u) for u in node.users)
 
 
-def _needs_grad(graph: fx.Graph) -> set:
-    """Nodes that may carry a gradient: inputs, trainable parameters and what is computed
-    from them, except through ``detach``."""
-    found = set()
-    for node in graph.nodes:
-        v = val(node)
-        if node.op == "placeholder" or (node.op == "get_attr" and getattr(v, "requires_grad", False)):
-            found.add(node)
-        elif node.op == "call_function" and node.target is not aten.detach.default and \
-                any(a in found for a in node.all_input_nodes):
-            found.add(node)
-    return found
-
-
 def _sync_partial_grads(graph: fx.Graph, group: str) -> None:
     params = {}  # replicated parameter -> its users that give it partial gradients
-    needs_grad = _needs_grad(graph)
+    needs_grad = gradient_carriers(  # an input may be given requires_grad at run time
+        graph, lambda n, v: n.op == "placeholder" or getattr(v, "requires_grad", False))
     for node in list(graph.nodes):
         v = val(node)
         if node not in needs_grad or not isinstance(v, torch.Tensor) or \

@@ -149,10 +149,10 @@ def _split_partial_bias(graph) -> None:
     for node in list(graph.nodes):
         if node.target is aten.linear.default and len(node.args) > 2 and \
                 node.args[2] is not None and _sharded_on(node.args[1], 1):
-            (x, w, bias), matmul = node.args[:3], (aten.linear.default, node.args[:2])
+            bias, matmul = node.args[2], (aten.linear.default, node.args[:2])
         elif node.target is aten.addmm.default and not node.kwargs and \
                 _sharded_on(node.args[2], 0):
-            (bias, x, w), matmul = node.args[:3], (aten.mm.default, node.args[1:3])
+            bias, matmul = node.args[0], (aten.mm.default, node.args[1:3])
         else:
             continue
         with graph.inserting_before(node):

@@ -3,7 +3,6 @@ exact collectives issued, on 2 and 4 gloo ranks, in fp64 (tight) and fp32 (defau
 import pytest
 import torch
 
-import fxtp
 from fxtp import PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput
 from fxtp import Replicate, Shard
 from tests import models

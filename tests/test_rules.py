@@ -18,7 +18,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from fxtp.mesh import Group
 from passes.meta import INPUTS, PLACEMENT
 from passes.propagate import placement_of, propagate
-from passes.rules import RULES, output_vals, tensor_inputs
+from passes.rules import RULES, tensor_inputs
 from tests.parity import local_part
 
 g = torch.Generator().manual_seed(0)

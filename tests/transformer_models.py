@@ -9,9 +9,9 @@ import torch.nn.functional as F
 
 import fxtp
 from fxtp import Replicate, Shard
-from fxtp.llama import (FeedForward, Llama, LlamaAttention, LlamaConfig, RMSNorm,  # noqa: F401
-                        precompute_cos_sin, precompute_freqs_cis,
-                        TransformerBlock, llama_layer_plan, llama_sp_plan, llama_tp_plan)
+from fxtp.llama import (Llama, LlamaConfig, RMSNorm, llama_layer_plan,  # noqa: F401
+                        llama_sp_plan, llama_tp_plan, precompute_cos_sin,
+                        precompute_freqs_cis)
 
 
 # --- GPT-2 -------------------------------------------------------------------------------
