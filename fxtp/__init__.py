@@ -4,7 +4,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from .checkpoint import full_state_dict, load_full_state_dict, load_state_dict, state_dict
 from .clip import clip_grad_norm_
 from .comm_count import count_collectives
-from .errors import FxtpError, InputError, PlanError, ShardingError, TraceError
+from .passes.errors import FxtpError, InputError, PlanError, ShardingError, TraceError
 from .explain import explain
 from .loss import cross_entropy
 from .parallelize import parallelize

@@ -3,8 +3,8 @@ passes, then inductor.
 
 * ``torch.compile(gm, backend="fxtp")`` with ``gm = fxtp.parallelize(...)``: training and
   inference. Dynamo's graph of ``gm`` calls fxtp's collectives; the passes of
-  :mod:`passes.optimize` merge, cancel and bucket them (forward and backward), then
-  inductor compiles with :mod:`passes.schedule` overlapping collectives with compute.
+  :mod:`fxtp.passes.optimize` merge, cancel and bucket them (forward and backward), then
+  inductor compiles with :mod:`fxtp.passes.schedule` overlapping collectives with compute.
 * ``torch.compile(model, backend="fxtp", fullgraph=True, options={"plan": plan,
   "mesh": mesh})``: a plain model, parallelized inside compile (:mod:`fxtp.in_compile`),
   then as above. Made for inference; see that module for what training through it costs.
@@ -14,14 +14,14 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from passes.optimize import optimize
+from .passes.optimize import optimize
 
-from .errors import FxtpError
+from .passes.errors import FxtpError
 
 NAME = "fxtp"
 INDUCTOR_CONFIG = {"reorder_for_peak_memory": False}
 """Inductor's peak-memory reordering would move the compute placed between a collective and
-its wait (by :mod:`passes.schedule`) back before the collective."""
+its wait (by :mod:`fxtp.passes.schedule`) back before the collective."""
 
 
 def fxtp_backend(gm: fx.GraphModule, example_inputs, options=None, mode=None):
@@ -40,7 +40,7 @@ def fxtp_backend(gm: fx.GraphModule, example_inputs, options=None, mode=None):
     optimize(gm)
     from torch._inductor.compile_fx import compile_fx  # slow imports: only when compiling
 
-    from passes.schedule import OverlapCollectives
+    from .passes.schedule import OverlapCollectives
     return compile_fx(gm, example_inputs, config_patches=INDUCTOR_CONFIG | {
         "post_grad_custom_post_pass": OverlapCollectives()})
 

@@ -20,9 +20,9 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from passes.placement import is_sharded, local_part
+from .passes.placement import is_sharded, local_part
 
-from .errors import PlanError
+from .passes.errors import PlanError
 from .parallelize import info_of
 
 

@@ -31,7 +31,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .errors import FxtpError
+from .passes.errors import FxtpError
 from .explain import explain
 from .parallelize import parallelize
 

@@ -7,9 +7,9 @@ import torch
 import torch.fx as fx
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-from passes.placement import is_sharded
+from .passes.placement import is_sharded
 
-from .collectives import _all_reduce
+from .passes.collectives import _all_reduce
 from .parallelize import info_of
 
 

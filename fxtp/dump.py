@@ -34,8 +34,8 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from passes.meta import BOUNDARY, INPUTS
-from passes.placement import describe
+from .passes.graph import BOUNDARY, INPUTS
+from .passes.placement import describe
 
 from .explain import explain, node_info
 from .mesh import Group

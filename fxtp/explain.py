@@ -5,7 +5,7 @@ Reads what the passes leave in ``node.meta`` of the ``GraphModule`` that
 fallbacks, and ``val`` (the global shape; the local shape is this rank's chunk of it).
 
 Forward collectives are graph nodes. Backward collectives are not: each is the conjugate
-of a forward one (the table in :mod:`fxtp.collectives`), issued when gradients flow
+of a forward one (the table in :mod:`fxtp.passes.collectives`), issued when gradients flow
 through it, i.e. when its input depends on a trainable parameter (or, with
 ``input_grads=True``, on a floating root input) through differentiable ops:
 
@@ -36,12 +36,11 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from passes.gradients import gradient_carriers
-from passes.meta import COLLECTIVE, FALLBACK, PLACEMENT, module_fqn
-from passes.placement import describe, is_sharded, size_hint, split_factor
-from passes.rules import val
+from .passes.gradients import gradient_carriers
+from .passes.graph import COLLECTIVE, FALLBACK, PLACEMENT, call_args, module_fqn, val
+from .passes.placement import describe, is_sharded, size_hint, split_factor
 
-from .loss import forward_all_reduce_bytes, loss_parallel_cross_entropy
+from .passes.cross_entropy import forward_all_reduce_bytes, loss_parallel_cross_entropy
 from .report import Comm, Fallback, Layer, NodeInfo, Report, Summary, Totals
 
 # fxtp collective -> (forward, backward) collective; the forward one sends the input's
@@ -180,25 +179,27 @@ def _local_bytes(node: fx.Node, rank: int, world: int) -> int:
 
 def _comms(node: fx.Node, kind: str, rank: int, world: int, grads) -> tuple[list, list]:
     """``(forward, backward)`` collectives of a collective node of ``kind``."""
+    args = call_args(node)
     if kind == "grad_sync_bucket":
         by_dtype: dict = {}
-        for param in node.args[0]:
+        for param in args["xs"]:
             by_dtype[val(param).dtype] = by_dtype.get(val(param).dtype, 0) + \
                 _local_bytes(param, rank, world)
-        flows = any(param in grads for param in node.args[0])
+        flows = any(param in grads for param in args["xs"])
         return [], [Comm("all_reduce", b) for b in by_dtype.values()] if flows else []
-    x, flows = node.args[0], node.args[0] in grads
     if kind == "loss_parallel":
-        logits, target = val(x), val(node.args[1])
-        tokens = _numel_hint(logits) // _hint(logits.shape[node.args[6]])
+        logits, target = val(args["logits"]), val(args["target"])
+        tokens = _numel_hint(logits) // _hint(logits.shape[args["class_dim"]])
         sizes = forward_all_reduce_bytes(tokens, logits.dtype, target.is_floating_point(),
-                                         node.args[5])
+                                         args["label_smoothing"])
         return [Comm("all_reduce", b) for b in sizes], []
+    x = args["x"]
     forward, backward = CONJUGATES[kind]
-    if kind == "all_gather" and not (len(node.args) > 5 and node.args[5]):
+    if kind == "all_gather" and not args["partial_grad"]:
         backward = None  # the gradient is replicated: this rank's chunk is taken
     return ([Comm(forward, _local_bytes(x, rank, world))] if forward else [],
-            [Comm(backward, _local_bytes(node, rank, world))] if backward and flows else [])
+            [Comm(backward, _local_bytes(node, rank, world))] if backward and x in grads
+            else [])
 
 
 def _hint(size) -> int:

@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from passes.meta import PLACEMENT
-from passes.placement import describe, is_sharded
+from .passes.graph import PLACEMENT
+from .passes.placement import describe, is_sharded
 
-from .errors import InputError, PlanError
+from .passes.errors import InputError, PlanError
 
 _ITEMS = ("plan", "model parameters and buffers", "traced graph")
 

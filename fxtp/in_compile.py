@@ -3,7 +3,7 @@
 Dynamo hands the backend its graph of ``model.forward`` with the model's parameters and
 buffers as inputs, and calls the compiled result with the current tensors on every call.
 The replacement graph is :func:`fxtp.parallelize`'s program for the same call, reading
-each parameter as :func:`fxtp.collectives.shard` of the full tensor passed in.
+each parameter as :func:`fxtp.passes.collectives.shard` of the full tensor passed in.
 
 What it serves: inference, with each rank computing on its shards and the model's
 parameters read afresh on every call. Training through it is correct but is not tensor
@@ -23,12 +23,13 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate
 
-from passes.meta import PLACEMENT
+from .passes.graph import PLACEMENT
+from .passes.placement import is_sharded, split_factor
 
-from . import collectives
-from .errors import FxtpError
+from .passes import collectives
+from .passes.errors import FxtpError
 from .parallelize import parallelize
 
 
@@ -62,9 +63,9 @@ def parallelize_dynamo_graph(gm: fx.GraphModule, example_inputs, plan, mesh) -> 
                 raise FxtpError(f"dynamo did not pass '{node.target}' to the backend; "
                                 f"backend='fxtp' with a plan cannot shard it")
             placement = node.meta[PLACEMENT]
-            env[node] = graph.call_function(
-                collectives.shard, (full, placement.dim, info.rank, info.world_size,
-                                    info.group)) if isinstance(placement, Shard) else full
+            env[node] = graph.call_function(collectives.shard, (full,), dict(
+                dim=placement.dim, rank=info.rank, world=info.world_size, group=info.group,
+                split_factor=split_factor(placement))) if is_sharded(placement) else full
         elif node.op == "output":
             outs = pytree.tree_leaves(node.args[0])
             _check_outputs(gm, outs)

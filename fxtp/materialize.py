@@ -38,9 +38,9 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 
-from passes.placement import is_sharded
+from .passes.placement import is_sharded
 
-from .errors import PlanError
+from .passes.errors import PlanError
 
 
 def meta_tensors(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -7,7 +7,7 @@ from typing import Optional, Union
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .errors import PlanError
+from .passes.errors import PlanError
 
 
 @dataclass(frozen=True)

@@ -12,15 +12,15 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from passes.localize import localize
-from passes.meta import PLACEMENT
-from passes.propagate import propagate
-from passes.rewrite import rewrite
-from passes.seed import seed
-from passes.strided import stride_fused_splits
+from .passes.localize import localize
+from .passes.graph import PLACEMENT
+from .passes.propagate import propagate
+from .passes.rewrite import rewrite
+from .passes.seed import seed
+from .passes.strided import stride_fused_splits
 
 from .dump import Dumper
-from .errors import PlanError
+from .passes.errors import PlanError
 from .guards import check_fresh, check_same_on_every_rank, guard_inputs
 from .materialize import fake_tensors, materialize, meta_tensors, swapped
 from .mesh import resolve_group

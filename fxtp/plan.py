@@ -12,7 +12,7 @@ from typing import Mapping, Union
 import torch.nn as nn
 from torch.distributed.tensor.parallel import ParallelStyle as TorchStyle
 
-from .errors import PlanError
+from .passes.errors import PlanError
 from .styles import ModuleSharding, ParallelStyle, from_torch
 
 Plan = Union[ParallelStyle, Mapping[str, ParallelStyle]]

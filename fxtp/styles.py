@@ -14,31 +14,8 @@ from typing import Optional, Sequence, Union
 import torch.nn as nn
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
-from .errors import PlanError
-
-Layouts = Optional[tuple[Optional[Placement], ...]]
-
-
-@dataclass
-class ModuleSharding:
-    """The contract between a style and the seed pass.
-
-    ``params``: parameter name (relative to the module) -> placement.
-    ``input_layouts``: how each positional input is laid out when the module is the root
-    (what every rank passes in). ``desired_inputs`` / ``desired_kwargs``: layouts the inputs
-    are redistributed to on entry. ``desired_outputs``: layouts outputs are redistributed to
-    on exit. ``None`` entries leave a value as it is.
-    """
-
-    fqn: str
-    style: "ParallelStyle"
-    params: dict[str, Placement] = field(default_factory=dict)
-    input_layouts: Layouts = None
-    input_kwarg_layouts: dict[str, Placement] = field(default_factory=dict)
-    desired_inputs: Layouts = None
-    desired_kwargs: dict[str, Placement] = field(default_factory=dict)
-    desired_outputs: Layouts = None
-
+from .passes.errors import PlanError
+from .passes.graph import Layouts, ModuleSharding
 
 def _check_placement(p, what: str):
     if p is None:

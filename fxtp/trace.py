@@ -7,23 +7,14 @@ says which graph values are their inputs and outputs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from .errors import TraceError
-
-
-@dataclass
-class ModuleCall:
-    """Graph values at one module's call boundary (``None`` for non-tensor values)."""
-
-    args: tuple[Optional[fx.Node], ...] = ()
-    kwargs: dict[str, Optional[fx.Node]] = field(default_factory=dict)
-    outputs: tuple[Optional[fx.Node], ...] = ()
+from .passes.errors import TraceError
+from .passes.graph import ModuleCall
 
 
 def trace(model: torch.nn.Module, args: tuple, kwargs: Optional[dict],

@@ -37,9 +37,10 @@ class DimSpec:
 
     ``inputs[i]`` labels the dims of the i-th tensor input, or is ``None`` when the op reads
     only its shape/dtype (any placement is accepted as is). ``partial`` says how the op
-    passes Partial values through: ``"sum"`` (linear in all inputs jointly: all Partial ->
-    Partial), ``"product"`` (linear in each input: one Partial input among ``partial_args``,
-    the rest Replicate -> Partial) or ``"none"``.
+    passes Partial values through: ``"sum"`` (linear in the inputs ``partial_args``, default
+    all, jointly: those Partial and the rest, such as indices, Replicate -> Partial),
+    ``"product"`` (linear in each input: one Partial input among ``partial_args``, the rest
+    Replicate -> Partial) or ``"none"`` (the default: no Partial value passes).
     """
 
     inputs: tuple[Optional[Labels], ...]
@@ -126,7 +127,8 @@ def strategies(spec: DimSpec, in_shapes: Sequence, out_shapes: Sequence, world: 
                 yield strided
     partial_outs = (P,) * len(spec.outputs)
     if spec.partial == "sum":
-        yield tuple(None if s is None else P for s in spec.inputs), partial_outs
+        yield tuple(None if s is None else P if spec.partial_args is None or i in
+                    spec.partial_args else R for i, s in enumerate(spec.inputs)), partial_outs
     elif spec.partial == "product":
         for i in spec.partial_args or range(n_in):
             if spec.inputs[i] is not None:
@@ -152,3 +154,23 @@ def _strided(ins, outs, actual, in_shapes, out_shapes, world):
     def stride(p):
         return _StridedShard(p.dim, split_factor=k) if isinstance(p, Shard) else p
     return tuple(map(stride, ins)), tuple(map(stride, outs))
+
+
+def indivisible(spec: DimSpec, in_shapes: Sequence, out_shapes: Sequence, input_index: int,
+                dim: int, world: int) -> list[str]:
+    """Why the label of dim ``dim`` of input ``input_index`` has no sharded strategy, when
+    the reason is size: every tensor dim carrying it whose size does not divide by
+    ``world``, as ``"dim 2 of output 0 (size 6)"``."""
+    labels = spec.inputs[input_index]
+    if labels is None or dim >= len(labels) or labels[dim].endswith("!"):
+        return []
+    base = _base(labels[dim])
+    found = []
+    for side, specs, shapes in (("input", spec.inputs, in_shapes),
+                                ("output", spec.outputs, out_shapes)):
+        for i, (labs, shape) in enumerate(zip(specs, shapes)):
+            for d, label in enumerate(labs or ()):
+                size = shape[d] if shape is not None else None
+                if _base(label) == base and isinstance(size, int) and size % world:
+                    found.append(f"dim {d} of {side} {i} (size {size})")
+    return found

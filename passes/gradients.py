@@ -7,17 +7,14 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
+from .graph import val
+
 aten = torch.ops.aten
 
 # ops whose output never carries its inputs' gradients
 NO_GRAD = {aten.detach.default, aten.zeros_like.default, aten.ones_like.default,
            aten.full_like.default, aten.empty_like.default, aten.new_zeros.default,
            aten.new_ones.default, aten.new_empty.default, aten.new_full.default}
-
-
-def value(node: fx.Node):
-    """What a node computes, as traced: fxtp graphs keep ``val``, dynamo ``example_value``."""
-    return node.meta.get("val", node.meta.get("example_value"))
 
 
 def gradient_carriers(graph: fx.Graph, is_root: Callable[[fx.Node, object], bool]
@@ -27,7 +24,7 @@ def gradient_carriers(graph: fx.Graph, is_root: Callable[[fx.Node, object], bool
     other than :data:`NO_GRAD`."""
     found: set[fx.Node] = set()
     for node in graph.nodes:
-        v = value(node)
+        v = val(node)
         if node.op in ("placeholder", "get_attr"):
             carries = is_root(node, v)
         else:

@@ -5,7 +5,7 @@ rule has a local form on their shards are swapped for it (a vocab-sharded embedd
 a masked lookup, a split of a strided input takes local sizes), reads of a sharded dim's
 size (``sym_size``) are scaled back to the global size so shape arithmetic in user code
 stays global, and parameters and buffers are replaced by copies of this rank's shards
-(:func:`passes.placement.local_part`; never the user's tensors). ``node.meta["val"]``
+(:func:`fxtp.passes.placement.local_part`; never the user's tensors). ``node.meta["val"]``
 keeps the global shape.
 
 ``view`` becomes ``reshape``: the trace dropped ``.contiguous()`` calls that were no-ops on
@@ -21,9 +21,9 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .meta import INPUTS, PLACEMENT
+from .graph import INPUTS, PLACEMENT
 from .placement import is_sharded, local_part
-from .rules import RULES
+from .rules import rule_for
 
 aten = torch.ops.aten
 
@@ -36,7 +36,7 @@ def localize(gm: fx.GraphModule, group) -> None:
     shards: dict[int, torch.Tensor] = {}  # id(global tensor) -> local tensor, keeps ties
     for node in list(graph.nodes):
         if node.op == "call_function":
-            rule = RULES.get(node.target)
+            rule = rule_for(node.target)
             if rule is not None:
                 node.target, node.args, node.kwargs = rule.localize(
                     node, node.meta[INPUTS], node.meta[PLACEMENT], group, graph)

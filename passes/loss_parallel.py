@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
+from .cross_entropy import REDUCTIONS, loss_parallel_cross_entropy
 from .dimspec import DimSpec
 
 _ARGS = (("weight", None), ("reduction", 1), ("ignore_index", -100), ("label_smoothing", 0.0))
@@ -57,10 +58,9 @@ def class_sharded(node: fx.Node, world: int):
     yield inputs, (Replicate(),)
 
 
-def loss_parallel(node: fx.Node, inputs, group):
+def loss_parallel(node: fx.Node, inputs, output, group):
     """Class-sharded logits run :func:`~fxtp.loss.loss_parallel_cross_entropy`; token
     shards and replicated logits run the op itself."""
-    from fxtp.loss import REDUCTIONS, loss_parallel_cross_entropy  # fxtp's init imports passes
     logits = node.args[0]
     c = _class_dim(logits.meta["val"])
     if inputs[0] != Shard(c):

@@ -1,6 +1,6 @@
 """Post-rewrite passes: fewer and larger collectives, same program.
 
-They run on any graph whose collectives are calls of :mod:`fxtp.collectives` functions:
+They run on any graph whose collectives are calls of :mod:`fxtp.passes.collectives` functions:
 fxtp's own ``GraphModule`` and the graph dynamo makes of it under ``torch.compile``.
 Each pass keeps forward values and gradients exactly (the backward of each collective is
 its conjugate, so removing a forward pair removes the matching backward pair too), keeps
@@ -17,25 +17,20 @@ arguments alone (no placements needed).
 """
 from __future__ import annotations
 
-import inspect
 import operator
 from typing import Optional
 
 import torch
 import torch.fx as fx
 
-from fxtp import collectives as C
-
-from .gradients import gradient_carriers, value
-from .meta import COLLECTIVE
+from . import collectives as C
+from .gradients import gradient_carriers
+from .graph import COLLECTIVE, call_args, val
 from .placement import numel_hint
 
 BUCKET_CAP_BYTES = 4 << 20
 """Largest bucket: past a few MiB a collective is bandwidth-bound and bucketing only
 delays the first tensors."""
-
-_SIGNATURES = {fn: inspect.signature(fn) for fn in C.COLLECTIVES}
-
 
 def optimize(gm: fx.GraphModule) -> fx.GraphModule:
     """Run every pass on ``gm`` in place; return it."""
@@ -47,20 +42,16 @@ def optimize(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def call_args(node: fx.Node) -> Optional[dict]:
+def collective_args(node: fx.Node) -> Optional[dict]:
     """A collective call's arguments by parameter name (defaults filled), else ``None``."""
-    sig = _SIGNATURES.get(node.target) if node.op == "call_function" else None
-    if sig is None:
-        return None
-    bound = sig.bind(*node.args, **node.kwargs)
-    bound.apply_defaults()
-    return dict(bound.arguments)
+    return call_args(node) if node.op == "call_function" and node.target in C.COLLECTIVES \
+        else None
 
 
 def merge_redundant(graph: fx.Graph) -> None:
     seen: dict[tuple, fx.Node] = {}
     for node in list(graph.nodes):
-        args = call_args(node)
+        args = collective_args(node)
         if args is None:
             continue
         key = (node.target, *args.values())
@@ -73,13 +64,14 @@ def merge_redundant(graph: fx.Graph) -> None:
 
 def cancel_round_trips(graph: fx.Graph) -> None:
     for node in list(graph.nodes):
-        outer = call_args(node)
+        outer = collective_args(node)
         if outer is None or not isinstance(outer["x"], fx.Node):
             continue
         inner_node = outer["x"]
-        inner = call_args(inner_node)
+        inner = collective_args(inner_node)
         if inner is None or inner["group"] != outer["group"] or \
-                inner.get("dim") != outer.get("dim"):
+                inner.get("dim") != outer.get("dim") or \
+                inner.get("split_factor", 1) != outer.get("split_factor", 1):
             continue
         pair = (inner_node.target, node.target)
         with graph.inserting_before(node):
@@ -120,9 +112,9 @@ def _next_bucket(graph: fx.Graph) -> Optional["_Bucket"]:
     with_grad = gradient_carriers(graph, _may_need_grad)
     open_buckets: dict[tuple, _Bucket] = {}
     for node in graph.nodes:
-        args = call_args(node)
-        if args is None or node.target not in _SHARED:
-            continue
+        args = collective_args(node)
+        if args is None or node.target not in _SHARED or args.get("split_factor", 1) != 1:
+            continue  # the bucketed forms lay out contiguous shards only
         value = _value(args["x"])
         if value is None or (node.target in _BACKWARD_ONLY and args["x"] not in with_grad):
             continue
@@ -166,7 +158,7 @@ class _Bucket:
         """Issue the bucket right after the last of its inputs; what reads the members'
         results before that point moves after it, in order."""
         fn = self.members[0].target
-        members = [call_args(node) for node in self.members]
+        members = [collective_args(node) for node in self.members]
         xs = [args["x"] for args in members]
         position = {n: i for i, n in enumerate(graph.nodes)}
         anchor = max(xs, key=position.__getitem__)
@@ -202,5 +194,5 @@ def _may_need_grad(node: fx.Node, value) -> bool:
 
 def _value(node) -> Optional[torch.Tensor]:
     """The (fake) tensor a node computes, if it is one."""
-    v = value(node) if isinstance(node, fx.Node) else None
+    v = val(node)
     return v if isinstance(v, torch.Tensor) else None

@@ -3,7 +3,7 @@
 Placements are torch's own ``Shard(d)``, ``Replicate()`` and ``Partial()`` objects, and
 ``_StridedShard(d, split_factor=k)`` (dim ``d`` cut into ``k`` equal blocks, each sharded
 over the ranks: a rank holds its piece of every block, in block order; fused projections
-use it, see :mod:`passes.strided`). Shard dims are normalized to be non-negative for the
+use it, see :mod:`fxtp.passes.strided`). Shard dims are normalized to be non-negative for the
 tensor they describe.
 """
 from __future__ import annotations

@@ -3,22 +3,26 @@
 For each op the rule registry yields candidate strategies (input placements -> output
 placements); the one that needs the fewest bytes of redistribution from the inputs' actual
 placements wins. Results: ``meta[PLACEMENT]`` (what the node produces) and ``meta[INPUTS]``
-(what it needs of each tensor input; ``None`` = as is). An op without a rule that receives
-a non-replicated input falls back to gathering everything to Replicate: its message, naming
-op and module, is returned (and kept in ``meta[FALLBACK]``), or in strict mode raised as a
-:class:`ShardingError`. Propagation may run again after seeds change; each run starts over.
+(what it needs of each tensor input; ``None`` = as is). Fallbacks: an op without a rule
+that receives a non-replicated input gathers everything to Replicate, and an op whose rule
+has no strategy keeping a sharded input sharded (a head count that does not divide by the
+world size) gathers that input. Each is reported by a message naming op, module and sizes,
+returned and kept in ``meta[FALLBACK]``, or in strict mode raised as a
+:class:`ShardingError`. An in-place op's written input keeps its placement (gathering it
+would write a copy): where that is impossible, :class:`ShardingError`. Propagation may run
+again after seeds change; each run starts over.
 """
 from __future__ import annotations
 
 import torch.fx as fx
-from torch.distributed.tensor import Partial, Placement
+from torch.distributed.tensor import Partial
 
-from fxtp.errors import ShardingError
-
-from .meta import FALLBACK, INPUTS, PLACEMENT, module_fqn
-from .placement import R, describe, is_replicate, transition_cost
-from .rules import PASSTHROUGH, RULES, output_vals, tensor_inputs, val
-from .seed import layout
+from .errors import ShardingError
+from .graph import (FALLBACK, INPUTS, PLACEMENT, layout, module_fqn, output_vals, placement_of,
+                    tensor_inputs, val)
+from .placement import R, describe, is_replicate, is_sharded, transition_cost
+from .dimspec import indivisible
+from .rules import PASSTHROUGH, rule_for, writes_first_input
 
 
 def propagate(gm: fx.GraphModule, world: int, strict: bool = False) -> list[str]:
@@ -34,14 +38,11 @@ def propagate(gm: fx.GraphModule, world: int, strict: bool = False) -> list[str]
             if message:
                 if strict:
                     raise ShardingError(message + " (strict=True). Add a rule to "
-                                        "passes.rules.RULES or keep this op's inputs replicated.")
+                                        "fxtp.passes.rules.RULES, or plan sizes and layouts so "
+                                        "the op's inputs arrive as its rule can take them.")
                 node.meta[FALLBACK] = message
                 fallbacks.append(message)
     return fallbacks
-
-
-def placement_of(node) -> Placement | tuple | None:
-    return node.meta.get(PLACEMENT) if isinstance(node, fx.Node) else None
 
 
 def _propagate_call(node: fx.Node, world: int) -> str | None:
@@ -62,26 +63,57 @@ def _propagate_call(node: fx.Node, world: int) -> str | None:
         node.meta[INPUTS] = (None,) * len(inputs)
         node.meta[PLACEMENT] = None
         return None
-    rule = RULES.get(node.target)
+    rule = rule_for(node.target)
+    where = f"node '{node.name}' in module '{module_fqn(node) or '<root>'}'"
+    writes = writes_first_input(node.target) and bool(inputs) and inputs[0] is node.args[0]
     if rule is None:
         node.meta[INPUTS] = tuple(R for _ in inputs)
         node.meta[PLACEMENT] = _pack(node, (R,) * len(outs))
         if all(map(is_replicate, actual)):
             return None
-        where = module_fqn(node) or "<root>"
-        return (f"no sharding rule for {node.target} (node '{node.name}' in module "
-                f"'{where}') with input placements {describe(tuple(actual))}; gathering its "
-                f"inputs to Replicate")
+        if writes and not is_replicate(actual[0]):
+            raise ShardingError(f"{node.target} ({where}) writes in place into a value placed "
+                                f"{describe(actual[0])} and has no sharding rule: gathering "
+                                f"would write a copy. Add a rule to fxtp.passes.rules.RULES "
+                                f"or keep that value replicated")
+        return (f"no sharding rule for {node.target} ({where}) with input placements "
+                f"{describe(tuple(actual))}; gathering its inputs to Replicate")
     in_vals = [val(a) for a in inputs]
     best = None
     for ins, out in rule.strategies(node, world, actual):
+        if writes and ins[0] != actual[0]:
+            continue  # an in-place op writes the caller's tensor, as it is placed
         cost = sum(transition_cost(a, r, v, world) for a, r, v in zip(actual, ins, in_vals)
                    if r is not None)
         if best is None or cost < best[0]:
             best = (cost, ins, out)
+    if best is None:
+        raise ShardingError(f"{node.target} ({where}) writes in place into a value placed "
+                            f"{describe(actual[0])}, which its rule cannot compute on with "
+                            f"inputs {describe(tuple(actual))}; keep that value replicated")
     node.meta[INPUTS] = best[1]
     node.meta[PLACEMENT] = _pack(node, best[2])
-    return None
+    return _gathers(node, rule, actual, best[1], world, where)
+
+
+def _gathers(node, rule, actual, needed, world, where) -> str | None:
+    """A message for every sharded input the chosen strategy gathers (no strategy of the
+    rule keeps it sharded: e.g. a head count that does not divide by the world size)."""
+    reasons = []
+    for i, (a, n) in enumerate(zip(actual, needed)):
+        if not is_sharded(a) or n is None or n == a:
+            continue
+        sizes = indivisible(rule.spec(node), [getattr(val(x), "shape", None)
+                                              for x in tensor_inputs(node)],
+                            [getattr(v, "shape", None) for v in output_vals(node)], i, a.dim,
+                            world)
+        why = (f"{', '.join(sizes)} does not divide by the world size {world}" if sizes else
+               "no strategy of its rule keeps that dim sharded")
+        reasons.append(f"input {i} ({describe(a)}, shape {tuple(val(tensor_inputs(node)[i]).shape)}) "
+                       f"to {describe(n)}: {why}")
+    if not reasons:
+        return None
+    return f"{node.target} ({where}) gathers " + "; ".join(reasons)
 
 
 def _pack(node, outs: tuple):

@@ -1,8 +1,8 @@
 """Rewrite pass: make every placement change explicit as a differentiable collective.
 
 Where a node needs an input in another placement than the input has, the collectives of
-:func:`passes.placement.transition_steps` are inserted (one per value and target placement,
-shared by all consumers). Boundary :func:`~passes.seed.layout` markers are then removed.
+:func:`fxtp.passes.placement.transition_steps` are inserted (one per value and target placement,
+shared by all consumers). Boundary :func:`~fxtp.passes.seed.layout` markers are then removed.
 
 Backward: a replicated value consumed by ops that also touch sharded or partial values
 receives per-rank partial gradients from them. All those consumers are fed through one
@@ -12,20 +12,19 @@ are all such ops reduce-scatters its gradient instead.
 """
 from __future__ import annotations
 
+import inspect
 import operator
 
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import Replicate
 
-from fxtp import collectives
-
+from . import collectives
 from .gradients import gradient_carriers
-from .meta import COLLECTIVE, INPUTS, PLACEMENT
+from .graph import COLLECTIVE, INPUTS, PLACEMENT, layout, placement_of, tensor_inputs, val
 from .placement import describe, is_replicate, split_factor, transition_steps
-from .propagate import placement_of
-from .rules import aten, tensor_inputs, val
-from .seed import layout
+
+aten = torch.ops.aten
 
 
 def rewrite(gm: fx.GraphModule, group: str, rank: int, world: int) -> None:
@@ -64,23 +63,19 @@ def rewrite(gm: fx.GraphModule, group: str, rank: int, world: int) -> None:
     gm.recompile()
 
 
-_KINDS = {
-    "all_reduce": lambda x, dim, group, rank, world: (collectives.all_reduce, (x, group)),
-    "reduce_scatter": lambda x, dim, group, rank, world:
-        (collectives.reduce_scatter, (x, dim, world, group)),
-    "all_gather": lambda x, dim, group, rank, world:
-        (collectives.all_gather, (x, dim, rank, world, group)),
-    "shard": lambda x, dim, group, rank, world:
-        (collectives.shard, (x, dim, rank, world, group)),
-}
+_KINDS = {"all_reduce": collectives.all_reduce, "reduce_scatter": collectives.reduce_scatter,
+          "all_gather": collectives.all_gather, "shard": collectives.shard}
 
 
 def _collective(graph, kind, sharding, src, before, group, rank, world) -> fx.Node:
-    """``sharding``: the placement the collective gathers from or produces."""
-    fn, args = _KINDS[kind](src, sharding and sharding.dim, group, rank, world)
-    k = split_factor(sharding)
+    """``sharding``: the placement the collective gathers from or produces. Arguments are
+    passed by name (``x`` positionally), so later passes read them by name."""
+    fn = _KINDS[kind]
+    given = {"dim": sharding and sharding.dim, "rank": rank, "world": world, "group": group,
+             "split_factor": split_factor(sharding)}
+    params = inspect.signature(fn).parameters
     with graph.inserting_before(before):
-        node = graph.call_function(fn, args, {"split_factor": k} if k > 1 else {})
+        node = graph.call_function(fn, (src,), {k: v for k, v in given.items() if k in params})
     node.meta.update(val=val(src), nn_module_stack=dict(before.meta.get("nn_module_stack", {})))
     node.meta[PLACEMENT] = sharding if kind in ("reduce_scatter", "shard") else Replicate()
     node.meta[COLLECTIVE] = kind
@@ -126,7 +121,7 @@ def _sync_partial_grads(graph: fx.Graph, group: str) -> None:
             params[node] = partial_users
             continue
         if node.target is collectives.all_gather and len(partial_users) == len(node.users):
-            node.args = node.args[:5] + (True,)
+            node.kwargs = {**node.kwargs, "partial_grad": True}
             continue
         with graph.inserting_after(node):
             sync = graph.call_function(collectives.grad_sync, (node, group))

@@ -1,9 +1,21 @@
-"""The per-op sharding rule registry: ``RULES[aten_op] -> Rule``.
+"""The per-op sharding rule table: :func:`rule_for` ``(aten op) -> Rule``.
 
-A rule turns an fx node into a :class:`~passes.dimspec.DimSpec` (from which propagation
-derives the op's strategies) and, for ops that carry global shapes as arguments, says how
-to rewrite those arguments for local shards. Ops are grouped by the shape of their rule:
-most are one line.
+A rule turns an fx node into a :class:`~fxtp.passes.dimspec.DimSpec` (from which
+propagation derives the op's strategies) and, for ops that carry global shapes or
+rank-dependent offsets as arguments, says how to rewrite them for local shards.
+
+Coverage comes from torch's own op metadata where it exists: every op tagged
+``torch.Tag.pointwise`` gets the broadcasting pointwise rule without being listed (the
+linear ones, listed in :data:`LINEAR_POINTWISE`, also pass ``Partial`` through). The other
+families (views, reductions, concatenation, indexing and scatter, sorting, cumulative ops,
+normalizations, matrix products, attention) are stated below, one line per op where the
+family's rule shape fits. Every strategy of every rule is checked numerically by
+``tests/test_rule_oracle.py``.
+
+Adding an op is usually one line in :data:`RULES`, e.g. a reduction over a ``dim``
+argument at position 1 that sums (sharding the reduced dim gives ``Partial``)::
+
+    aten.nansum.default: reduction(dims_arg(1), summed=True, partial="sum"),
 """
 from __future__ import annotations
 
@@ -18,32 +30,12 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .dimspec import DimSpec, fixed_label, parse, strategies
+from .graph import is_tensor_node, output_vals, tensor_inputs, val
 from .local_ops import sharded_dropout, vocab_parallel_embedding
 from .loss_parallel import class_sharded, cross_entropy_spec, loss_parallel
 from .placement import is_sharded
 
 aten = torch.ops.aten
-
-
-def val(node):
-    return node.meta.get("val") if isinstance(node, fx.Node) else None
-
-
-def is_tensor_node(arg) -> bool:
-    return isinstance(val(arg), torch.Tensor)
-
-
-def tensor_inputs(node: fx.Node) -> list[fx.Node]:
-    """The node's tensor inputs in argument order (the order DimSpec inputs follow)."""
-    found: list[fx.Node] = []
-    fx.node.map_arg((node.args, node.kwargs),
-                    lambda a: found.append(a) if is_tensor_node(a) else None)
-    return found
-
-
-def output_vals(node: fx.Node) -> list:
-    v = val(node)
-    return list(v) if isinstance(v, (tuple, list)) else [v]
 
 
 @dataclass(frozen=True)
@@ -55,9 +47,10 @@ class Rule:
     cannot state (a rule whose local op communicates, a split served by a strided input).
     ``shape_arg`` is the index of a global shape argument that localization rewrites for
     the output's placement.
-    ``local_op(node, inputs, group)``, given the placements chosen for the tensor inputs
-    and the :class:`~fxtp.mesh.Group`, returns the ``(target, args, kwargs)`` to run instead
-    when the op cannot run as is on its shards; ``communicates`` says that local op issues
+    ``local_op(node, inputs, output, group)``, given the placements chosen for the tensor
+    inputs and the output and the group (``rank``, ``world`` and ``name``: a
+    :class:`fxtp.mesh.Group`), returns the ``(target, args, kwargs)`` to run instead when the
+    op cannot run as is on its shards or takes rank-dependent arguments; ``communicates`` says that local op issues
     collectives for its ``extra`` strategies (they need a real process group to check)."""
 
     spec: Callable[[fx.Node], DimSpec]
@@ -80,7 +73,7 @@ class Rule:
         are graph values), given its tensor inputs' and its output's placements."""
         target, args, kwargs = node.target, node.args, node.kwargs
         if self.local_op is not None:
-            target, args, kwargs = self.local_op(node, inputs, group)
+            target, args, kwargs = self.local_op(node, inputs, output, group)
         if self.shape_arg is not None:
             args = list(args)
             args[self.shape_arg] = localize_shape(args[self.shape_arg], output, group.world,
@@ -97,16 +90,31 @@ def _ranks(node):
     return [_rank(a) for a in tensor_inputs(node)]
 
 
+def _arg(node, i, name, default=None):
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, default)
+
+
+def _labels(n: int, prefix="d") -> tuple:
+    return tuple(f"{prefix}{j}" for j in range(n))
+
+
 # --- rule shapes ------------------------------------------------------------------------
 
-def pointwise(partial: str = "none", partial_args=None):
+def pointwise(partial: str = "none", partial_args=None, unread=()):
     """Broadcasting elementwise op. ``partial="sum"`` applies only when every operand is a
-    tensor (adding a Python scalar to a Partial value would add it once per rank)."""
+    tensor (adding a Python scalar to a Partial value would add it once per rank), except
+    for ops that scale by their scalar (:data:`_SCALAR_LINEAR`). ``unread``: indices of
+    tensor inputs the op reads only the metadata of (``type_as``'s other)."""
     def spec(node):
         out = val(node).shape
         n = len(out)
         inputs = []
-        for a in tensor_inputs(node):
+        for i, a in enumerate(tensor_inputs(node)):
+            if i in unread:
+                inputs.append(None)
+                continue
             shape = val(a).shape
             offset = n - len(shape)
             inputs.append(tuple(f"d{offset + j}" if shape[j] == out[offset + j] or
@@ -116,7 +124,7 @@ def pointwise(partial: str = "none", partial_args=None):
         scalars = [a for a in node.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
         if kind == "sum" and scalars and node.target not in _SCALAR_LINEAR:
             kind = "none"
-        outs = tuple(tuple(f"d{j}" for j in range(n)) for _ in output_vals(node))
+        outs = tuple(_labels(n) for _ in output_vals(node))
         return DimSpec(tuple(inputs), outs, kind, partial_args)
     return Rule(spec)
 
@@ -131,45 +139,64 @@ def einsum(text: str, partial="none", partial_args=None):
                                    partial, partial_args))
 
 
-def along_dims(dims_of: Callable[[fx.Node], list[int]], partial="sum", keep=True,
-               reduce_mark="!"):
-    """Unary op that treats ``dims_of(node)`` specially: with ``keep`` they stay (fixed),
-    otherwise they are reduced away (marked ``reduce_mark``: ``+`` sums, ``!`` forbids)."""
+def dims_arg(i: int, name: str = "dim", omitted: Optional[str] = None):
+    """The dims an op acts on, read from argument ``i`` / keyword ``name``. When the argument
+    is omitted or ``None`` (or an empty list, which reductions read as every dim), the op's
+    own default applies: ``omitted="all"`` (every dim), ``"last"`` (dim -1) or ``None``
+    (the argument is required)."""
+    def dims(node):
+        d = _arg(node, i, name)
+        if d is None or (isinstance(d, (list, tuple)) and not d):
+            if omitted is None:
+                raise ValueError(f"{node.target} was called without its {name!r} argument")
+            n = _rank(node.args[0])
+            return list(range(n)) if omitted == "all" else [n - 1] if n else []
+        return list(d) if isinstance(d, (list, tuple)) else [d]
+    return dims
+
+
+ALL_DIMS = lambda node: list(range(_rank(node.args[0])))  # noqa: E731
+"""The dims of an op without a dim argument (``sum(x)``): all of them."""
+
+
+def along(dims_of: Callable[[fx.Node], list[int]], partial: str = "none"):
+    """An op that keeps its input's shape and computes along ``dims_of(node)`` (softmax,
+    cumulative sums, sorting): those dims never shard, the others shard freely. Every
+    output (values, indices) has the input's shape."""
     def spec(node):
         n = _rank(node.args[0])
         dims = {d % n for d in dims_of(node)} if n else set()
-        labels = tuple((f"d{j}{reduce_mark if not keep else '!'}" if j in dims else f"d{j}")
-                       for j in range(n))
-        if keep:
-            outs = tuple(labels for _ in output_vals(node))
-        else:
-            keepdim = _arg(node, 2, "keepdim", False)
-            outs = (tuple(fixed_label() if j in dims else labels[j] for j in range(n)
-                          if keepdim or j not in dims),)
-        return DimSpec((labels,) + (None,) * (len(tensor_inputs(node)) - 1), outs, partial)
+        labels = tuple(f"d{j}!" if j in dims else f"d{j}" for j in range(n))
+        return DimSpec((labels,) + (None,) * (len(tensor_inputs(node)) - 1),
+                       tuple(labels for _ in output_vals(node)), partial)
     return Rule(spec)
 
 
-def _arg(node, i, name, default=None):
-    if len(node.args) > i:
-        return node.args[i]
-    return node.kwargs.get(name, default)
-
-
-def _dim_list(i, name="dim"):
-    def dims(node):
-        d = _arg(node, i, name)
-        if d is None:
-            return list(range(_rank(node.args[0])))
-        return list(d) if isinstance(d, (list, tuple)) else [d]
-    return dims
+def reduction(dims_of: Callable[[fx.Node], list[int]], summed: bool = False,
+              partial: str = "none", keepdim_arg: Optional[int] = 2):
+    """An op that reduces ``dims_of(node)`` away (kept as size 1 with ``keepdim``, read from
+    argument ``keepdim_arg``; every output, e.g. values and indices, has the reduced
+    shape). With ``summed`` sharding a reduced dim leaves per-rank partial sums
+    (``Partial``); otherwise reduced dims never shard. ``partial="sum"``: a Partial input
+    gives a Partial output (the op is linear)."""
+    def spec(node):
+        n = _rank(node.args[0])
+        dims = {d % n for d in dims_of(node)} if n else set()
+        mark = "+" if summed else "!"
+        labels = tuple(f"d{j}{mark}" if j in dims else f"d{j}" for j in range(n))
+        keepdim = keepdim_arg is not None and _arg(node, keepdim_arg, "keepdim", False)
+        out = tuple(fixed_label() if j in dims else labels[j] for j in range(n)
+                    if keepdim or j not in dims)
+        return DimSpec((labels,) + (None,) * (len(tensor_inputs(node)) - 1),
+                       tuple(out for _ in output_vals(node)), partial)
+    return Rule(spec)
 
 
 def permutation(perm_of: Callable[[fx.Node], list[int]]):
     """Output dim i is input dim ``perm[i]`` (transpose, permute)."""
     def spec(node):
         n = _rank(node.args[0])
-        labels = tuple(f"d{j}" for j in range(n))
+        labels = _labels(n)
         return DimSpec((labels,), (tuple(labels[p % n] for p in perm_of(node)),) if n else ((),),
                        "sum")
     return Rule(spec)
@@ -182,6 +209,16 @@ def _transpose_perm(node):
         a, b = node.args[1] % n, node.args[2] % n
         perm[a], perm[b] = perm[b], perm[a]
     return perm
+
+
+def _movedim_perm(node):
+    n = _rank(node.args[0])
+    src, dst = node.args[1], node.args[2]
+    src, dst = ([src], [dst]) if isinstance(src, int) else (list(src), list(dst))
+    src, dst = [s % n for s in src], [d % n for d in dst]
+    rest = iter(j for j in range(n) if j not in src)
+    where = dict(zip(dst, src))
+    return [where[i] if i in where else next(rest) for i in range(n)]
 
 
 def _view_spec(node):
@@ -240,17 +277,29 @@ def _lt(a, b) -> bool:
         return a.node.hint < b.node.hint
 
 
+def _localize_unflatten(node, inputs, output, group):
+    """``unflatten(dim, sizes)``: the sizes entry of a sharded output dim is local."""
+    if not is_sharded(output):
+        return node.target, node.args, node.kwargs
+    dim = node.args[1] % _rank(node.args[0])
+    sizes = list(node.args[2])
+    k = output.dim - dim
+    if 0 <= k < len(sizes) and sizes[k] != -1:
+        sizes[k] = sizes[k] // group.world
+    return node.target, (node.args[0], node.args[1], sizes) + tuple(node.args[3:]), node.kwargs
+
+
 def _unsqueeze_spec(node):
     n = _rank(node.args[0])
     d = node.args[1] % (n + 1)
-    labels = tuple(f"d{j}" for j in range(n))
+    labels = _labels(n)
     return DimSpec((labels,), (labels[:d] + (fixed_label(),) + labels[d:],), "sum")
 
 
 def _squeeze_spec(node):
     shape = val(node.args[0]).shape
     n = len(shape)
-    dims = _dim_list(1)(node)
+    dims = dims_arg(1, omitted="all")(node)
     drop = {d % n for d in dims if _is_one(shape[d % n])} if n else set()
     labels = tuple(fixed_label() if j in drop else f"d{j}" for j in range(n))
     return DimSpec((labels,), (tuple(lab for j, lab in enumerate(labels) if j not in drop),),
@@ -267,6 +316,16 @@ def _expand_spec(node):
     return DimSpec((ins,), (outs,), "sum")
 
 
+def _repeat_spec(node):
+    """``repeat(sizes)``: dims repeated once keep their sharding; tiled dims never shard."""
+    src, reps = val(node.args[0]).shape, list(node.args[1])
+    off = len(reps) - len(src)
+    ins = tuple(f"d{off + j}" if reps[off + j] == 1 else fixed_label() for j in range(len(src)))
+    outs = tuple(f"d{j}" if j >= off and reps[j] == 1 else fixed_label()
+                 for j in range(len(reps)))
+    return DimSpec((ins,), (outs,), "sum")
+
+
 def _cat_spec(node):
     tensors = [t for t in node.args[0] if is_tensor_node(t)]
     n = _rank(node)
@@ -277,11 +336,28 @@ def _cat_spec(node):
     return DimSpec(ins, (tuple(label(j) for j in range(n)),), "sum")
 
 
+def _stack_spec(node):
+    """``stack(tensors, dim)``: equal-shaped inputs share every dim; the new dim is fixed."""
+    n = _rank(node) - 1
+    d = _arg(node, 1, "dim", 0) % (n + 1)
+    labels = _labels(n)
+    ins = tuple(labels for _ in tensor_inputs(node))
+    return DimSpec(ins, (labels[:d] + (fixed_label(),) + labels[d:],), "sum")
+
+
 def _split_spec(node):
     n = _rank(node.args[0])
     d = _arg(node, 2, "dim", 0) % n
     labels = tuple(f"d{j}!" if j == d else f"d{j}" for j in range(n))
     return DimSpec((labels,), tuple(labels for _ in output_vals(node)), "sum")
+
+
+def _unbind_spec(node):
+    n = _rank(node.args[0])
+    d = _arg(node, 1, "dim", 0) % n
+    labels = tuple(f"d{j}!" if j == d else f"d{j}" for j in range(n))
+    out = tuple(lab for j, lab in enumerate(labels) if j != d)
+    return DimSpec((labels,), tuple(out for _ in output_vals(node)), "sum")
 
 
 def _equal_parts(node, world):
@@ -295,7 +371,7 @@ def _equal_parts(node, world):
         yield (_StridedShard(d, split_factor=len(parts)),), (Shard(d),) * len(parts)
 
 
-def _local_split(node, inputs, group):
+def _local_split(node, inputs, output, group):
     """Split sizes of a strided input are this rank's sizes (``chunk`` counts parts)."""
     if not isinstance(inputs[0], _StridedShard) or node.target is aten.chunk.default:
         return node.target, node.args, node.kwargs
@@ -305,13 +381,45 @@ def _local_split(node, inputs, group):
     return node.target, (node.args[0], local) + tuple(node.args[2:]), node.kwargs
 
 
-def _slice_spec(node):
+def _fixed_dim_spec(dim_index: int, drop: bool = False, default: int = 0):
+    """Ops that act on one dim given by argument ``dim_index`` (slice, select, narrow, flip,
+    roll, index_select's dim): it never shards; ``drop`` removes it from the output."""
+    def spec(node):
+        n = _rank(node.args[0])
+        dims = dims_arg(dim_index, omitted="all")(node) if default is None else \
+            [_arg(node, dim_index, "dim", default)]
+        fixed = {d % n for d in dims}
+        labels = tuple(f"d{j}!" if j in fixed else f"d{j}" for j in range(n))
+        out = tuple(lab for j, lab in enumerate(labels) if not (drop and j in fixed))
+        return DimSpec((labels,) + (None,) * (len(tensor_inputs(node)) - 1), (out,), "sum")
+    return Rule(spec)
+
+
+def _pad_spec(node):
+    """``constant_pad_nd(x, pad, value)``: padded (trailing) dims never shard; a nonzero fill
+    would be added once per rank to a Partial value, so only zero padding passes it."""
+    n, pads = _rank(node.args[0]), list(node.args[1])
+    padded = {n - 1 - k // 2 for k, p in enumerate(pads) if p != 0}
+    labels = tuple(f"d{j}!" if j in padded else f"d{j}" for j in range(n))
+    return DimSpec((labels,), (labels,), "sum" if _arg(node, 2, "value", 0) == 0 else "none")
+
+
+def _shifted_diagonal(node, inputs, output, group):
+    """``tril`` / ``triu`` of a shard: element ``(i, j)`` is kept by comparing ``j - i``
+    with the diagonal, so a shard whose rows start at global row ``o`` shifts the diagonal
+    by ``+o``, one whose columns start at ``o`` by ``-o``: both trailing dims may shard."""
+    p = inputs[0]
     n = _rank(node.args[0])
-    d = _arg(node, 1, "dim", 0) % n
-    labels = tuple(f"d{j}!" if j == d else f"d{j}" for j in range(n))
-    drop = node.target is aten.select.int
-    return DimSpec((labels,), (tuple(lab for j, lab in enumerate(labels)
-                                     if not (drop and j == d)),), "sum")
+    if not is_sharded(p) or p.dim < n - 2:
+        return node.target, node.args, node.kwargs
+    offset = group.rank * (val(node.args[0]).shape[p.dim] // group.world)
+    shift = offset if p.dim == n - 2 else -offset
+    return node.target, (node.args[0], _arg(node, 1, "diagonal", 0) + shift), {}
+
+
+def _tri_spec(node):
+    labels = _labels(_rank(node.args[0]))
+    return DimSpec((labels,), (labels,), "sum")
 
 
 def _linear_spec(node):
@@ -331,6 +439,11 @@ def _addmm_spec(node):
     return parse(f"{bias}, m k!, k! n -> m n", _ranks(node))
 
 
+def _baddbmm_spec(node):
+    bias = " ".join("b m n".split()[3 - _rank(node.args[0]):])
+    return parse(f"{bias}, b m k!, b k! n -> b m n", _ranks(node))
+
+
 def _matmul_spec(node):
     ra, rb = _ranks(node)
     a = "... m k+" if ra >= 2 else "k+"
@@ -342,12 +455,54 @@ def _matmul_spec(node):
     return parse(f"{a}, {b} -> {out}", [ra, rb], partial="product")
 
 
-def _layer_norm_spec(node):
+def _einsum_spec(node):
+    """``torch.einsum(equation, operands)``: letters shared between operands shard together;
+    a letter missing from the output is summed (``Partial`` when sharded); broadcast
+    (size-1) dims and ``...`` dims of unequal rank never shard."""
+    equation = node.args[0].replace(" ", "")
+    lhs, _, rhs = equation.partition("->")
+    terms = lhs.split(",")
+    if not rhs and "->" not in equation:
+        rhs = "".join(sorted(c for c in set(lhs) - {",", "."} if lhs.count(c) == 1))
+    operands = tensor_inputs(node)
+    out_letters = set(rhs)
+
+    def labels(term, shape):
+        letters = term.replace("...", "." * (len(shape) - len(term.replace("...", ""))))
+        out = []
+        for c, size in zip(letters, shape):
+            if c == ".":
+                out.append(fixed_label())
+            elif _is_one(size):
+                out.append(fixed_label())
+            else:
+                out.append(c if c in out_letters else c + "+")
+        return tuple(out)
+    ins = tuple(labels(t, val(a).shape) for t, a in zip(terms, operands))
+    out_shape = val(node).shape
+    out = labels(rhs, out_shape)
+    return DimSpec(ins, (out,), "product")
+
+
+def _norm_spec(node):
+    """``layer_norm`` / ``rms_norm`` (and ``native_layer_norm``'s mean and rstd, shaped
+    (batch..., 1...)): normalized trailing dims never shard, batch dims do."""
     k = len(node.args[1])
     n = _rank(node.args[0])
     x = tuple(f"d{j}!" if j >= n - k else f"d{j}" for j in range(n))
     params = tuple(x[n - k:] for _ in tensor_inputs(node)[1:])
-    return DimSpec((x,) + params, tuple(x for _ in output_vals(node)))
+    outs = [x]
+    for v in output_vals(node)[1:]:
+        outs.append(x[:n - k] + tuple(fixed_label() for _ in range(v.dim() - (n - k))))
+    return DimSpec((x,) + params, tuple(outs))
+
+
+def _group_norm_spec(node):
+    """``group_norm(x (N, C, *), groups, weight, bias)``: only the batch dim shards."""
+    n = _rank(node.args[0])
+    x = ("n",) + tuple(fixed_label() for _ in range(n - 1))
+    params = tuple((x[1],) for _ in tensor_inputs(node)[1:])
+    return DimSpec((x,) + params, (x,))
 
 
 def _sdpa_spec(node):
@@ -387,7 +542,7 @@ def _embedding_spec(node):
     return parse("v+ d, ... -> ... d", _ranks(node), partial="product", partial_args=(0,))
 
 
-def _vocab_parallel(node, inputs, group):
+def _vocab_parallel(node, inputs, output, group):
     if not (isinstance(inputs[0], Shard) and inputs[0].dim == 0):
         return node.target, node.args, node.kwargs
     weight, indices = node.args[:2]
@@ -395,10 +550,10 @@ def _vocab_parallel(node, inputs, group):
     return vocab_parallel_embedding, (weight, indices, offset, _arg(node, 2, "padding_idx", -1)), {}
 
 
-def _dropout(node, inputs, group):
+def _dropout(node, inputs, output, group):
     """Dropout of a shard draws the whole mask and keeps its chunk (see
-    :func:`~passes.local_ops.sharded_dropout`); of a replicated value, the same mask on every
-    rank (all ranks' generators are in step)."""
+    :func:`~fxtp.passes.local_ops.sharded_dropout`); of a replicated value, the same mask on
+    every rank (all ranks' generators are in step)."""
     if not isinstance(inputs[0], Shard):
         return node.target, node.args, node.kwargs
     x, p, train = node.args[0], _arg(node, 1, "p"), _arg(node, 2, "train")
@@ -408,14 +563,14 @@ def _dropout(node, inputs, group):
 def _same_dims(node):
     """Every dim of the input maps to the same dim of the output, whose size may be a
     multiple of it (``repeat_interleave`` along a dim keeps contiguous blocks together)."""
-    labels = tuple(f"d{j}" for j in range(_rank(node.args[0])))
+    labels = _labels(_rank(node.args[0]))
     return DimSpec((labels,), (labels,), "sum")
 
 
 def _complex_view_spec(node):
     """``view_as_complex`` folds the trailing (re, im) dim away; ``view_as_real`` adds it."""
     n_in, n_out = _rank(node.args[0]), _rank(node)
-    labels = tuple(f"d{j}" for j in range(min(n_in, n_out)))
+    labels = _labels(min(n_in, n_out))
     pair = (fixed_label(),)
     return DimSpec((labels + pair if n_in > n_out else labels,),
                    (labels + pair if n_out > n_in else labels,), "sum")
@@ -427,42 +582,145 @@ def _ignore_input(node):
     return DimSpec((None,) * len(tensor_inputs(node)), (tuple(fixed_label() for _ in range(n)),))
 
 
+# --- indexing and scatter -------------------------------------------------------------------
+
+def _index_layout(node, self_labels, indices):
+    """Labels of ``self[indices]`` (advanced indexing; ``indices`` has ``None`` for dims
+    taken whole): the index tensors' broadcast dims (never sharded) replace the indexed
+    dims, in place when those are adjacent, else in front."""
+    pos = [i for i, ix in enumerate(indices) if ix is not None]
+    index_rank = max(_rank(ix) for ix in indices if ix is not None)
+    index_dims = tuple(fixed_label() for _ in range(index_rank))
+    kept = [lab for i, lab in enumerate(self_labels) if i not in pos]
+    if pos == list(range(pos[0], pos[-1] + 1)):
+        return tuple(kept[:pos[0]]) + index_dims + tuple(kept[pos[0]:])
+    return index_dims + tuple(kept)
+
+
+def _index_spec(node):
+    """``x[indices]`` (``aten.index.Tensor``): dims not indexed shard; linear in ``x``."""
+    n = _rank(node.args[0])
+    indices = list(node.args[1])
+    if any(ix is not None and val(ix).dtype == torch.bool for ix in indices):
+        labels = tuple(fixed_label() for _ in range(n))
+        return DimSpec((labels,) + tuple(_fixed(ix) for ix in indices if ix is not None),
+                       (tuple(fixed_label() for _ in range(_rank(node))),))
+    labels = _labels(n)
+    out = _index_layout(node, labels, indices)
+    return DimSpec((labels,) + tuple(_fixed(ix) for ix in indices if ix is not None), (out,),
+                   "product", (0,))
+
+
+def _fixed(node) -> tuple:
+    return tuple(fixed_label() for _ in range(_rank(node)))
+
+
+def _index_put_spec(node):
+    """``x[indices] = values`` (``index_put`` / ``index_put_``): dims not indexed shard
+    with the matching dims of ``values`` (broadcast size-1 dims fixed). Jointly linear in
+    ``x`` and ``values``."""
+    n = _rank(node.args[0])
+    indices = list(node.args[1])
+    labels = _labels(n)
+    if any(ix is not None and val(ix).dtype == torch.bool for ix in indices):
+        labels = tuple(fixed_label() for _ in range(n))
+        target = labels
+    else:
+        target = _index_layout(node, labels, indices)
+    values = val(node.args[2])
+    values_labels = _broadcast_labels(values.shape, list(target))
+    ins = (labels,) + tuple(_fixed(ix) for ix in indices if ix is not None) + (values_labels,)
+    return DimSpec(ins, (labels,), "sum", (0, len(ins) - 1))
+
+
+def _index_select_spec(node):
+    """``index_select(x, dim, index)``: ``dim`` never shards; linear in ``x``."""
+    n = _rank(node.args[0])
+    d = node.args[1] % n if n else 0
+    labels = tuple(f"d{j}!" if j == d else f"d{j}" for j in range(n))
+    return DimSpec((labels, _fixed(node.args[2])), (labels,), "product", (0,))
+
+
+def _index_update_spec(partial: str):
+    """``index_copy / index_add / index_fill(x, dim, index, [source])``: ``dim`` never
+    shards; the other dims shard with the source's. ``partial="sum"``: jointly linear in
+    ``x`` and the source."""
+    def spec(node):
+        n = _rank(node.args[0])
+        d = node.args[1] % n if n else 0
+        labels = tuple(f"d{j}!" if j == d else f"d{j}" for j in range(n))
+        ins = [labels, _fixed(node.args[2])]
+        ins += [labels if _rank(t) == n else _fixed(t) for t in tensor_inputs(node)[2:]]
+        return DimSpec(tuple(ins), (labels,), partial, (0, 2) if partial == "sum" else None)
+    return Rule(spec)
+
+
+def _gather_scatter_spec(linear: str, source: bool):
+    """``gather(x, dim, index)`` / ``scatter*(x, dim, index, src)``: ``dim`` never shards;
+    another dim shards where ``x``, ``index`` (and ``src``) have the same size on it."""
+    def spec(node):
+        x = val(node.args[0])
+        index = val(node.args[2])
+        n = x.dim()
+        d = node.args[1] % n if n else 0
+        def lab(j, shape):
+            return f"d{j}" if j != d and _same(shape[j], x.shape[j]) and \
+                _same(index.shape[j], x.shape[j]) else fixed_label()
+        x_labels = tuple(f"d{j}!" if j == d else f"d{j}" for j in range(n))
+        ins = [x_labels, tuple(lab(j, index.shape) for j in range(n))]
+        if source and is_tensor_node(node.args[3]):
+            ins.append(tuple(lab(j, val(node.args[3]).shape) for j in range(n)))
+        out = ins[1] if node.target is aten.gather.default else x_labels
+        args = {"product": (0,), "sum": (0, 2)}.get(linear)
+        return DimSpec(tuple(ins), (out,), linear, args)
+    return Rule(spec)
+
+
 # --- the table ----------------------------------------------------------------------------
 
-_SCALAR_LINEAR = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar}
+_SCALAR_LINEAR = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar,
+                  aten.mul_.Scalar, aten.div_.Scalar, aten.mul_.Tensor, aten.div_.Tensor}
+
+LINEAR_POINTWISE = [
+    aten.neg.default, aten.neg_.default, aten.clone.default, aten.alias.default,
+    aten.detach.default, aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout,
+    aten.to.device, aten.lift_fresh_copy.default, aten.contiguous.default,
+    aten.positive.default, aten.mul.Scalar, aten.mul_.Scalar, aten.div.Scalar,
+    aten.div_.Scalar, aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor, aten.sub_.Tensor,
+    aten.zeros_like.default, aten.zero_.default, aten.real.default, aten.imag.default,
+    aten.conj.default, aten.copy_.default, aten.copy.default,
+]
+"""Pointwise ops linear in all their tensor operands jointly: Partial in, Partial out."""
 
 NONLINEAR_POINTWISE = [
-    aten.relu.default, aten.gelu.default, aten.silu.default, aten.sigmoid.default,
-    aten.tanh.default, aten.exp.default, aten.log.default, aten.rsqrt.default,
-    aten.sqrt.default, aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor, aten.abs.default,
-    aten.erf.default, aten.cos.default, aten.sin.default, aten.reciprocal.default,
-    aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.where.self,
-    aten.clamp.default, aten.maximum.default, aten.minimum.default, aten.ones_like.default,
-    aten.full_like.default, aten.eq.Tensor, aten.eq.Scalar, aten.ne.Scalar, aten.lt.Scalar,
-    aten.gt.Scalar, aten.logical_not.default, aten.rsub.Scalar, aten.tril.default,
-    aten.triu.default, aten.relu_.default, aten.add.Scalar, aten.sub.Scalar,
+    aten.masked_fill.Tensor, aten.masked_fill_.Tensor, aten.ones_like.default,
+    aten.full_like.default, aten.empty_like.default, aten.fill_.Scalar, aten.fill_.Tensor,
 ]
-LINEAR_POINTWISE = [
-    aten.neg.default, aten.clone.default, aten.alias.default, aten.detach.default,
-    aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device,
-    aten.lift_fresh_copy.default, aten.mul.Scalar, aten.div.Scalar, aten.zeros_like.default,
-    aten.contiguous.default, aten.type_as.default, aten.add.Tensor, aten.sub.Tensor,
-    aten.add_.Tensor, aten.sub_.Tensor,
-]
+"""Elementwise ops torch does not tag ``pointwise`` (their other operands are 0-d)."""
 
-RULES: dict = {op: pointwise() for op in NONLINEAR_POINTWISE}
-RULES.update({op: pointwise("sum") for op in LINEAR_POINTWISE})
+RULES: dict = {op: pointwise("sum") for op in LINEAR_POINTWISE}
+RULES.update({op: pointwise() for op in NONLINEAR_POINTWISE})
 RULES.update({
+    # pointwise with a Partial pass-through in one operand
     aten.mul.Tensor: pointwise("product"),
     aten.mul_.Tensor: pointwise("product"),
     aten.div.Tensor: pointwise("product", partial_args=(0,)),
+    aten.div_.Tensor: pointwise("product", partial_args=(0,)),
+    aten.type_as.default: pointwise("sum", unread=(1,)),
+    aten.to.other: pointwise("sum", unread=(1,)),
+    aten.dropout.default: Rule(pointwise().spec, local_op=_dropout),
+    aten.tril.default: Rule(_tri_spec, local_op=_shifted_diagonal),
+    aten.triu.default: Rule(_tri_spec, local_op=_shifted_diagonal),
+    # matrix products
     aten.linear.default: Rule(_linear_spec),
     aten.matmul.default: Rule(_matmul_spec),
     aten.addmm.default: Rule(_addmm_spec),
+    aten.baddbmm.default: Rule(_baddbmm_spec),
     aten.mm.default: einsum("m k+, k+ n -> m n", "product"),
     aten.bmm.default: einsum("b m k+, b k+ n -> b m n", "product"),
+    aten.einsum.default: Rule(_einsum_spec),
     aten.embedding.default: Rule(_embedding_spec, local_op=_vocab_parallel),
-    aten.dropout.default: Rule(pointwise().spec, local_op=_dropout),
+    # attention and losses
     aten.scaled_dot_product_attention.default: Rule(_sdpa_spec),
     aten._scaled_dot_product_flash_attention_for_cpu.default: Rule(_sdpa_spec),
     aten._scaled_dot_product_flash_attention.default: Rule(_sdpa_spec),
@@ -471,37 +729,116 @@ RULES.update({
     aten._scaled_dot_product_attention_math.default: Rule(_sdpa_spec),
     aten.cross_entropy_loss.default: Rule(cross_entropy_spec, local_op=loss_parallel,
                                           extra=class_sharded, communicates=True),
-    aten.layer_norm.default: Rule(_layer_norm_spec),
-    aten.rms_norm.default: Rule(_layer_norm_spec),
-    aten.softmax.int: along_dims(_dim_list(1), "none"),
-    aten._softmax.default: along_dims(_dim_list(1), "none"),
-    aten.log_softmax.int: along_dims(_dim_list(1), "none"),
-    aten._log_softmax.default: along_dims(_dim_list(1), "none"),
-    aten.sum.dim_IntList: along_dims(_dim_list(1), "sum", keep=False, reduce_mark="+"),
-    aten.sum.default: along_dims(_dim_list(99), "sum", keep=False, reduce_mark="+"),
-    aten.mean.dim: along_dims(_dim_list(1), "sum", keep=False),
-    aten.mean.default: along_dims(_dim_list(99), "sum", keep=False),
-    aten.amax.default: along_dims(_dim_list(1), "none", keep=False),
+    # normalizations
+    aten.layer_norm.default: Rule(_norm_spec),
+    aten.rms_norm.default: Rule(_norm_spec),
+    aten.native_layer_norm.default: Rule(_norm_spec),
+    aten._fused_rms_norm.default: Rule(_norm_spec),
+    aten.group_norm.default: Rule(_group_norm_spec),
+    # along a dim
+    aten.softmax.int: along(dims_arg(1)),
+    aten._softmax.default: along(dims_arg(1)),
+    aten._safe_softmax.default: along(dims_arg(1)),
+    aten.log_softmax.int: along(dims_arg(1)),
+    aten._log_softmax.default: along(dims_arg(1)),
+    aten.cumsum.default: along(dims_arg(1), partial="sum"),
+    aten.cumsum_.default: along(dims_arg(1), partial="sum"),
+    aten.cumprod.default: along(dims_arg(1)),
+    aten.logcumsumexp.default: along(dims_arg(1)),
+    aten.cummax.default: along(dims_arg(1)),
+    aten.cummin.default: along(dims_arg(1)),
+    aten.sort.default: along(dims_arg(1, omitted="last")),
+    aten.sort.stable: along(dims_arg(2, omitted="last")),
+    aten.argsort.default: along(dims_arg(1, omitted="last")),
+    aten.argsort.stable: along(dims_arg(2, omitted="last")),
+    aten.topk.default: along(dims_arg(2, omitted="last")),
+    # reductions
+    aten.sum.default: reduction(ALL_DIMS, summed=True, partial="sum",
+                                keepdim_arg=None),
+    aten.sum.dim_IntList: reduction(dims_arg(1, omitted="all"), summed=True, partial="sum"),
+    aten.nansum.default: reduction(dims_arg(1, omitted="all"), summed=True, partial="sum"),
+    aten.mean.default: reduction(ALL_DIMS, partial="sum", keepdim_arg=None),
+    aten.mean.dim: reduction(dims_arg(1, omitted="all"), partial="sum"),
+    aten.prod.default: reduction(ALL_DIMS, keepdim_arg=None),
+    aten.prod.dim_int: reduction(dims_arg(1)),
+    aten.amax.default: reduction(dims_arg(1, omitted="all")),
+    aten.amin.default: reduction(dims_arg(1, omitted="all")),
+    aten.max.default: reduction(ALL_DIMS, keepdim_arg=None),
+    aten.min.default: reduction(ALL_DIMS, keepdim_arg=None),
+    aten.max.dim: reduction(dims_arg(1)),
+    aten.min.dim: reduction(dims_arg(1)),
+    aten.argmax.default: reduction(dims_arg(1, omitted="all")),
+    aten.argmin.default: reduction(dims_arg(1, omitted="all")),
+    aten.any.default: reduction(ALL_DIMS, keepdim_arg=None),
+    aten.any.dim: reduction(dims_arg(1)),
+    aten.any.dims: reduction(dims_arg(1, omitted="all")),
+    aten.all.default: reduction(ALL_DIMS, keepdim_arg=None),
+    aten.all.dim: reduction(dims_arg(1)),
+    aten.all.dims: reduction(dims_arg(1, omitted="all")),
+    aten.logsumexp.default: reduction(dims_arg(1)),
+    aten.var.correction: reduction(dims_arg(1, omitted="all"), keepdim_arg=3),
+    aten.std.correction: reduction(dims_arg(1, omitted="all"), keepdim_arg=3),
+    aten.var_mean.correction: reduction(dims_arg(1, omitted="all"), keepdim_arg=3),
+    aten.std_mean.correction: reduction(dims_arg(1, omitted="all"), keepdim_arg=3),
+    aten.var.dim: reduction(dims_arg(1, omitted="all"), keepdim_arg=3),
+    aten.std.dim: reduction(dims_arg(1, omitted="all"), keepdim_arg=3),
+    aten.linalg_vector_norm.default: reduction(dims_arg(2, omitted="all"), keepdim_arg=3),
+    aten.norm.ScalarOpt_dim: reduction(dims_arg(2, omitted="all"), keepdim_arg=3),
+    aten.count_nonzero.dim_IntList: reduction(dims_arg(1, omitted="all"), keepdim_arg=None),
+    aten.count_nonzero.default: reduction(dims_arg(1, omitted="all"), keepdim_arg=None),
+    aten.median.dim: reduction(dims_arg(1)),
+    aten.kthvalue.default: reduction(dims_arg(2, omitted="last"), keepdim_arg=3),
+    # views and shape changes
     aten.view.default: Rule(_view_spec, shape_arg=1),
     aten.reshape.default: Rule(_view_spec, shape_arg=1),
     aten._unsafe_view.default: Rule(_view_spec, shape_arg=1),
     aten.expand.default: Rule(_expand_spec, shape_arg=1),
+    aten.flatten.using_ints: Rule(_view_spec),
+    aten.unflatten.int: Rule(_view_spec, local_op=_localize_unflatten),
     aten.transpose.int: permutation(_transpose_perm),
     aten.permute.default: permutation(lambda n: list(n.args[1])),
     aten.t.default: permutation(lambda n: list(range(_rank(n.args[0])))[::-1]),
+    aten.movedim.int: permutation(_movedim_perm),
+    aten.movedim.intlist: permutation(_movedim_perm),
     aten.unsqueeze.default: Rule(_unsqueeze_spec),
+    aten.squeeze.default: Rule(_squeeze_spec),
     aten.squeeze.dim: Rule(_squeeze_spec),
     aten.squeeze.dims: Rule(_squeeze_spec),
-    aten.cat.default: Rule(_cat_spec),
-    aten.split.Tensor: Rule(_split_spec, local_op=_local_split, extra=_equal_parts),
-    aten.split_with_sizes.default: Rule(_split_spec, local_op=_local_split, extra=_equal_parts),
-    aten.chunk.default: Rule(_split_spec, extra=_equal_parts),
-    aten.slice.Tensor: Rule(_slice_spec),
-    aten.select.int: Rule(_slice_spec),
-    aten.flatten.using_ints: Rule(_view_spec),
+    aten.repeat.default: Rule(_repeat_spec),
     aten.repeat_interleave.self_int: Rule(_same_dims),
     aten.view_as_complex.default: Rule(_complex_view_spec),
     aten.view_as_real.default: Rule(_complex_view_spec),
+    aten.cat.default: Rule(_cat_spec),
+    aten.stack.default: Rule(_stack_spec),
+    aten.split.Tensor: Rule(_split_spec, local_op=_local_split, extra=_equal_parts),
+    aten.split_with_sizes.default: Rule(_split_spec, local_op=_local_split, extra=_equal_parts),
+    aten.chunk.default: Rule(_split_spec, extra=_equal_parts),
+    aten.unbind.int: Rule(_unbind_spec),
+    aten.slice.Tensor: _fixed_dim_spec(1),
+    aten.narrow.default: _fixed_dim_spec(1),
+    aten.select.int: _fixed_dim_spec(1, drop=True),
+    aten.flip.default: _fixed_dim_spec(1, default=None),
+    aten.roll.default: _fixed_dim_spec(2, default=None),
+    aten.constant_pad_nd.default: Rule(_pad_spec),
+    # indexing and scatter
+    aten.index.Tensor: Rule(_index_spec),
+    aten.index_put.default: Rule(_index_put_spec),
+    aten.index_put_.default: Rule(_index_put_spec),
+    aten.index_select.default: Rule(_index_select_spec),
+    aten.index_copy.default: _index_update_spec("sum"),
+    aten.index_copy_.default: _index_update_spec("sum"),
+    aten.index_add.default: _index_update_spec("sum"),
+    aten.index_add_.default: _index_update_spec("sum"),
+    aten.index_fill.int_Scalar: _index_update_spec("none"),
+    aten.index_fill_.int_Scalar: _index_update_spec("none"),
+    aten.gather.default: _gather_scatter_spec("product", source=False),
+    aten.scatter.src: _gather_scatter_spec("sum", source=True),
+    aten.scatter_.src: _gather_scatter_spec("sum", source=True),
+    aten.scatter.value: _gather_scatter_spec("none", source=False),
+    aten.scatter_.value: _gather_scatter_spec("none", source=False),
+    aten.scatter_add.default: _gather_scatter_spec("sum", source=True),
+    aten.scatter_add_.default: _gather_scatter_spec("sum", source=True),
+    # factories reading only metadata
     aten.new_zeros.default: Rule(_ignore_input),
     aten.new_ones.default: Rule(_ignore_input),
     aten.new_empty.default: Rule(_ignore_input),
@@ -509,6 +846,45 @@ RULES.update({
 })
 
 PASSTHROUGH = {operator.getitem}
+
+_POINTWISE = pointwise()
+
+
+def rule_for(target) -> Optional[Rule]:
+    """The rule of ``target``: stated in :data:`RULES`, else the pointwise rule for an ATen
+    op torch tags ``pointwise`` (no Partial pass-through), else ``None``."""
+    rule = RULES.get(target)
+    if rule is None and is_tagged_pointwise(target):
+        return _POINTWISE
+    return rule
+
+
+def is_tagged_pointwise(target) -> bool:
+    """A functional or in-place ATen op torch tags ``pointwise`` (``out=`` forms excluded)."""
+    return isinstance(target, torch._ops.OpOverload) and \
+        torch.Tag.pointwise in target.tags and \
+        not any(a.is_out for a in target._schema.arguments)
+
+
+def tagged_pointwise_ops() -> list:
+    """Every ATen op :func:`is_tagged_pointwise` holds for (for the rule oracle)."""
+    found = []
+    for name in dir(aten):
+        packet = getattr(aten, name, None)
+        if isinstance(packet, torch._ops.OpOverloadPacket):
+            found += [op for op in map(packet.__getattr__, packet.overloads())
+                      if is_tagged_pointwise(op)]
+    return found
+
+
+def writes_first_input(target) -> bool:
+    """Whether an ATen op writes its first argument in place (``add_``, ``index_put_``):
+    that input must keep its placement, so the op writes the caller's tensor, not a
+    redistributed copy."""
+    if not isinstance(target, torch._ops.OpOverload) or not target._schema.arguments:
+        return False
+    alias = target._schema.arguments[0].alias_info
+    return alias is not None and alias.is_write
 
 
 def localize_shape(shape, placement, world: int, graph: fx.Graph, before: fx.Node):

@@ -12,20 +12,11 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-from fxtp.errors import PlanError
-from fxtp.styles import ModuleSharding
-from fxtp.trace import ModuleCall
-
-from .meta import BOUNDARY, PLACEMENT, inside
+from .errors import PlanError
+from .graph import BOUNDARY, PLACEMENT, ModuleCall, ModuleSharding, inside, layout, val
 from .placement import normalize
-from .rules import val
 
 aten = torch.ops.aten
-
-
-def layout(x: torch.Tensor, placement: Placement) -> torch.Tensor:
-    """Marks a value that must have ``placement`` here; identity at run time."""
-    return x
 
 
 def seed(gm: fx.GraphModule, shardings: dict[str, ModuleSharding],

@@ -24,11 +24,9 @@ import torch.fx as fx
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .meta import INPUTS, PLACEMENT
+from .graph import INPUTS, PLACEMENT, layout, placement_of, tensor_inputs, val
 from .placement import is_replicate
-from .propagate import placement_of
-from .rules import RULES, tensor_inputs, val
-from .seed import layout
+from .rules import rule_for
 
 
 def stride_fused_splits(gm: fx.GraphModule, world: int) -> bool:
@@ -56,7 +54,7 @@ def stride_fused_splits(gm: fx.GraphModule, world: int) -> bool:
 def _wanted(node: fx.Node, world: int):
     """The ``_StridedShard`` that ``node``'s rule could take for its first input, which is
     ``Shard`` on the same dim and which the chosen strategy gathers; else ``None``."""
-    rule = RULES.get(node.target) if node.op == "call_function" else None
+    rule = rule_for(node.target) if node.op == "call_function" else None
     if rule is None or not tensor_inputs(node):
         return None
     actual = [placement_of(a) for a in tensor_inputs(node)]

@@ -76,7 +76,7 @@ def check_parity(rank, world, make_model, plan, inputs, *, dtype, steps=3,
     the model returns (``lambda o: o.logits`` for Hugging Face models). ``with_bytes`` adds
     the bytes each rank sent into each kind of collective: ``(fwd, bwd, fwd_bytes,
     bwd_bytes)``. ``post`` transforms the parallelized GraphModule in place before use
-    (a graph pass such as :func:`passes.optimize.optimize`)."""
+    (a graph pass such as :func:`fxtp.passes.optimize.optimize`)."""
     torch.manual_seed(0)
     model = make_model().to(dtype)
     before = copy.deepcopy(model.state_dict())

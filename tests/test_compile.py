@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fxtp
-from fxtp.errors import FxtpError
+from fxtp.passes.errors import FxtpError
 from tests import models, transformer_models as tm
 from tests.compiled import check_compiled, collectives_in, forward_and_backward
 from tests.parity import LR, example as _x, tolerance

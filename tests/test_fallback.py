@@ -1,10 +1,12 @@
-"""Ops without a sharding rule: gathered to Replicate with a warning (still correct), or an
-error under strict=True."""
+"""Fallbacks: an op without a sharding rule, or whose rule cannot keep a sharded input
+sharded, gathers it to Replicate with a warning naming op, module and reason (still
+correct), or raises under strict=True."""
 import warnings
 
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import fxtp
 from tests import models
@@ -13,17 +15,17 @@ from tests.parity import check_parity, example
 PLAN = {"up": fxtp.ColwiseParallel(), "down": fxtp.RowwiseParallel()}
 
 
-class CumsumMix(nn.Module):
+class GluMix(nn.Module):
     def forward(self, h):
-        return torch.cumsum(h, dim=-1)  # mixes the sharded features: no rule in fxtp
+        return F.glu(h, dim=-1)  # halves the sharded features: no rule in fxtp
 
 
 class Unruled(nn.Module):
     def __init__(self):
         super().__init__()
         self.up = nn.Linear(models.DIM, 32)
-        self.mix = CumsumMix()
-        self.down = nn.Linear(32, models.DIM)
+        self.mix = GluMix()
+        self.down = nn.Linear(16, models.DIM)
 
     def forward(self, x):
         return self.down(self.mix(self.up(x)))
@@ -41,7 +43,7 @@ def unruled(rank, world, dtype):
 def test_op_without_rule_is_gathered_correctly_and_reported(ranks, dtype):
     (fwd, bwd), messages = ranks.run(unruled, dtype)[0]
     assert len(messages) == 1
-    assert "aten.cumsum.default" in messages[0] and "module 'mix'" in messages[0]
+    assert "no sharding rule for aten.glu.default" in messages[0] and "module 'mix'" in messages[0]
     assert fwd == {"all_gather": 1, "all_reduce": 1}  # the gather is the fallback's cost
     # backward: the shard before `down` all-gathers its gradient; the colwise input
     # gradient is all-reduced
@@ -50,7 +52,7 @@ def test_op_without_rule_is_gathered_correctly_and_reported(ranks, dtype):
 
 def test_strict_mode_turns_the_fallback_into_an_error(fake_group):
     fake_group(2)
-    with pytest.raises(fxtp.ShardingError, match=r"aten\.cumsum\.default.*module 'mix'.*strict"):
+    with pytest.raises(fxtp.ShardingError, match=r"aten\.glu\.default.*module 'mix'.*strict"):
         fxtp.parallelize(Unruled(), PLAN, example_inputs=(torch.randn(2, 4, models.DIM),),
                          strict=True)
 
@@ -65,21 +67,45 @@ def test_replicated_inputs_need_no_rule_and_raise_no_warning(fake_group):
 
 
 class SoftmaxMix(Unruled):
-    """softmax over the sharded feature dim has a rule, whose only valid strategy for that
-    dim is Replicate: the rule itself asks for the gather (no warning: nothing is missing)."""
+    """softmax over the sharded feature dim has a rule, whose only strategy for that dim is
+    Replicate: the gather is reported like a missing rule, naming op, module and reason."""
+
+    def __init__(self):
+        super().__init__()
+        self.down = nn.Linear(32, models.DIM)
 
     def forward(self, x):
         return self.down(torch.softmax(self.up(x), dim=-1))
 
 
 def softmax_mix(rank, world):
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        return check_parity(rank, world, SoftmaxMix, PLAN, [example(2, 4, models.DIM)],
-                            dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        counts = check_parity(rank, world, SoftmaxMix, PLAN, [example(2, 4, models.DIM)],
+                              dtype=torch.float64)
+    return counts, [str(w.message) for w in caught if "fxtp" in str(w.message)]
 
 
-def test_an_op_that_cannot_shard_its_dim_gathers_it_correctly(ranks):
-    fwd, bwd = ranks.run(softmax_mix)[0]
+def test_an_op_that_cannot_shard_its_dim_gathers_it_correctly_and_says_so(ranks):
+    (fwd, bwd), messages = ranks.run(softmax_mix)[0]
     assert fwd == {"all_gather": 1, "all_reduce": 1}
     assert bwd == {"all_gather": 1, "all_reduce": 1}
+    assert messages == ["fxtp: aten.softmax.int (node 'softmax' in module '<root>') gathers "
+                        "input 0 (S(2), shape (2, 4, 32)) to R: no strategy of its rule keeps "
+                        "that dim sharded"]
+
+
+def test_a_head_count_that_does_not_divide_the_world_size_is_a_fallback(fake_group):
+    """6 heads on 4 ranks: the colwise projection's output cannot be viewed as head shards;
+    the gather is reported with the module and the sizes."""
+    fake_group(4)
+    model = models.Attention(dim=48, n_heads=6)
+    gm = fxtp.parallelize(model, {"wq": fxtp.ColwiseParallel(), "wk": fxtp.ColwiseParallel(),
+                                  "wv": fxtp.ColwiseParallel(), "wo": fxtp.RowwiseParallel()},
+                          example_inputs=(torch.randn(2, 4, 48),))
+    assert len(gm.fxtp.fallbacks) == 3  # q, k and v
+    for message in gm.fxtp.fallbacks:
+        assert ("aten.view.default" in message or "aten.reshape.default" in message) and \
+            "gathers input 0 (S(2), shape (2, 4, 48))" \
+            in message and "dim 2 of output 0 (size 6) does not divide by the world size 4" \
+            in message

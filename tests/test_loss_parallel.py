@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fxtp
 from fxtp import Replicate, Shard
-from fxtp.loss import loss_parallel_cross_entropy
+from fxtp.passes.cross_entropy import loss_parallel_cross_entropy
 from tests import transformer_models as tm
 from tests.parity import LR, TIGHT, check_parity, local_part, tolerance
 

@@ -5,8 +5,8 @@ import torch.distributed as dist
 import torch.fx as fx
 
 import fxtp
-from fxtp import collectives as C
-from passes.optimize import optimize
+from fxtp.passes import collectives as C
+from fxtp.passes.optimize import optimize
 from tests import models, transformer_models as tm
 from tests.parity import TIGHT, check_parity, example as _x
 from tests.test_transformers import TOKENS, llama_plan

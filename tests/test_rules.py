@@ -10,16 +10,14 @@ strategies its inputs' placements call for. No process group is needed.
 """
 import pytest
 import torch
-import torch.fx as fx
 import torch.nn.functional as F
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from fxtp.mesh import Group
-from passes.meta import INPUTS, PLACEMENT
-from passes.propagate import placement_of, propagate
-from passes.rules import RULES, tensor_inputs
-from tests.parity import local_part
+from fxtp.passes.graph import INPUTS, PLACEMENT
+from fxtp.passes.propagate import placement_of, propagate
+from fxtp.passes.rules import RULES, tensor_inputs
+from tests.oracle import check_strategies, record as _record
 
 g = torch.Generator().manual_seed(0)
 
@@ -107,25 +105,6 @@ STRIDED = {
 }
 
 
-def _record(fn, args):
-    """The exported program of ``fn(*args)`` and every node's value."""
-    class M(torch.nn.Module):
-        def forward(self, *xs):
-            return fn(*xs)
-    gm = torch.export.export(M(), args, strict=False).module()
-    values = {}
-    env = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], args))
-
-    class Record(fx.Interpreter):
-        def run_node(self, n):
-            out = super().run_node(n)
-            values[n] = out
-            return out
-    Record(gm).run(*args)
-    values.update(env)
-    return gm, values
-
-
 def _ops(gm):
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in RULES]
 
@@ -135,25 +114,6 @@ def _cases():
         gm, values = _record(fn, args)
         for node in _ops(gm):
             yield pytest.param(node, values, id=f"{name}:{node.name}")
-
-
-def _local(value, placement, rank, world, parts):
-    if isinstance(placement, Partial):
-        return parts[rank]
-    return local_part(value, placement, rank, world)
-
-
-def _assemble(parts, placement):
-    """The global tensor whose per-rank parts under ``placement`` are ``parts``."""
-    if isinstance(placement, _StridedShard):
-        d, k = placement.dim, placement.split_factor
-        return torch.cat([torch.cat([p.chunk(k, d)[j] for p in parts], d) for j in range(k)], d)
-    return torch.cat(parts, dim=placement.dim)
-
-
-def _split_partial(value, world):
-    parts = [torch.randn(value.shape, generator=g, dtype=value.dtype) for _ in range(world - 1)]
-    return parts + [value - sum(parts)]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -181,41 +141,4 @@ def test_strided_inputs_reach_the_split_without_redistribution(name, world):
 
 def _check_strategies(node, values, world, actual=()):
     """Run every strategy of ``node`` on simulated ranks; return how many were checked."""
-    rule = RULES[node.target]
-    inputs = tensor_inputs(node)
-    expected = values[node]
-    expected = list(expected) if isinstance(expected, (tuple, list)) else [expected]
-    checked = 0
-    # strategies whose local op communicates run on real process groups in their own tests
-    communicating = list(rule.extra(node, world)) if rule.communicates else []
-    for ins, outs in rule.strategies(node, world, actual):
-        if (ins, outs) in communicating:
-            continue
-        parts = {i: _split_partial(values[a], world) for i, (a, p) in
-                 enumerate(zip(inputs, ins)) if isinstance(p, Partial)}
-        per_rank = []
-        for rank in range(world):
-            target, args, kwargs = rule.localize(node, ins, outs[0], Group("sim", rank, world))
-            it = iter(range(len(inputs)))
-
-            def local(a):
-                if isinstance(a, fx.Node) and a in inputs:
-                    i = next(it)
-                    return _local(values[a], ins[i] or Replicate(), rank, world, parts.get(i))
-                return values.get(a, a) if isinstance(a, fx.Node) else a
-            args, kwargs = fx.node.map_aggregate((args, kwargs), local)
-            out = target(*args, **kwargs)
-            per_rank.append(list(out) if isinstance(out, (tuple, list)) else [out])
-        for j, (p, exp) in enumerate(zip(outs, expected)):
-            got = [r[j] for r in per_rank]
-            if isinstance(p, (Shard, _StridedShard)):
-                whole = _assemble(got, p)
-            elif isinstance(p, Partial):
-                whole = sum(got)
-            else:
-                whole = got[0]
-                for other in got[1:]:
-                    torch.testing.assert_close(other, whole)
-            torch.testing.assert_close(whole, exp, msg=lambda m: f"{ins} -> {outs}: {m}")
-        checked += 1
-    return checked
+    return len(check_strategies(node, values, world, actual))

@@ -9,8 +9,8 @@ import torch.distributed as dist
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import fxtp
-from fxtp import collectives
-from passes.placement import describe
+from fxtp.passes import collectives
+from fxtp.passes.placement import describe
 from tests import models
 from tests.parity import check_parity, example, local_part
 

@@ -1,0 +1,143 @@
+"""The graph vocabulary every pass shares: ``node.meta`` keys and their readers, the
+module-boundary marker, call arguments by name, and what the plan and the trace hand the
+passes (:class:`ModuleSharding`, :class:`ModuleCall`). Imports no pass.
+
+``node.meta`` keys fxtp's passes write:
+
+==============  ==========================================================================
+``PLACEMENT``   the value's placement (a tuple for multi-output ops); propagate, rewrite
+``INPUTS``      placements the node needs of its tensor inputs (``None``: as is)
+``BOUNDARY``    ``"fqn input 0"`` on a module-boundary :func:`layout` marker; seed
+``COLLECTIVE``  the kind of collective a rewrite node issues
+``FALLBACK``    why an op was gathered to Replicate; propagate
+==============  ==========================================================================
+
+Every node also keeps export's ``val`` (a fake tensor with the *global* shape) and
+``nn_module_stack`` (module FQNs).
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Placement
+
+PLACEMENT = "fxtp_placement"
+INPUTS = "fxtp_input_placements"
+BOUNDARY = "fxtp_boundary"
+COLLECTIVE = "fxtp_collective"
+FALLBACK = "fxtp_fallback"
+
+Layouts = Optional[tuple[Optional[Placement], ...]]
+
+
+# --- values --------------------------------------------------------------------------------
+
+def val(node):
+    """What a node computes, as traced: fxtp graphs keep ``val``, dynamo ``example_value``."""
+    if not isinstance(node, fx.Node):
+        return None
+    return node.meta.get("val", node.meta.get("example_value"))
+
+
+def is_tensor_node(arg) -> bool:
+    return isinstance(val(arg), torch.Tensor)
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    """The node's tensor inputs in argument order (the order DimSpec inputs follow)."""
+    found: list[fx.Node] = []
+    fx.node.map_arg((node.args, node.kwargs),
+                    lambda a: found.append(a) if is_tensor_node(a) else None)
+    return found
+
+
+def output_vals(node: fx.Node) -> list:
+    v = val(node)
+    return list(v) if isinstance(v, (tuple, list)) else [v]
+
+
+def placement_of(node) -> Placement | tuple | None:
+    return node.meta.get(PLACEMENT) if isinstance(node, fx.Node) else None
+
+
+# --- modules -------------------------------------------------------------------------------
+
+def module_fqns(node: fx.Node) -> list[str]:
+    """FQNs of the modules a node was traced in, outermost first (root excluded)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return [path for path, _ in stack.values() if path]
+
+
+def module_fqn(node: fx.Node) -> str:
+    fqns = module_fqns(node)
+    return fqns[-1] if fqns else ""
+
+
+def inside(node: fx.Node, fqn: str) -> bool:
+    return fqn == "" or fqn in module_fqns(node)
+
+
+# --- calls ---------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _signature(fn) -> Optional[inspect.Signature]:
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+
+
+def call_args(node: fx.Node) -> Optional[dict]:
+    """A Python function call's arguments by parameter name, defaults filled (``None`` for
+    ops without a Python signature: read those through their schema)."""
+    if node.op != "call_function" or isinstance(node.target, torch._ops.OpOverload):
+        return None
+    sig = _signature(node.target)
+    if sig is None:
+        return None
+    bound = sig.bind(*node.args, **node.kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def layout(x: torch.Tensor, placement: Placement) -> torch.Tensor:
+    """Marks a value that must have ``placement`` here (a module boundary the plan gives a
+    layout); identity at run time, removed by the rewrite."""
+    return x
+
+
+# --- what the plan and the trace give the passes -------------------------------------------
+
+@dataclass
+class ModuleSharding:
+    """The contract between a parallel style and the seed pass.
+
+    ``params``: parameter name (relative to the module) -> placement.
+    ``input_layouts``: how each positional input is laid out when the module is the root
+    (what every rank passes in). ``desired_inputs`` / ``desired_kwargs``: layouts the inputs
+    are redistributed to on entry. ``desired_outputs``: layouts outputs are redistributed to
+    on exit. ``None`` entries leave a value as it is.
+    """
+
+    fqn: str
+    style: object
+    params: dict[str, Placement] = field(default_factory=dict)
+    input_layouts: Layouts = None
+    input_kwarg_layouts: dict[str, Placement] = field(default_factory=dict)
+    desired_inputs: Layouts = None
+    desired_kwargs: dict[str, Placement] = field(default_factory=dict)
+    desired_outputs: Layouts = None
+
+
+@dataclass
+class ModuleCall:
+    """Graph values at one module's call boundary (``None`` for non-tensor values)."""
+
+    args: tuple[Optional[fx.Node], ...] = ()
+    kwargs: dict[str, Optional[fx.Node]] = field(default_factory=dict)
+    outputs: tuple[Optional[fx.Node], ...] = ()

@@ -1,0 +1,320 @@
+"""A one-process, multi-rank simulation of fxtp's sharding rules (the rule oracle).
+
+:func:`record` exports a program the way fxtp traces models (``torch.export``'s pre-dispatch
+ATen IR) and keeps every node's value. :func:`check_strategies` runs every strategy the rule
+of a node offers on simulated ranks: each rank gets its part of every tensor input
+(``Shard``: its chunk; ``_StridedShard``: its chunk of every block; ``Replicate`` or unread:
+the full tensor; ``Partial``: a random split that sums to it), runs the rule's localized op,
+and the per-rank results must reassemble the single-device result (``Shard``: concatenate;
+``Partial``: sum; ``Replicate``: every rank equal). With ``backward`` the input gradients are
+checked too: each rank gets the output gradient in the output's placement (its chunk of a
+sharded output's gradient, the full gradient of a replicated or partial one), and its input
+gradients reassemble by the input's placement (``Shard``: concatenate; ``Partial``: every
+rank holds the full gradient; ``Replicate``: every rank equal when the whole strategy is
+replicated, else summed over ranks, as fxtp's rewrite all-reduces the gradient of a
+replicated value read by ops on sharded or partial values). No process group is needed.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.utils._pytree import tree_map
+
+from fxtp.mesh import Group
+from fxtp.passes.graph import tensor_inputs
+from fxtp.passes.rules import rule_for
+from tests.parity import local_part
+
+SEED = 1234  # every run of an op (reference and each rank) starts from it: dropout agrees
+R = Replicate()
+
+
+def record(fn, args):
+    """The exported program of ``fn(*args)`` and every node's value (tensors copied as they
+    were when computed: later in-place ops do not change them)."""
+    class M(torch.nn.Module):
+        def forward(self, *xs):
+            return fn(*xs)
+    gm = torch.export.export(M(), tuple(args), strict=False).module()
+    return gm, record_values(gm, args)
+
+
+def _snapshot(value):
+    return tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, value)
+
+
+def record_values(gm: fx.GraphModule, args) -> dict:
+    """Every node's value when ``gm`` runs on ``args``."""
+    values = {}
+
+    class Record(fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            values[n] = _snapshot(out)
+            return out
+    Record(gm).run(*args)
+    return values
+
+
+def ops_with_rules(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes
+            if n.op == "call_function" and rule_for(n.target) is not None]
+
+
+def assemble(parts, placement):
+    """The global tensor whose per-rank parts under ``placement`` (sharded) are ``parts``."""
+    if isinstance(placement, _StridedShard):
+        d, k = placement.dim, placement.split_factor
+        return torch.cat([torch.cat([p.chunk(k, d)[j] for p in parts], d) for j in range(k)], d)
+    return torch.cat(parts, dim=placement.dim)
+
+
+def random_like(value: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    if value.dtype.is_floating_point or value.dtype.is_complex:
+        return torch.randn(value.shape, generator=gen, dtype=value.dtype)
+    return torch.randint(-5, 6, value.shape, generator=gen).to(value.dtype)
+
+
+def split_partial(value: torch.Tensor, world: int, gen: torch.Generator) -> list:
+    """A random split of ``value`` into ``world`` parts that sum to it."""
+    parts = [random_like(value, gen) for _ in range(world - 1)]
+    return parts + [value - sum(parts)]
+
+
+def is_sharded(p) -> bool:
+    return isinstance(p, (Shard, _StridedShard))
+
+
+def describe(p) -> str:
+    if p is None:
+        return "-"
+    if isinstance(p, (tuple, list)):
+        return "(" + ", ".join(map(describe, p)) + ")"
+    if isinstance(p, _StridedShard):
+        return f"S({p.dim})/{p.split_factor}"
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    return "P" if isinstance(p, Partial) else "R"
+
+
+def strategy_name(ins, outs) -> str:
+    return f"{describe(ins)} -> {describe(outs)}"
+
+
+def _differentiable(t) -> bool:
+    return isinstance(t, torch.Tensor) and (t.dtype.is_floating_point or t.dtype.is_complex)
+
+
+def _as_list(out) -> list:
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def _run(target, args, kwargs):
+    torch.manual_seed(SEED)
+    return target(*args, **kwargs)
+
+
+def _uninitialized(target) -> bool:
+    """``empty_like`` / ``new_empty``: only the output's metadata is defined."""
+    return "empty" in str(target)
+
+
+def all_strategies(node: fx.Node, world: int, actual=(), strided: bool = False) -> list:
+    """The node's strategies, without those whose local op communicates (they are checked on
+    real process groups). With ``strided``, also the strided form of every sharded strategy
+    (offered when its sharded inputs arrive as ``_StridedShard(d, 2)``)."""
+    rule = rule_for(node.target)
+    found = dict.fromkeys(rule.strategies(node, world, actual))
+    if strided:
+        for ins, _ in list(found):
+            if any(type(p) is Shard for p in ins):
+                arrive = tuple(_StridedShard(p.dim, split_factor=2) if type(p) is Shard else p
+                               for p in ins)
+                for s in rule.strategies(node, world, arrive):
+                    if any(isinstance(p, _StridedShard) for p in s[0] + s[1]):
+                        found.setdefault(s)
+    communicating = set(rule.extra(node, world)) if rule.communicates else set()
+    return [s for s in found if s not in communicating]
+
+
+def check_strategies(node: fx.Node, values: dict, world: int, actual=(), *,
+                     backward: bool = False, strided: bool = False, seed: int = 0,
+                     tol: dict | None = None, errors: list | None = None) -> list[str]:
+    """Check every strategy of ``node`` (see the module docstring) on ``world`` simulated
+    ranks; return the names of the strategies checked (a ``Partial`` bool input is none).
+    With ``errors``, a failing strategy appends ``"strategy: why"`` to it and the others
+    are still checked; else the first failure raises."""
+    inputs = tensor_inputs(node)
+    gen = torch.Generator().manual_seed(seed)
+    reference = _Reference(node, values, inputs, gen, backward)
+    checked = []
+    for ins, outs in all_strategies(node, world, actual, strided):
+        if any(isinstance(p, Partial) and values[a].dtype == torch.bool
+               for a, p in zip(inputs, ins)):
+            continue
+        name = strategy_name(ins, outs)
+        try:
+            _check_one(node, values, world, inputs, ins, outs, reference, gen, tol or {})
+        except Exception as e:  # noqa: BLE001 - a local op that fails is a wrong strategy
+            if errors is None:
+                raise
+            errors.append(f"{name}: {type(e).__name__}: {e}".replace("\n", " ")[:600])
+        checked.append(name)
+    return checked
+
+
+def _check_one(node, values, world, inputs, ins, outs, reference, gen, tol):
+    rule = rule_for(node.target)
+    name = strategy_name(ins, outs)
+    parts = {i: split_partial(values[a], world, gen) for i, (a, p) in
+             enumerate(zip(inputs, ins)) if isinstance(p, Partial)}
+    ranks = [_rank_run(node, rule, values, inputs, ins, outs, parts, rank, world, reference)
+             for rank in range(world)]
+    for j, (p, exp) in enumerate(zip(outs, reference.outputs)):
+        if not isinstance(exp, torch.Tensor) or p is None:
+            continue
+        got = [r.outputs[j] for r in ranks]
+        msg = f"{name}: output {j}"
+        whole = _combine(got, p, msg, tol)
+        if _uninitialized(node.target):
+            assert (whole.shape, whole.dtype) == (exp.shape, exp.dtype), msg
+            continue
+        torch.testing.assert_close(whole, exp, equal_nan=True, **tol,
+                                   msg=lambda m: f"{msg}: {m}")
+    if reference.grads is None:
+        return
+    replicated = all(p is None or isinstance(p, Replicate) for p in ins + outs)
+    for i, (p, exp) in enumerate(zip(ins, reference.grads)):
+        if exp is None:
+            continue
+        got = [r.grads[i] if r.grads[i] is not None else torch.zeros_like(r.leaves[i])
+               for r in ranks]
+        msg = f"{name}: gradient of input {i}"
+        if is_sharded(p):
+            whole = assemble(got, p)
+        elif isinstance(p, Partial) or replicated:
+            whole = _combine(got, R, msg, tol)
+        else:
+            whole = sum(got)
+        torch.testing.assert_close(whole, exp, equal_nan=True, **tol,
+                                   msg=lambda m: f"{msg}: {m}")
+
+
+def _combine(got, p, what, tol):
+    """Per-rank values under placement ``p`` -> the global value."""
+    if is_sharded(p):
+        return assemble(got, p)
+    if isinstance(p, Partial):
+        return sum(got)
+    for r, other in enumerate(got[1:], 1):
+        torch.testing.assert_close(other, got[0], equal_nan=True, **tol,
+                                   msg=lambda m: f"{what} differs on rank {r}: {m}")
+    return got[0]
+
+
+class _Reference:
+    """The single-device outputs of ``node`` and, with ``backward``, one random output
+    gradient and the input gradients it gives (``grads`` is ``None`` when the op is not
+    differentiable here)."""
+
+    def __init__(self, node, values, inputs, gen, backward):
+        self.grads = self.grads_out = None
+        self.with_grad = {i for i, a in enumerate(inputs) if _differentiable(values[a])} \
+            if backward else set()
+        try:
+            leaves, outputs = self._forward(node, values, inputs, self.with_grad)
+        except RuntimeError as e:  # an argument without a derivative (a mask, a weight)
+            if "requires_grad" not in str(e):
+                raise
+            self.with_grad = {i for i in self.with_grad
+                              if self._differentiable_in(node, values, inputs, i)}
+            leaves, outputs = self._forward(node, values, inputs, self.with_grad)
+        self.outputs = [o.detach() if isinstance(o, torch.Tensor) else o for o in outputs]
+        outs = [j for j, o in enumerate(outputs)
+                if isinstance(o, torch.Tensor) and o.requires_grad]
+        if not self.with_grad or not outs:
+            return
+        grads_out = [random_like(o, gen) if j in outs else None
+                     for j, o in enumerate(self.outputs)]
+        wanted = sorted(self.with_grad)
+        try:
+            grads = torch.autograd.grad([outputs[j] for j in outs],
+                                        [leaves[i] for i in wanted],
+                                        [grads_out[j] for j in outs], allow_unused=True)
+        except (RuntimeError, NotImplementedError):  # no derivative formula
+            return
+        self.grads_out = grads_out
+        self.grads = [None] * len(leaves)
+        for i, g in zip(wanted, grads):
+            self.grads[i] = g if g is not None else torch.zeros_like(leaves[i])
+
+    @staticmethod
+    def _forward(node, values, inputs, with_grad):
+        leaves = [_leaf(values[a], i in with_grad) for i, a in enumerate(inputs)]
+        args, kwargs = _bind(node.args, node.kwargs, inputs, leaves, values)
+        with torch.set_grad_enabled(bool(with_grad)):
+            return leaves, _as_list(_run(node.target, args, kwargs))
+
+    @classmethod
+    def _differentiable_in(cls, node, values, inputs, i) -> bool:
+        try:
+            cls._forward(node, values, inputs, {i})
+        except RuntimeError:
+            return False
+        return True
+
+
+def _leaf(value: torch.Tensor, grad: bool) -> torch.Tensor:
+    return value.detach().clone().requires_grad_(grad)
+
+
+def _bind(args, kwargs, inputs, tensors, values):
+    """``(args, kwargs)`` with the i-th tensor input occurrence replaced by ``tensors[i]``
+    (a clone of a leaf: in-place ops write the clone) and other graph values by theirs."""
+    pending: dict = {}
+    for i, a in enumerate(inputs):
+        pending.setdefault(a, []).append(i)
+
+    def local(a):
+        if not isinstance(a, fx.Node):
+            return a
+        if pending.get(a):
+            t = tensors[pending[a].pop(0)]
+            return t.clone() if t.requires_grad else t
+        return values[a]
+    return fx.node.map_aggregate((args, kwargs), local)
+
+
+class _rank_run:
+    """One simulated rank's run of the localized op (and its input gradients)."""
+
+    def __init__(self, node, rule, values, inputs, ins, outs, parts, rank, world, reference):
+        grads_out = reference.grads_out
+        backward = grads_out is not None
+        target, args, kwargs = rule.localize(node, ins, outs[0], Group("sim", rank, world),
+                                             node.graph)
+        self.leaves = []
+        for i, (a, p) in enumerate(zip(inputs, ins)):
+            part = parts[i][rank] if i in parts else local_part(values[a], p or R, rank, world)
+            self.leaves.append(_leaf(part, backward and i in reference.with_grad))
+        args, kwargs = _bind(args, kwargs, inputs, self.leaves, values)
+        with torch.set_grad_enabled(backward):
+            outputs = _as_list(_run(target, args, kwargs))
+        self.outputs = [o.detach() if isinstance(o, torch.Tensor) else o for o in outputs]
+        self.grads = [None] * len(inputs)
+        if not backward:
+            return
+        pairs = [(o, _local_grad(g, p, rank, world)) for o, g, p in zip(outputs, grads_out, outs)
+                 if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+        wanted = [i for i, x in enumerate(self.leaves) if x.requires_grad]
+        if pairs and wanted:
+            grads = torch.autograd.grad([o for o, _ in pairs], [self.leaves[i] for i in wanted],
+                                        [g for _, g in pairs], allow_unused=True)
+            for i, g in zip(wanted, grads):
+                self.grads[i] = g
+
+
+def _local_grad(g, p, rank, world):
+    return local_part(g, p, rank, world) if is_sharded(p) else g

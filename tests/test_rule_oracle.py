@@ -1,0 +1,378 @@
+"""The rule oracle: every strategy of every sharding rule, checked numerically.
+
+Every op with a rule (each key of :data:`~fxtp.passes.rules.RULES`, and every ATen op torch
+tags ``pointwise`` that samples reach) is traced the way fxtp traces models
+(``torch.export``'s pre-dispatch ATen IR) on sample inputs: torch's OpInfo samples (fp64,
+the first few per op whose shapes admit a sharded or partial strategy, at world 2: OpInfo
+sizes divide by 2, rarely by 4) and the hand-written :data:`PROGRAMS` below (sizes divisible
+by 4, at world 2 and 4), which reach the ops no OpInfo sample does and give every rule a
+sharded or partial strategy at world 4. Each node with a rule has every strategy run on
+simulated ranks by :func:`tests.oracle.check_strategies`, forward and backward, and in its
+strided form where the rule offers one. ``pytest -s`` prints how many ops were verified.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+
+from fxtp.passes.rules import RULES, rule_for, tagged_pointwise_ops
+from tests.oracle import all_strategies, check_strategies, ops_with_rules, record, \
+    record_values
+
+aten = torch.ops.aten
+OPINFO_SAMPLES = 8  # samples traced per OpInfo (one export for all of them)
+PER_OP = 3  # OpInfo nodes checked per op: the first whose shapes admit a sharded strategy
+
+g = torch.Generator().manual_seed(0)
+
+
+def rand(*shape, dtype=torch.float64):
+    return torch.randn(*shape, generator=g, dtype=dtype)
+
+
+def ints(high, *shape):
+    return torch.randint(0, high, shape, generator=g)
+
+
+# --- hand-written programs: ops no OpInfo sample reaches, and world-4 shapes ----------------
+
+def _sdpa_ops(q, k, v):
+    return (aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=True)[:2],
+            aten._scaled_dot_product_attention_math(q, k, v)[:2])
+
+
+PROGRAMS = {
+    # matrix products
+    "linear": (lambda x, w: F.linear(x, w), lambda: (rand(4, 8, 12), rand(16, 12))),
+    "linear_bias": (lambda x, w, b: F.linear(x, w, b),
+                    lambda: (rand(4, 8, 12), rand(16, 12), rand(16))),
+    "matmul": (lambda a, b, c, u, v: (a @ b, a @ c, u @ c, c @ v, u @ u),
+               lambda: (rand(4, 8, 12), rand(4, 12, 16), rand(12, 16), rand(12), rand(16))),
+    "mm_bmm": (lambda a, b, c, d: (a @ b, torch.bmm(c, d)),
+               lambda: (rand(8, 12), rand(12, 16), rand(4, 8, 12), rand(4, 12, 16))),
+    "addmm_baddbmm": (lambda b, x, w, b3, x3, w3: (torch.addmm(b, x, w),
+                                                   torch.baddbmm(b3, x3, w3)),
+                      lambda: (rand(16), rand(8, 12), rand(12, 16), rand(4, 8, 16),
+                               rand(4, 8, 12), rand(4, 12, 16))),
+    "einsum": (lambda a, b, c: (torch.einsum("bik,bkj->bij", a, b),
+                                torch.einsum("bij,j->bi", a, c)),
+               lambda: (rand(4, 8, 12), rand(4, 12, 16), rand(12))),
+    "embedding": (lambda w, i: (F.embedding(i, w), F.embedding(i, w, padding_idx=5)),
+                  lambda: (rand(16, 8), torch.tensor([[1, 2, 5, 15], [3, 11, 0, 8]]))),
+    # attention and losses
+    "sdpa": (lambda q, k, v, m: (F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                                 F.scaled_dot_product_attention(q, k, v, attn_mask=m)),
+             lambda: (rand(4, 4, 8, 4), rand(4, 4, 8, 4), rand(4, 4, 8, 4), rand(8, 8))),
+    "sdpa_gqa": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+                 lambda: (rand(4, 8, 4, 4), rand(4, 4, 4, 4), rand(4, 4, 4, 4))),
+    "sdpa_kernels": (_sdpa_ops, lambda: (rand(4, 4, 8, 4), rand(4, 4, 8, 4), rand(4, 4, 8, 4))),
+    "sdpa_cpu_flash_mask": (
+        lambda q, k, v, m: aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, attn_mask=m)[0],
+        lambda: (rand(4, 4, 8, 4), rand(4, 4, 8, 4), rand(4, 4, 8, 4), rand(4, 1, 8, 8))),
+    "dropout": (lambda x: (F.dropout(x, 0.0), F.dropout(x, 0.5)), lambda: (rand(4, 8, 12),)),
+    "cross_entropy": (lambda x, t, x2, t2, w: (F.cross_entropy(x, t, reduction="none"),
+                                               F.cross_entropy(x2, t2, w, reduction="sum",
+                                                               label_smoothing=0.1)),
+                      lambda: (rand(4, 8, 4), ints(8, 4, 4), rand(4, 8), ints(8, 4),
+                               rand(8).abs())),
+    # normalizations
+    "norms": (lambda x, w, b, x4, gw, gb: (F.layer_norm(x, (12,), w, b),
+                                           F.rms_norm(x, (12,), w),
+                                           aten.native_layer_norm(x, [12], w, b, 1e-5),
+                                           F.group_norm(x4, 2, gw, gb)),
+              lambda: (rand(4, 8, 12), rand(12), rand(12), rand(4, 8, 4, 4), rand(8),
+                       rand(8))),
+    "fused_rms_norm": (lambda x, w: aten._fused_rms_norm(x, [12], w, 1e-6),
+                       lambda: (rand(4, 8, 12), rand(12))),
+    # along a dim
+    "softmax": (lambda x: (torch.softmax(x, -1), torch.log_softmax(x, 1),
+                           aten._softmax(x, -1, False), aten._log_softmax(x, 0, False),
+                           aten._safe_softmax(x, -1)),
+                lambda: (rand(4, 8, 12),)),
+    "cumulative": (lambda x, y: (torch.cumsum(x, 1), y.cumsum_(0), torch.cumprod(x, -1),
+                                 torch.logcumsumexp(x, 0), torch.cummax(x, 1),
+                                 torch.cummin(x, 2)),
+                   lambda: (rand(4, 8, 12), rand(4, 8, 12))),
+    "sorting": (lambda x: (torch.sort(x, 1), torch.sort(x, dim=0, stable=True),
+                           torch.argsort(x), torch.argsort(x, dim=1, stable=True),
+                           torch.topk(x, 3, dim=1)),
+                lambda: (rand(4, 8, 12),)),
+    # reductions
+    "sums": (lambda x: (x.sum(), x.sum(1), x.sum((0, 2), keepdim=True), x.nansum(2),
+                        x.mean(), x.mean(1), x.mean((0, 1), keepdim=True)),
+             lambda: (rand(4, 8, 12),)),
+    "extrema": (lambda x: (x.prod(), x.prod(1), x.amax(1), x.amin((0, 2)), x.max(), x.min(),
+                           x.max(1), x.min(2, keepdim=True), x.argmax(1), x.argmin(),
+                           x.logsumexp(1), x.median(1), x.kthvalue(2, 1)),
+                lambda: (rand(4, 8, 12),)),
+    "logical": (lambda b: (b.any(), b.any(1), b.any((0, 2)), b.all(), b.all(1),
+                           b.all((1, 2)), torch.count_nonzero(b, 1), torch.count_nonzero(b)),
+                lambda: (rand(4, 8, 12) > 0,)),
+    "moments": (lambda x: (x.var(1), x.std((0, 2), keepdim=True), torch.var_mean(x, 1),
+                           torch.std_mean(x, 2), aten.var.dim(x, [1]), aten.std.dim(x, [2]),
+                           torch.linalg.vector_norm(x, dim=1), torch.norm(x, dim=2),
+                           x.norm(p=2, dim=1)),
+                lambda: (rand(4, 8, 12),)),
+    # views and shape changes
+    "views": (lambda x: (x.view(4, 2, 4, 12), x.reshape(32, 12), x.flatten(1),
+                         x.unflatten(1, (2, 4)), x.unflatten(2, (4, -1)),
+                         x.transpose(0, 2), x.permute(2, 0, 1), x.movedim(0, 2),
+                         x.movedim((0, 1), (2, 0)), x[0].t()),
+              lambda: (rand(4, 8, 12),)),
+    "squeeze_expand": (lambda x: (x.unsqueeze(1), x.unsqueeze(1).squeeze(), x.unsqueeze(0)
+                                  .squeeze(0), x.unsqueeze(1).squeeze((1,)),
+                                  x.unsqueeze(1).expand(4, 4, 8, 12), x.repeat(1, 2, 1),
+                                  x.repeat_interleave(2, dim=1)),
+                       lambda: (rand(4, 8, 12),)),
+    "unsafe_view_alias": (lambda x: (aten._unsafe_view(x, [4, 2, 48]), aten.alias(x),
+                                     aten.detach(x), aten._to_copy(x, dtype=torch.float32),
+                                     aten.lift_fresh_copy(x), aten.copy(x, x * 2)),
+                          lambda: (rand(4, 8, 12),)),
+    "conversions": (lambda x, y: (x.to(torch.float32), x.type_as(y), x.contiguous(),
+                                  x.to(y), torch.zeros_like(x), torch.ones_like(x),
+                                  torch.full_like(x, 3.0), torch.empty_like(x),
+                                  x.new_zeros(4, 8), x.new_ones(4), x.new_empty(8),
+                                  x.new_full((4, 4), 2.0)),
+                    lambda: (rand(4, 8, 12), rand(4, 8, 12, dtype=torch.float32))),
+    "complex": (lambda x, f: torch.view_as_real(torch.view_as_complex(x) * f),
+                lambda: (rand(4, 8, 12, 2), torch.polar(torch.ones(8, 12, dtype=torch.float64),
+                                                         rand(8, 12)))),
+    "cat_stack_split": (lambda x, y: (torch.cat([x, y], 1), torch.stack([x, y], 1),
+                                      torch.stack([x, y], -1), x.split(4, 1),
+                                      x.split([4, 8], 2), x.chunk(2, 1), x.unbind(1),
+                                      x[:, 2:6], x.narrow(2, 4, 4), x.select(1, 3),
+                                      x.flip(1), x.roll(2, 1), F.pad(x, (1, 2)),
+                                      F.pad(x, (0, 0, 1, 1), value=2.0)),
+                        lambda: (rand(4, 8, 12), rand(4, 8, 12))),
+    "fused_split": (lambda x: (x.split(8, -1), torch.split(x, [8, 8, 8], 2), x.chunk(3, -1)),
+                    lambda: (rand(4, 8, 24),)),
+    "tril_triu": (lambda x, y: (x.tril(), x.triu(1), y.tril(-2), y.triu()),
+                  lambda: (rand(8, 8), rand(4, 8, 12))),
+    # indexing and scatter
+    "index": (lambda x, i, j, m: (x[i], x[:, i], x[i, :, j], x[:, i, j], x[m]),
+              lambda: (rand(8, 8, 12), ints(8, 4), ints(12, 4), rand(8, 8) > 0)),
+    "index_put": (lambda x, i, v, y, j, w: (x.index_put((i,), v),
+                                            aten.index_put_(y.clone(), [None, j], w, True)),
+                  lambda: (rand(8, 8, 12), torch.tensor([1, 5, 2, 7]), rand(4, 8, 12),
+                           rand(4, 8, 12), torch.tensor([0, 3, 3, 6]), rand(4, 4, 12))),
+    "index_put_": (lambda x, i, v: torch.ops.aten.index_put_(x.clone(), [None, i], v),
+                   lambda: (rand(4, 8, 12), torch.tensor([1, 5]), rand(4, 2, 12))),
+    "index_ops": (lambda x, i, s, s2: (x.index_select(1, i), x.index_copy(1, i, s),
+                                       x.clone().index_copy_(1, i, s), x.index_add(1, i, s),
+                                       x.clone().index_add_(1, i, s2),
+                                       x.index_fill(1, i, 2.0),
+                                       x.clone().index_fill_(1, i, -1.0)),
+                  lambda: (rand(4, 8, 12), torch.tensor([1, 5, 2, 7]), rand(4, 4, 12),
+                           rand(4, 4, 12))),
+    "gather_scatter": (lambda x, i, s: (x.gather(1, i), x.scatter(1, i, s),
+                                        x.clone().scatter_(1, i, s), x.scatter(1, i, 2.0),
+                                        x.clone().scatter_(1, i, -1.0),
+                                        x.scatter_add(1, i, s), x.clone().scatter_add_(1, i, s)),
+                       lambda: (rand(4, 8, 12), torch.argsort(rand(4, 8, 12), 1)[:, :4],
+                                rand(4, 4, 12))),
+    # pointwise
+    "pointwise": (lambda x, y, b, m: (x + y, x - y, x * y, x / y, x * 2.0, x / 2.0, -x,
+                                      x.clone().add_(y), x.clone().sub_(y),
+                                      x.clone().mul_(y), x.clone().div_(y),
+                                      x.clone().mul_(3.0), x.clone().div_(3.0),
+                                      x.clone().neg_(), F.gelu(x), torch.sin(x) + b,
+                                      torch.where(m, x, y), x.masked_fill(m, 0.5),
+                                      x.clone().masked_fill_(m, 1.5), x.clone().fill_(2.0),
+                                      x.clone().fill_(b[0, 0]), x.clone().zero_(),
+                                      x.clone().copy_(y), +x, x.positive(),
+                                      torch.clamp(x, -0.5, 0.5), x.pow(2)),
+                  lambda: (rand(4, 8, 12), rand(4, 8, 12), rand(8, 1), rand(4, 8, 12) > 0)),
+    "complex_pointwise": (lambda z: (z.real, z.imag, z.conj(), z * 2.0),
+                          lambda: (torch.complex(rand(4, 8, 12), rand(4, 8, 12)),)),
+}
+
+
+# --- samples ------------------------------------------------------------------------------
+
+@dataclass
+class Case:
+    """One node to check: where it was traced, its graph's values, the world sizes."""
+
+    source: str
+    node: fx.Node
+    values: dict
+    worlds: tuple[int, ...]
+
+
+def _base_name(op) -> str:
+    name = op._schema.name.split("::")[1]
+    return name if name.startswith("_") else name.rstrip("_")
+
+
+# OpInfo names that reach an op of another name
+_OPINFO_ALIASES = {"cross_entropy": "cross_entropy_loss", "__getitem__": "index",
+                   "__rsub__": "sub", "__radd__": "add", "__rmul__": "mul", "__rdiv__": "div",
+                   "__rpow__": "pow", "__rmod__": "remainder", "__rand__": "bitwise_and",
+                   "__ror__": "bitwise_or", "__rxor__": "bitwise_xor", "__rlshift__": "__lshift__",
+                   "__rrshift__": "__rshift__", "nn.functional.dropout": "dropout",
+                   "norm": "linalg_vector_norm"}
+
+
+def _opinfos(op_db, targets) -> list:
+    names = {_base_name(op) for op in targets}
+    chosen = []
+    for info in op_db:
+        candidates = {info.name, info.aten_name, info.name.split(".")[-1],
+                      info.name.replace(".", "_"), _OPINFO_ALIASES.get(info.name)}
+        candidates |= {a.name for a in info.aliases}
+        candidates |= {c.rstrip("_") for c in candidates if c}
+        if candidates & names:
+            chosen.append(info)
+    return chosen
+
+
+def _dtype(info):
+    supported = info.supported_dtypes("cpu")
+    for dtype in (torch.float64, torch.complex128, torch.int64, torch.bool):
+        if dtype in supported:
+            return dtype
+    return None
+
+
+def _calls(info, dtype) -> list:
+    """``(fn, sample args)`` of the OpInfo's first samples: the op and its in-place form."""
+    try:
+        samples = list(itertools.islice(
+            info.sample_inputs("cpu", dtype, requires_grad=False), OPINFO_SAMPLES))
+    except Exception:  # noqa: BLE001 - a sample function that does not run here
+        return []
+    calls = []
+    for s in samples:
+        args = (s.input, s.args, s.kwargs)
+        calls.append((lambda x, a, k: info.op(x, *a, **k), args))
+        inplace = info.inplace_variant
+        if inplace is not None and isinstance(s.input, torch.Tensor) and \
+                not s.broadcasts_input:
+            calls.append((lambda x, a, k, f=inplace: f(x.clone(), *a, **k), args))
+    return calls
+
+
+def _trace_calls(calls):
+    """Export one program making every call; return ``(gm, values)`` or ``None``."""
+    flat, specs = [], []
+    for _, args in calls:
+        leaves, spec = tree_flatten(args)
+        specs.append((spec, len(leaves),
+                      [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]))
+        flat.append(leaves)
+    tensors = [x.detach().clone() for leaves in flat for x in leaves
+               if isinstance(x, torch.Tensor)]
+
+    def program(*xs):
+        it, outs = iter(xs), []
+        for (fn, _), leaves, (spec, _, where) in zip(calls, flat, specs):
+            leaves = list(leaves)
+            for i in where:
+                leaves[i] = next(it)
+            x, a, k = tree_unflatten(leaves, spec)
+            outs += [o for o in tree_leaves(fn(x, a, k)) if isinstance(o, torch.Tensor)]
+        return tuple(outs)
+    try:
+        gm, _ = record(program, tensors), None
+        return gm[0], record_values(gm[0], [t.clone() for t in tensors])
+    except Exception:  # noqa: BLE001 - an op export or this harness cannot trace
+        return None
+
+
+def _opinfo_graphs():
+    """``(OpInfo name, gm, values)`` of every OpInfo whose name matches an op with a rule."""
+    from torch.testing._internal.common_methods_invocations import op_db
+    graphs = []
+    for info in _opinfos(op_db, set(RULES) | set(tagged_pointwise_ops())):
+        dtype = _dtype(info)
+        calls = _calls(info, dtype) if dtype is not None else []
+        name = info.name + (f".{info.variant_test_name}" if info.variant_test_name else "")
+        traced = _trace_calls(calls) if calls else None
+        if traced is None:  # one call that does not trace fails the batch: one at a time
+            for i, call in enumerate(calls):
+                one = _trace_calls([call])
+                if one is not None:
+                    graphs.append((f"{name}[{i}]", *one))
+        else:
+            graphs.append((name, *traced))
+    return graphs
+
+
+def _nontrivial(node, world) -> bool:
+    """Does the node have a strategy other than all-Replicate at ``world``? (A rule that
+    fails to state its strategies is checked, to fail there.)"""
+    try:
+        return len(all_strategies(node, world)) > 1
+    except Exception:  # noqa: BLE001
+        return True
+
+
+@functools.lru_cache(maxsize=None)
+def cases() -> dict:
+    """op -> the nodes checked for it."""
+    found: dict = {}
+    for name, (fn, make_args) in PROGRAMS.items():
+        try:
+            gm, values = record(fn, make_args())
+        except Exception as e:
+            raise RuntimeError(f"program {name!r} does not trace: {e}") from e
+        for node in ops_with_rules(gm):
+            found.setdefault(node.target, []).append(
+                Case(f"{name}:{node.name}", node, values, (2, 4)))
+    fallback: dict = {}
+    for name, gm, values in _opinfo_graphs():
+        for node in ops_with_rules(gm):
+            op = node.target
+            opinfo_cases = [c for c in found.get(op, []) if c.worlds == (2,)]
+            if len(opinfo_cases) >= PER_OP:
+                continue
+            case = Case(f"opinfo {name}:{node.name}", node, values, (2,))
+            if _nontrivial(node, 2):
+                found.setdefault(op, []).append(case)
+            else:
+                fallback.setdefault(op, case)
+    for op, case in fallback.items():
+        if op not in found:
+            found[op] = [case]
+    return found
+
+
+def _params():
+    return [pytest.param(op, id=str(op)) for op in sorted(cases(), key=str)]
+
+
+CHECKED: dict = {}  # op -> strategies checked (filled as the tests run)
+
+
+@pytest.mark.parametrize("op", _params())
+def test_every_strategy_reassembles_forward_and_backward(op):
+    failures, checked = [], 0
+    for seed, case in enumerate(cases()[op]):
+        for world in case.worlds:
+            errors = []
+            names = check_strategies(case.node, case.values, world, backward=True,
+                                     strided=True, seed=seed, errors=errors)
+            checked += len(names)
+            failures += [f"{case.source} world {world}: {e}" for e in errors]
+    CHECKED[op] = checked
+    assert not failures, f"{op}: {len(failures)} failing:\n" + "\n".join(failures)
+
+
+def test_every_rule_is_checked():
+    """Every op of the table has a checked sample; prints how many ops were verified."""
+    found = cases()
+    explicit = [op for op in RULES if op in found]
+    tagged = [op for op in found if op not in RULES]
+    print(f"\nrule oracle: {len(explicit)} of {len(RULES)} explicit rules and "
+          f"{len(tagged)} tag-derived pointwise ops verified"
+          + (f" ({sum(CHECKED.values())} strategy checks)" if CHECKED else ""))
+    missing = [str(op) for op in RULES if op not in found]
+    assert not missing, f"ops with a rule but no checked sample: {missing}"
