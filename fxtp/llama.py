@@ -1,5 +1,6 @@
 """A small reference Llama-3 (RMSNorm computed in fp32, rotary embeddings written with real
-cos/sin arithmetic or with complex numbers, grouped-query attention, SwiGLU, untied head),
+cos/sin arithmetic, with complex numbers or with stacked pairs, grouped-query attention, SwiGLU,
+untied head),
 written as single-device code the way people write it, and its tensor-parallel plans.
 fxtp's demo, benchmarks and tests train it; nothing in fxtp depends on it."""
 from dataclasses import dataclass
@@ -22,7 +23,8 @@ class LlamaConfig:
     n_kv_heads: int = 2
     multiple_of: int = 16
     max_seq_len: int = 32
-    rope: str = "real"              # "real" (cos/sin, rotate_half) or "complex" (polar)
+    rope: str = "real"              # "real" (cos/sin, rotate_half), "complex" (polar) or
+    #                                 "stack" (torchtune: rotated pairs stacked back)
     repeat_mode: str = "expand"     # "expand" (repeat_kv) or "repeat_interleave"
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
@@ -70,6 +72,24 @@ def precompute_cos_sin(dim: int, end: int, theta: float = 10000.0):
     return emb.cos(), emb.sin()
 
 
+def precompute_pair_cos_sin(dim: int, end: int, theta: float = 10000.0):
+    """torchtune's rotary tables: cos, sin of shape (end, dim // 2), one per pair."""
+    freqs = precompute_freqs_cis(dim, end, theta)
+    return freqs.real.contiguous(), freqs.imag.contiguous()
+
+
+def apply_rotary_emb_stack(xq, xk, cos, sin):
+    """torchtune's rotary embedding on (B, T, H, D): each pair ``(x0, x1)`` of the last dim
+    is rotated and the pairs are stacked back; ``cos``/``sin`` are (T, D // 2). The same
+    function as :func:`apply_rotary_emb_complex`, written without complex numbers."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+
+    def rotate(x):
+        x0, x1 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+        return torch.stack([x0 * cos - x1 * sin, x1 * cos + x0 * sin], -1).flatten(3).type_as(x)
+    return rotate(xq), rotate(xk)
+
+
 def rotate_half(x):
     x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
     return torch.cat((-x2, x1), dim=-1)
@@ -112,6 +132,8 @@ class LlamaAttention(nn.Module):
         xv = self.wv(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
         if self.rope == "complex":
             xq, xk = apply_rotary_emb_complex(xq, xk, freqs)
+        elif self.rope == "stack":
+            xq, xk = apply_rotary_emb_stack(xq, xk, *freqs)
         else:
             xq, xk = apply_rotary_emb_real(xq, xk, *freqs)
         if self.repeat_mode == "repeat_interleave":
@@ -161,7 +183,7 @@ class Llama(nn.Module):
     def __init__(self, cfg: LlamaConfig = None):
         super().__init__()
         cfg = cfg or LlamaConfig()
-        assert cfg.rope in ("real", "complex")
+        assert cfg.rope in ("real", "complex", "stack")
         assert cfg.repeat_mode in ("expand", "repeat_interleave")
         self.config = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
@@ -173,9 +195,14 @@ class Llama(nn.Module):
             self.register_buffer("freqs_cis", precompute_freqs_cis(
                 head_dim, cfg.max_seq_len, cfg.rope_theta), persistent=False)
         else:
-            cos, sin = precompute_cos_sin(head_dim, cfg.max_seq_len, cfg.rope_theta)
+            cos, sin = self._cos_sin(head_dim)
             self.register_buffer("cos", cos, persistent=False)
             self.register_buffer("sin", sin, persistent=False)
+
+    def _cos_sin(self, head_dim):
+        cfg = self.config
+        tables = precompute_pair_cos_sin if cfg.rope == "stack" else precompute_cos_sin
+        return tables(head_dim, cfg.max_seq_len, cfg.rope_theta)
 
     @torch.no_grad()
     def reset_parameters(self):
@@ -185,8 +212,7 @@ class Llama(nn.Module):
         if cfg.rope == "complex":
             self.freqs_cis.copy_(precompute_freqs_cis(head_dim, cfg.max_seq_len, cfg.rope_theta))
         else:
-            for buffer, table in zip((self.cos, self.sin),
-                                     precompute_cos_sin(head_dim, cfg.max_seq_len, cfg.rope_theta)):
+            for buffer, table in zip((self.cos, self.sin), self._cos_sin(head_dim)):
                 buffer.copy_(table)
 
     def forward(self, tokens):
