@@ -1,5 +1,5 @@
 """Local computations that replace an op when its inputs are sharded in a way the op itself
-cannot compute on directly. Each returns this rank's Partial contribution."""
+cannot compute on directly."""
 from __future__ import annotations
 
 import torch
@@ -32,3 +32,13 @@ def sharded_dropout(x: torch.Tensor, p: float, train: bool, dim: int, rank: int,
     noise = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p)
     noise = noise.chunk(world, dim)[rank].clone(memory_format=torch.contiguous_format)
     return x * noise.div_(1 - p)
+
+
+def mean_of_shard(x: torch.Tensor, world: int, dim=None, keepdim: bool = False,
+                  dtype=None) -> torch.Tensor:
+    """This rank's Partial contribution to a mean over dims one of which is sharded evenly
+    over ``world`` ranks: the shard's mean divided by ``world`` (the means of equal-sized
+    shards average to the whole's)."""
+    if dim is None:
+        return torch.mean(x, dtype=dtype) / world
+    return torch.mean(x, dim, keepdim, dtype=dtype) / world

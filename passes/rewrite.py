@@ -23,6 +23,7 @@ from . import collectives
 from .gradients import gradient_carriers
 from .graph import COLLECTIVE, INPUTS, PLACEMENT, layout, placement_of, tensor_inputs, val
 from .placement import describe, is_replicate, split_factor, transition_steps
+from .rules import writes_first_input
 
 aten = torch.ops.aten
 
@@ -105,9 +106,10 @@ def _forwards_partial(node: fx.Node) -> bool:
 
 
 def _sync_partial_grads(graph: fx.Graph, group: str) -> None:
-    params = {}  # replicated parameter -> its users that give it partial gradients
+    params = {}  # replicated parameter (or value of parameters) -> users giving partial grads
     needs_grad = gradient_carriers(  # an input may be given requires_grad at run time
         graph, lambda n, v: n.op == "placeholder" or getattr(v, "requires_grad", False))
+    from_params = _computed_from_parameters(graph)
     for node in list(graph.nodes):
         v = val(node)
         if node not in needs_grad or not isinstance(v, torch.Tensor) or \
@@ -117,7 +119,7 @@ def _sync_partial_grads(graph: fx.Graph, group: str) -> None:
         partial_users = [u for u in node.users if _contributes_partial_grad(u)]
         if not partial_users:
             continue
-        if node.op == "get_attr":
+        if node in from_params:
             params[node] = partial_users
             continue
         if node.target is collectives.all_gather and len(partial_users) == len(node.users):
@@ -132,13 +134,42 @@ def _sync_partial_grads(graph: fx.Graph, group: str) -> None:
         _bucket_param_grad_syncs(graph, params, group)
 
 
+def _computed_from_parameters(graph: fx.Graph) -> set:
+    """Parameters, and values computed from parameters alone by deterministic ops that
+    write nothing (a norm weight cast to fp32, Gemma's ``1 + weight``): they can be computed
+    before everything else."""
+    found: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "get_attr" or node.op == "call_function" and node.all_input_nodes and \
+                all(a in found for a in node.all_input_nodes) and _pure(node.target):
+            found.add(node)
+    return found
+
+
+def _pure(target) -> bool:
+    if not isinstance(target, torch._ops.OpOverload):
+        return target is operator.getitem
+    return torch.Tag.nondeterministic_seeded not in target.tags and \
+        not writes_first_input(target)
+
+
 def _bucket_param_grad_syncs(graph: fx.Graph, params: dict, group: str) -> None:
-    """One ``grad_sync_bucket`` for all replicated parameters read by sharded ops (sequence-
-    parallel norm weights, rowwise biases added to sequence shards): the parameters are
-    read first, and their partial users read the bucket's outputs."""
-    first = next(n for n in graph.nodes if n.op not in ("placeholder", "get_attr"))
-    for param in params:
-        first.prepend(param)
+    """One ``grad_sync_bucket`` for all replicated parameters (and values computed from
+    parameters alone) read by sharded ops (sequence-parallel norm weights, rowwise biases
+    added to sequence shards): they are computed first, and their partial users read the
+    bucket's outputs."""
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    hoisted: set[fx.Node] = set()
+    todo = list(params)
+    while todo:
+        node = todo.pop()
+        if node not in hoisted:
+            hoisted.add(node)
+            todo += node.all_input_nodes
+    first = next(n for n in graph.nodes if n.op not in ("placeholder", "get_attr") and
+                 n not in hoisted)
+    for node in sorted(hoisted, key=position.__getitem__):
+        first.prepend(node)
     with graph.inserting_before(first):
         bucket = graph.call_function(collectives.grad_sync_bucket, (list(params), group))
         bucket.meta[COLLECTIVE] = "grad_sync_bucket"

@@ -31,7 +31,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from .dimspec import DimSpec, fixed_label, parse, strategies
 from .graph import is_tensor_node, output_vals, tensor_inputs, val
-from .local_ops import sharded_dropout, vocab_parallel_embedding
+from .local_ops import mean_of_shard, sharded_dropout, vocab_parallel_embedding
 from .loss_parallel import class_sharded, cross_entropy_spec, loss_parallel
 from .placement import is_sharded
 
@@ -108,7 +108,7 @@ def pointwise(partial: str = "none", partial_args=None, unread=()):
     for ops that scale by their scalar (:data:`_SCALAR_LINEAR`). ``unread``: indices of
     tensor inputs the op reads only the metadata of (``type_as``'s other)."""
     def spec(node):
-        out = val(node).shape
+        out = output_vals(node)[0].shape  # every output (frexp's two) has this shape
         n = len(out)
         inputs = []
         for i, a in enumerate(tensor_inputs(node)):
@@ -306,6 +306,17 @@ def _squeeze_spec(node):
                    "sum")
 
 
+def _local_squeeze(node, inputs, output, group):
+    """A shard may have size 1 on a dim the global tensor does not: squeeze exactly the
+    dims of size 1 globally."""
+    if not is_sharded(inputs[0]):
+        return node.target, node.args, node.kwargs
+    shape = val(node.args[0]).shape
+    n = len(shape)
+    dims = sorted({d % n for d in dims_arg(1, omitted="all")(node) if _is_one(shape[d % n])})
+    return aten.squeeze.dims, (node.args[0], dims), {}
+
+
 def _expand_spec(node):
     src, dst = val(node.args[0]).shape, val(node).shape
     off = len(dst) - len(src)
@@ -372,8 +383,11 @@ def _equal_parts(node, world):
 
 
 def _local_split(node, inputs, output, group):
-    """Split sizes of a strided input are this rank's sizes (``chunk`` counts parts)."""
-    if not isinstance(inputs[0], _StridedShard) or node.target is aten.chunk.default:
+    """Split sizes of an input strided on the split dim are this rank's sizes (``chunk``
+    counts parts; an input strided on another dim splits as is)."""
+    d = _arg(node, 2, "dim", 0) % _rank(node.args[0])
+    if not isinstance(inputs[0], _StridedShard) or inputs[0].dim != d or \
+            node.target is aten.chunk.default:
         return node.target, node.args, node.kwargs
     sizes = node.args[1]
     local = [s // group.world for s in sizes] if isinstance(sizes, (list, tuple)) else \
@@ -393,6 +407,58 @@ def _fixed_dim_spec(dim_index: int, drop: bool = False, default: int = 0):
         out = tuple(lab for j, lab in enumerate(labels) if not (drop and j in fixed))
         return DimSpec((labels,) + (None,) * (len(tensor_inputs(node)) - 1), (out,), "sum")
     return Rule(spec)
+
+
+def _slice_bounds(node):
+    """``(dim, start, end)`` of a step-1 slice with static bounds inside the dim, else
+    ``None``."""
+    x = val(node.args[0])
+    d = _arg(node, 1, "dim", 0) % x.dim()
+    size, step = x.shape[d], _arg(node, 4, "step", 1)
+    start, end = _arg(node, 2, "start", None), _arg(node, 3, "end", None)
+    start, end = 0 if start is None else start, size if end is None else end
+    if not all(isinstance(v, int) for v in (size, start, end)) or step != 1:
+        return None
+    start, end = (min(max(v + size if v < 0 else v, 0), size) for v in (start, end))
+    return d, start, end
+
+
+def _equal_slice(node, world):
+    """A slice that is part j of k equal parts of its dim (Phi-3's fused ``qkv[..., :q]``,
+    ``qkv[..., q:q + kv]``, ...), each divisible by ``world``, is served by the input
+    ``_StridedShard(d, k)`` like an equal split: the output is ``Shard(d)``."""
+    bounds = _slice_bounds(node)
+    if bounds is None:
+        return
+    d, start, end = bounds
+    size, part = val(node.args[0]).shape[d], end - start
+    if 0 < part < size and size % part == 0 and start % part == 0 and part % world == 0:
+        yield (_StridedShard(d, split_factor=size // part),), (Shard(d),)
+
+
+def _local_slice(node, inputs, output, group):
+    """A slice of an input strided on the sliced dim takes this rank's piece of the part:
+    local bounds (strided on another dim, it slices as is)."""
+    bounds = _slice_bounds(node)
+    if not isinstance(inputs[0], _StridedShard) or bounds is None or \
+            bounds[0] != inputs[0].dim:
+        return node.target, node.args, node.kwargs
+    d, start, end = bounds
+    return node.target, (node.args[0], d, start // group.world, end // group.world), {}
+
+
+def _mean_of_shard(dims_of):
+    """A mean over a sharded dim: each rank's mean of its shard, divided by the world size,
+    is its Partial contribution (OLMo-2 normalizes q and k over all heads)."""
+    def local(node, inputs, output, group):
+        p = inputs[0]
+        n = _rank(node.args[0])
+        if not (is_sharded(p) and p.dim in {d % n for d in dims_of(node)}):
+            return node.target, node.args, node.kwargs
+        dim = None if node.target is aten.mean.default else _arg(node, 1, "dim")
+        return mean_of_shard, (node.args[0], group.world), dict(
+            dim=dim, keepdim=_arg(node, 2, "keepdim", False), dtype=node.kwargs.get("dtype"))
+    return local
 
 
 def _pad_spec(node):
@@ -562,8 +628,12 @@ def _dropout(node, inputs, output, group):
 
 def _same_dims(node):
     """Every dim of the input maps to the same dim of the output, whose size may be a
-    multiple of it (``repeat_interleave`` along a dim keeps contiguous blocks together)."""
+    multiple of it (``repeat_interleave`` along a dim keeps contiguous blocks together).
+    Without a dim the input is flattened first: only its leading dim maps, to the 1-d output."""
     labels = _labels(_rank(node.args[0]))
+    if _arg(node, 2, "dim") is None:
+        labels = labels[:1] + tuple(fixed_label() for _ in labels[1:])
+        return DimSpec((labels,), (labels[:1] or (fixed_label(),),), "sum")
     return DimSpec((labels,), (labels,), "sum")
 
 
@@ -618,10 +688,11 @@ def _fixed(node) -> tuple:
 def _index_put_spec(node):
     """``x[indices] = values`` (``index_put`` / ``index_put_``): dims not indexed shard
     with the matching dims of ``values`` (broadcast size-1 dims fixed). Jointly linear in
-    ``x`` and ``values``."""
+    ``x`` and ``values``. Indexed dims of ``x`` never shard (the indices are global)."""
     n = _rank(node.args[0])
     indices = list(node.args[1])
-    labels = _labels(n)
+    labels = tuple(fixed_label() if j < len(indices) and indices[j] is not None else f"d{j}"
+                   for j in range(n))
     if any(ix is not None and val(ix).dtype == torch.bool for ix in indices):
         labels = tuple(fixed_label() for _ in range(n))
         target = labels
@@ -657,19 +728,20 @@ def _index_update_spec(partial: str):
 
 def _gather_scatter_spec(linear: str, source: bool):
     """``gather(x, dim, index)`` / ``scatter*(x, dim, index, src)``: ``dim`` never shards;
-    another dim shards where ``x``, ``index`` (and ``src``) have the same size on it."""
+    another dim shards where ``x``, ``index`` (and ``src``) have the same size on it (the
+    index addresses the leading part of a dim it is shorter on: ``x`` must stay whole)."""
     def spec(node):
         x = val(node.args[0])
         index = val(node.args[2])
         n = x.dim()
         d = node.args[1] % n if n else 0
-        def lab(j, shape):
-            return f"d{j}" if j != d and _same(shape[j], x.shape[j]) and \
-                _same(index.shape[j], x.shape[j]) else fixed_label()
-        x_labels = tuple(f"d{j}!" if j == d else f"d{j}" for j in range(n))
-        ins = [x_labels, tuple(lab(j, index.shape) for j in range(n))]
+        shapes = [x.shape, index.shape]
         if source and is_tensor_node(node.args[3]):
-            ins.append(tuple(lab(j, val(node.args[3]).shape) for j in range(n)))
+            shapes.append(val(node.args[3]).shape)
+        shard = {j for j in range(n) if j != d and all(_same(s[j], x.shape[j]) for s in shapes)}
+        ins = [tuple(f"d{j}" if j in shard else fixed_label() for j in range(n))
+               for _ in shapes]
+        x_labels = ins[0]
         out = ins[1] if node.target is aten.gather.default else x_labels
         args = {"product": (0,), "sum": (0, 2)}.get(linear)
         return DimSpec(tuple(ins), (out,), linear, args)
@@ -757,8 +829,10 @@ RULES.update({
                                 keepdim_arg=None),
     aten.sum.dim_IntList: reduction(dims_arg(1, omitted="all"), summed=True, partial="sum"),
     aten.nansum.default: reduction(dims_arg(1, omitted="all"), summed=True, partial="sum"),
-    aten.mean.default: reduction(ALL_DIMS, partial="sum", keepdim_arg=None),
-    aten.mean.dim: reduction(dims_arg(1, omitted="all"), partial="sum"),
+    aten.mean.default: Rule(reduction(ALL_DIMS, summed=True, partial="sum", keepdim_arg=None)
+                            .spec, local_op=_mean_of_shard(ALL_DIMS)),
+    aten.mean.dim: Rule(reduction(dims_arg(1, omitted="all"), summed=True, partial="sum").spec,
+                        local_op=_mean_of_shard(dims_arg(1, omitted="all"))),
     aten.prod.default: reduction(ALL_DIMS, keepdim_arg=None),
     aten.prod.dim_int: reduction(dims_arg(1)),
     aten.amax.default: reduction(dims_arg(1, omitted="all")),
@@ -801,9 +875,9 @@ RULES.update({
     aten.movedim.int: permutation(_movedim_perm),
     aten.movedim.intlist: permutation(_movedim_perm),
     aten.unsqueeze.default: Rule(_unsqueeze_spec),
-    aten.squeeze.default: Rule(_squeeze_spec),
-    aten.squeeze.dim: Rule(_squeeze_spec),
-    aten.squeeze.dims: Rule(_squeeze_spec),
+    aten.squeeze.default: Rule(_squeeze_spec, local_op=_local_squeeze),
+    aten.squeeze.dim: Rule(_squeeze_spec, local_op=_local_squeeze),
+    aten.squeeze.dims: Rule(_squeeze_spec, local_op=_local_squeeze),
     aten.repeat.default: Rule(_repeat_spec),
     aten.repeat_interleave.self_int: Rule(_same_dims),
     aten.view_as_complex.default: Rule(_complex_view_spec),
@@ -814,7 +888,7 @@ RULES.update({
     aten.split_with_sizes.default: Rule(_split_spec, local_op=_local_split, extra=_equal_parts),
     aten.chunk.default: Rule(_split_spec, extra=_equal_parts),
     aten.unbind.int: Rule(_unbind_spec),
-    aten.slice.Tensor: _fixed_dim_spec(1),
+    aten.slice.Tensor: Rule(_fixed_dim_spec(1).spec, local_op=_local_slice, extra=_equal_slice),
     aten.narrow.default: _fixed_dim_spec(1),
     aten.select.int: _fixed_dim_spec(1, drop=True),
     aten.flip.default: _fixed_dim_spec(1, default=None),
@@ -860,9 +934,11 @@ def rule_for(target) -> Optional[Rule]:
 
 
 def is_tagged_pointwise(target) -> bool:
-    """A functional or in-place ATen op torch tags ``pointwise`` (``out=`` forms excluded)."""
+    """A functional or in-place ATen op torch tags ``pointwise`` (``out=`` forms excluded;
+    random ones, such as ``rrelu``, too: a shard would draw other numbers than the whole)."""
     return isinstance(target, torch._ops.OpOverload) and \
         torch.Tag.pointwise in target.tags and \
+        torch.Tag.nondeterministic_seeded not in target.tags and \
         not any(a.is_out for a in target._schema.arguments)
 
 
@@ -872,7 +948,9 @@ def tagged_pointwise_ops() -> list:
     for name in dir(aten):
         packet = getattr(aten, name, None)
         if isinstance(packet, torch._ops.OpOverloadPacket):
-            found += [op for op in map(packet.__getattr__, packet.overloads())
+            # getattr, not packet.__getattr__: that makes a new OpOverload and caches it
+            # in place of the one RULES is keyed by (``aten.x.y in RULES`` turns False)
+            found += [op for op in (getattr(packet, o) for o in packet.overloads())
                       if is_tagged_pointwise(op)]
     return found
 

@@ -1,7 +1,8 @@
 """Strided pass: serve a fused projection's split without a gather (Megatron's fused QKV).
 
 A colwise projection whose output is split into ``k`` equal parts along its sharded dim
-(``q, k, v = qkv(x).split(D, -1)``, ``w13(x).chunk(2, -1)``) gives each rank a contiguous
+(``q, k, v = qkv(x).split(D, -1)``, ``w13(x).chunk(2, -1)``, Phi-3's equal slices
+``qkv[..., :D]``, ``qkv[..., D:2 * D]``, ...) gives each rank a contiguous
 chunk of ``[q|k|v]``, which cannot serve the split, so propagation gathers it. Laid out as
 ``_StridedShard(d, split_factor=k)`` each rank holds ``[q_r|k_r|v_r]`` and every part
 comes out ``Shard(d)`` with no communication.
@@ -37,7 +38,8 @@ def stride_fused_splits(gm: fx.GraphModule, world: int) -> bool:
     for node in gm.graph.nodes:
         strided = _wanted(node, world)
         carriers: dict[fx.Node, int] = {}
-        if strided is None or not _carried_from_params(node.args[0], strided.dim, carriers):
+        if strided is None or not _all_users_want(node.args[0], strided, world) or \
+                not _carried_from_params(node.args[0], strided.dim, carriers, first=True):
             continue
         if any(readers[id(_tensor(gm, n.target))] > 1 for n in carriers if n.op == "get_attr"):
             continue  # tied: the same tensor is also read under another name
@@ -66,11 +68,18 @@ def _wanted(node: fx.Node, world: int):
     return None
 
 
-def _carried_from_params(node: fx.Node, dim: int, carriers: dict) -> bool:
+def _all_users_want(node: fx.Node, strided, world: int) -> bool:
+    """Whether every user of the fused output takes it as ``strided`` (one split, or the
+    k slices of Phi-3's ``qkv[..., a:b]``)."""
+    return all(_wanted(user, world) == strided and user.args[0] is node for user in node.users)
+
+
+def _carried_from_params(node: fx.Node, dim: int, carriers: dict, first: bool = False) -> bool:
     """Whether ``node``'s sharded ``dim`` comes, index for index and through nodes with
-    one user each, from parameters only; records every node on the way in ``carriers``
-    (node -> its dim)."""
-    if len(node.users) != 1:
+    one user each (``first``: the fused output itself may have several, checked by
+    :func:`_all_users_want`), from parameters only; records every node on the way in
+    ``carriers`` (node -> its dim)."""
+    if len(node.users) != 1 and not first:
         return False
     carriers[node] = dim
     if node.op == "get_attr":
