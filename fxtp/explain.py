@@ -39,6 +39,7 @@ import torch.fx as fx
 from .passes.gradients import gradient_carriers
 from .passes.graph import COLLECTIVE, FALLBACK, PLACEMENT, call_args, module_fqn, val
 from .passes.placement import describe, is_sharded, size_hint, split_factor
+from .passes.recompute import inline_checkpoints
 
 from .passes.cross_entropy import forward_all_reduce_bytes, loss_parallel_cross_entropy
 from .report import Comm, Fallback, Layer, NodeInfo, Report, Summary, Totals
@@ -63,13 +64,14 @@ def explain(gm: fx.GraphModule, *, input_grads: bool = False) -> Report:
         raise TypeError("fxtp.explain takes the GraphModule fxtp.parallelize returned "
                         f"(it has a .fxtp attribute); got {type(gm).__name__}")
     rank, world = info.rank, info.world_size
-    grads = _carry_grad(gm, input_grads)
+    graph = inline_checkpoints(gm)  # the whole program, checkpointed regions included
+    grads = _carry_grad(gm, graph, input_grads)
     hints: dict[str, int] = {}
-    nodes = [node_info(n, rank, world, hints, grads) for n in gm.graph.nodes]
+    nodes = [node_info(n, rank, world, hints, grads) for n in graph.nodes]
     params = _param_bytes(gm)
     forward, backward, layers = _rollup(nodes, params)
     fallbacks = [Fallback(n.name, row.op, row.module, n.meta[FALLBACK])
-                 for n, row in zip(gm.graph.nodes, nodes) if n.meta.get(FALLBACK)]
+                 for n, row in zip(graph.nodes, nodes) if n.meta.get(FALLBACK)]
     summary = Summary(world, forward, backward, forward.total_bytes() + backward.total_bytes(),
                       sum(p[0] for p in params.values()), sum(p[1] for p in params.values()),
                       layers, fallbacks, hints)
@@ -210,7 +212,7 @@ def _numel_hint(v: torch.Tensor) -> int:
     return math.prod(_hint(s) for s in v.shape)
 
 
-def _carry_grad(gm: fx.GraphModule, input_grads: bool) -> frozenset:
+def _carry_grad(gm: fx.GraphModule, graph: fx.Graph, input_grads: bool) -> frozenset:
     """Nodes whose value carries a gradient in backward: trainable parameters (and floating
     root inputs with ``input_grads``) and floating values computed from them by
     differentiable ops."""
@@ -219,7 +221,7 @@ def _carry_grad(gm: fx.GraphModule, input_grads: bool) -> frozenset:
             return input_grads and isinstance(v, torch.Tensor) and \
                 (v.dtype.is_floating_point or v.dtype.is_complex)
         return getattr(_attr(gm, node.target), "requires_grad", False)
-    return gradient_carriers(gm.graph, is_root)
+    return gradient_carriers(graph, is_root)
 
 
 def _attr(gm: fx.GraphModule, target: str):

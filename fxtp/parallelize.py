@@ -1,6 +1,6 @@
 """``parallelize``: trace -> (same on every rank?) -> seed -> propagate -> strided
-(re-propagate) -> rewrite -> localize -> (materialize meta tensors) -> guard inputs, each
-stage's result optionally dumped to files (:mod:`fxtp.dump`)."""
+(re-propagate) -> rewrite -> localize -> (materialize meta tensors) -> guard inputs ->
+checkpoint regions, each stage's result optionally dumped to files (:mod:`fxtp.dump`)."""
 from __future__ import annotations
 
 import warnings
@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .passes.localize import localize
 from .passes.graph import PLACEMENT
 from .passes.propagate import propagate
+from .passes.recompute import REGION, outline_checkpoints
 from .passes.rewrite import rewrite
 from .passes.seed import seed
 from .passes.strided import stride_fused_splits
@@ -24,7 +25,7 @@ from .passes.errors import PlanError
 from .guards import check_fresh, check_same_on_every_rank, guard_inputs
 from .materialize import fake_tensors, materialize, meta_tensors, swapped
 from .mesh import resolve_group
-from .plan import Plan, resolve_plan
+from .plan import Plan, module_fqns, resolve_plan
 from .trace import trace
 
 
@@ -56,7 +57,8 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
                 example_kwargs: Optional[dict] = None, dynamic_shapes=None,
                 strict: bool = False, init_fn: Optional[Callable[[nn.Module], None]] = None,
                 device: Union[str, torch.device, None] = None,
-                dump_dir: Optional[str] = None) -> fx.GraphModule:
+                dump_dir: Optional[str] = None,
+                checkpoint: Sequence[str] = ()) -> fx.GraphModule:
     """Return this rank's tensor-parallel ``GraphModule`` for ``model`` under ``plan``.
 
     ``example_inputs`` / ``example_kwargs`` are full (single-device) inputs used for
@@ -76,16 +78,22 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
 
     ``dump_dir`` (or the environment variable ``FXTP_DUMP_DIR``) writes every stage's
     result, :func:`fxtp.explain`'s report and an HTML view there (:mod:`fxtp.dump`).
+
+    Activation checkpointing: the model's own non-reentrant ``torch.utils.checkpoint``
+    regions are kept (:mod:`fxtp.passes.recompute`), and ``checkpoint`` names modules (plan
+    key patterns, e.g. ``["layers.*"]``) whose every call is checkpointed as if wrapped,
+    without editing the model.
     """
     check_fresh(model)
     shardings = resolve_plan(model, plan)
+    checkpointed = module_fqns(model, checkpoint, "checkpoint pattern")
     group = resolve_group(mesh)
     device = _device(device, group)
     meta = meta_tensors(model)
     with Dumper(dump_dir, group) as dump:
         with swapped(model, fake_tensors(meta, device)):
             gm, calls = trace(model, tuple(example_inputs), example_kwargs, shardings,
-                              dynamic_shapes)
+                              dynamic_shapes, checkpointed)
         dump.code("traced", gm)
         draw = int(torch.randint(2 ** 62, (), device="cpu")) if meta else 0  # init seed
         init_seed = check_same_on_every_rank(group, _device(None, group), shardings, model,
@@ -106,6 +114,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
             materialize(gm, model, meta, placements, group, device_mesh, device, init_fn,
                         init_seed)
         guard_inputs(gm, group.world)
+        outline_checkpoints(gm, gm.meta[REGION])
         dump.code("localized", gm)
         gm.fxtp = _info(gm, model, shardings, group, fallbacks, placements, device_mesh)
         dump.report(gm)

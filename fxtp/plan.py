@@ -25,6 +25,21 @@ def _matches(key: str, fqn: str) -> bool:
     return len(parts) == len(names) and all(map(fnmatchcase, names, parts))
 
 
+def module_fqns(model: nn.Module, patterns, what: str) -> list[str]:
+    """The FQNs of ``model``'s modules matching any of ``patterns`` (plan-key syntax); a
+    pattern matching none is a :class:`PlanError` naming ``what`` and the closest FQNs."""
+    modules = [fqn for fqn, _ in model.named_modules()]
+    found: dict[str, None] = {}
+    for key in patterns:
+        fqns = [fqn for fqn in modules if _matches(key, fqn)]
+        if not fqns:
+            close = _closest(key, [f for f in modules if f])
+            raise PlanError(f"{what} {key!r} matches no module of {type(model).__name__}"
+                            f"{'; closest module FQNs: ' + ', '.join(close) if close else ''}")
+        found.update(dict.fromkeys(fqns))
+    return list(found)
+
+
 def _closest(key: str, fqns: list[str], n: int = 3) -> list[str]:
     """FQNs most like ``key``: most parts matched by its patterns, then most similar text."""
     parts = key.split(".")

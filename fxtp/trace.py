@@ -7,26 +7,38 @@ says which graph values are their inputs and outputs.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Iterable, Optional
 
 import torch
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+import torch.utils.checkpoint as cp
 import torch.utils._pytree as pytree
 
 from .passes.errors import TraceError
 from .passes.graph import ModuleCall
+from .passes.recompute import REGION
 
 
 def trace(model: torch.nn.Module, args: tuple, kwargs: Optional[dict],
-          boundaries: Iterable[str], dynamic_shapes=None
+          boundaries: Iterable[str], dynamic_shapes=None, checkpointed: Iterable[str] = ()
           ) -> tuple[fx.GraphModule, dict[str, ModuleCall]]:
     """Trace ``model(*args, **kwargs)``; return the graph module and the calls of the
-    modules in ``boundaries`` (FQNs; ``""`` is the root, whose inputs are placeholders)."""
+    modules in ``boundaries`` (FQNs; ``""`` is the root, whose inputs are placeholders).
+
+    Activation-checkpoint regions (the model's non-reentrant ``torch.utils.checkpoint``
+    calls, and every call of the modules named in ``checkpointed``) are marked on their
+    nodes for :mod:`fxtp.passes.recompute`; their options are ``gm.meta[REGION]``."""
     boundaries = tuple(boundaries)
+    regions: dict[int, dict] = {}
     try:
-        ep = torch.export.export(model, tuple(args), kwargs=kwargs or {}, strict=False,
-                                 dynamic_shapes=dynamic_shapes,
-                                 preserve_module_call_signature=tuple(b for b in boundaries if b))
+        with fx_traceback.preserve_node_meta(), _marking_checkpoints(model, checkpointed,
+                                                                     regions):
+            ep = torch.export.export(
+                model, tuple(args), kwargs=kwargs or {}, strict=False,
+                dynamic_shapes=dynamic_shapes,
+                preserve_module_call_signature=tuple(b for b in boundaries if b))
     except Exception as e:  # noqa: BLE001 - re-raised with a hint
         raise TraceError(
             f"fxtp could not trace {type(model).__name__} with torch.export (non-strict): "
@@ -38,6 +50,7 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: Optional[dict],
     _inline_grad_mode_regions(gm)
     _drop_export_guards(gm)
     gm = fx.GraphModule(gm, gm.graph)  # without export's input-shape check hooks
+    gm.meta[REGION] = regions
     nodes = {n.name: n for n in gm.graph.nodes}
 
     def node_of(arg):
@@ -57,6 +70,43 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: Optional[dict],
         outputs = tuple(node_of(a) for a in sig.outputs)
         calls[fqn] = ModuleCall(tuple(call_args), dict(call_kwargs), outputs)
     return gm, calls
+
+
+@contextlib.contextmanager
+def _marking_checkpoints(model: torch.nn.Module, fqns: Iterable[str], regions: dict):
+    """While tracing, mark the nodes of every non-reentrant checkpoint region (and of every
+    call of the modules ``fqns``) with the region's number; ``regions`` gets each region's
+    ``checkpoint`` options."""
+    def region(options):
+        number = len(regions)
+        regions[number] = options
+        return fx_traceback.annotate({REGION: number})
+
+    def checkpoint_region(fn, preserve_rng_state=True, context_fn=cp.noop_context_fn,
+                          determinism_check=cp._DEFAULT_DETERMINISM_MODE, debug=False,
+                          *args, **kwargs):
+        with region(dict(preserve_rng_state=preserve_rng_state, context_fn=context_fn,
+                         determinism_check=determinism_check, debug=debug)):
+            yield
+
+    entered: list = []
+
+    def enter(*_):
+        entered.append(region({}))
+        entered[-1].__enter__()
+
+    def leave(*_):
+        entered.pop().__exit__(None, None, None)
+    hooks = [h for fqn in fqns for h in (model.get_submodule(fqn).register_forward_pre_hook(enter),
+                                         model.get_submodule(fqn).register_forward_hook(leave))]
+    original = cp._checkpoint_without_reentrant_generator
+    cp._checkpoint_without_reentrant_generator = checkpoint_region
+    try:
+        yield
+    finally:
+        cp._checkpoint_without_reentrant_generator = original
+        for hook in hooks:
+            hook.remove()
 
 
 def _inline_grad_mode_regions(gm: fx.GraphModule) -> None:

@@ -109,7 +109,7 @@ def _sync_partial_grads(graph: fx.Graph, group: str) -> None:
     params = {}  # replicated parameter (or value of parameters) -> users giving partial grads
     needs_grad = gradient_carriers(  # an input may be given requires_grad at run time
         graph, lambda n, v: n.op == "placeholder" or getattr(v, "requires_grad", False))
-    from_params = _computed_from_parameters(graph)
+    from_params = computed_from_parameters(graph)
     for node in list(graph.nodes):
         v = val(node)
         if node not in needs_grad or not isinstance(v, torch.Tensor) or \
@@ -134,7 +134,7 @@ def _sync_partial_grads(graph: fx.Graph, group: str) -> None:
         _bucket_param_grad_syncs(graph, params, group)
 
 
-def _computed_from_parameters(graph: fx.Graph) -> set:
+def computed_from_parameters(graph: fx.Graph) -> set:
     """Parameters, and values computed from parameters alone by deterministic ops that
     write nothing (a norm weight cast to fp32, Gemma's ``1 + weight``): they can be computed
     before everything else."""

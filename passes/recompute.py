@@ -1,0 +1,151 @@
+"""Recompute pass: keep the model's activation-checkpoint regions in the per-rank program.
+
+Tracing inlines ``torch.utils.checkpoint.checkpoint(fn, ..., use_reentrant=False)``: the
+graph computes ``fn`` like any other code, and would save every activation for backward.
+The trace marks each checkpoint region's nodes (``node.meta["custom"][REGION]``, the
+region's number); after the rewrite this pass moves each region, with the collectives the
+rewrite put in it, into a submodule ``checkpoint_<i>`` that the program calls through
+``torch.utils.checkpoint.checkpoint`` (non-reentrant) with the region's own options, so
+backward recomputes it as the single-device model would.
+
+Collectives inside a region: the region's ``context_fn`` is the model's own where it gave
+one (a selective-checkpoint policy); otherwise fxtp's :func:`save_collectives` policy, which
+saves the results of collectives and recomputes everything else, so recomputation issues no
+collective a second time. Values computed from parameters alone (hoisted before the
+gradient-sync bucket) stay outside the regions.
+
+:func:`inline_checkpoints` undoes the pass on a copy of the graph, for analyses that walk the
+whole program (:func:`fxtp.explain`).
+"""
+from __future__ import annotations
+
+import operator
+from typing import Optional
+
+import torch
+import torch.fx as fx
+from .rewrite import computed_from_parameters
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                    create_selective_checkpoint_contexts, noop_context_fn)
+
+REGION = "fxtp_checkpoint"
+PREFIX = "checkpoint_"
+
+_c10d = torch.ops._c10d_functional
+_COLLECTIVE_OPS = {_c10d.all_reduce.default, _c10d.all_gather_into_tensor.default,
+                   _c10d.reduce_scatter_tensor.default, _c10d.wait_tensor.default,
+                   _c10d.all_to_all_single.default}
+
+
+def _policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _COLLECTIVE_OPS else \
+        CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def save_collectives():
+    """The default ``context_fn`` of a region: recompute everything but collectives."""
+    return create_selective_checkpoint_contexts(_policy)
+
+
+def run_checkpointed(region: fx.GraphModule, *inputs):
+    """Call ``region`` under non-reentrant checkpointing with the options it was traced
+    with (``region.checkpoint_options``)."""
+    options = dict(region.checkpoint_options)
+    if options.get("context_fn", noop_context_fn) is noop_context_fn:
+        options["context_fn"] = save_collectives
+    return checkpoint(region, *inputs, use_reentrant=False, **options)
+
+
+def region_of(node: fx.Node) -> Optional[int]:
+    return (node.meta.get("custom") or {}).get(REGION)
+
+
+def outline_checkpoints(gm: fx.GraphModule, options: dict[int, dict]) -> int:
+    """Move each marked region into a checkpointed submodule; ``options``: region number ->
+    ``checkpoint`` keyword options. Returns the number of regions."""
+    spans = _spans(gm.graph, computed_from_parameters(gm.graph))
+    for i, (region, span) in enumerate(spans):
+        _outline(gm, span, options.get(region, {}), f"{PREFIX}{i}")
+    if spans:
+        gm.graph.lint()
+        gm.recompile()
+    return len(spans)
+
+
+def _spans(graph: fx.Graph, keep: set) -> list[tuple[int, list[fx.Node]]]:
+    """Each region's nodes: everything in graph order from its first to its last marked
+    node (collectives the rewrite inserted included); a region inside another (nested
+    checkpoints) joins the outer one."""
+    nodes = list(graph.nodes)
+    bounds: dict[int, list[int]] = {}
+    for i, node in enumerate(nodes):
+        region = region_of(node)
+        if region is not None and node.op == "call_function" and node not in keep:
+            bounds.setdefault(region, [i, i])[1] = i
+    spans, end = [], -1
+    for region, (first, last) in sorted(bounds.items(), key=lambda item: item[1][0]):
+        if first > end:
+            spans.append((region, nodes[first:last + 1]))
+            end = last
+        elif last > end:  # overlapping without nesting: extend the previous span
+            spans[-1] = (spans[-1][0], nodes[nodes.index(spans[-1][1][0]):last + 1])
+            end = last
+    return spans
+
+
+def _outline(gm: fx.GraphModule, span: list[fx.Node], options: dict, name: str) -> None:
+    graph = gm.graph
+    inside = set(span)
+    inputs = list(dict.fromkeys(a for n in span for a in n.all_input_nodes if a not in inside))
+    outputs = [n for n in span if any(u not in inside for u in n.users)]
+    body = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for a in inputs:
+        env[a] = body.placeholder(a.name)
+        env[a].meta = dict(a.meta)
+    for n in span:
+        env[n] = body.node_copy(n, env.__getitem__)
+    body.output(tuple(env[o] for o in outputs))
+    region = fx.GraphModule(gm, body, class_name="CheckpointRegion")
+    region.checkpoint_options = options
+    gm.add_submodule(name, region)
+    with graph.inserting_before(span[0]):
+        module = graph.get_attr(name)
+        call = graph.call_function(run_checkpointed, (module, *inputs))
+        call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
+        results = []
+        for i, out in enumerate(outputs):
+            results.append(graph.call_function(operator.getitem, (call, i)))
+            results[-1].meta.update(out.meta)
+    for out, result in zip(outputs, results):
+        out.replace_all_uses_with(result)
+    for n in reversed(span):
+        graph.erase_node(n)
+
+
+def inline_checkpoints(gm: fx.GraphModule) -> fx.Graph:
+    """A copy of ``gm``'s graph with every checkpointed region inlined back (the node
+    objects of the regions, so their ``meta`` is the original's)."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.target is run_checkpointed:
+            region = getattr(gm, node.args[0].target)
+            inner = {}
+            placeholders = [n for n in region.graph.nodes if n.op == "placeholder"]
+            for p, a in zip(placeholders, node.args[1:]):
+                inner[p] = env[a]
+            for n in region.graph.nodes:
+                if n.op == "output":
+                    env[node] = tuple(inner[o] for o in n.args[0])
+                elif n.op != "placeholder":
+                    inner[n] = graph.node_copy(n, inner.__getitem__)
+        elif node.op == "call_function" and node.target is operator.getitem and \
+                isinstance(env.get(node.args[0]), tuple):
+            env[node] = env[node.args[0]][node.args[1]]
+        elif node.op == "get_attr" and node.target.startswith(PREFIX) and \
+                isinstance(getattr(gm, node.target, None), fx.GraphModule):
+            continue
+        else:
+            env[node] = graph.node_copy(node, env.__getitem__)
+    return graph

@@ -1,0 +1,128 @@
+"""Activation checkpointing survives parallelization.
+
+A model's non-reentrant ``torch.utils.checkpoint`` regions, and the modules named by
+``parallelize(..., checkpoint=[...])``, run under checkpoint in the per-rank program: the
+activations saved for backward shrink as on a single device, numbers and collective counts
+stay exactly those of the uncheckpointed program (recomputation issues no collective again:
+fxtp's default policy saves collective results), and a model's own selective-checkpoint
+policy is the one used.
+"""
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                    create_selective_checkpoint_contexts)
+
+import fxtp
+from tests import models
+from tests.parity import check_parity, example
+
+L = 4
+PLAN = {"layers.*.attention.w[qkv]": fxtp.ColwiseParallel(),
+        "layers.*.attention.wo": fxtp.RowwiseParallel(),
+        "layers.*.feed_forward.net1": fxtp.ColwiseParallel(),
+        "layers.*.feed_forward.net2": fxtp.RowwiseParallel()}
+TP_COUNTS = ({"all_reduce": 2 * L}, {"all_reduce": 2 * L})  # Megatron's minimum
+
+
+class Stack(nn.Module):
+    """``L`` blocks, each called through ``checkpoint`` when ``checkpointed`` (with the
+    selective-checkpoint ``context_fn`` when given)."""
+
+    def __init__(self, checkpointed=False, context_fn=None):
+        super().__init__()
+        self.checkpointed, self.context_fn = checkpointed, context_fn
+        self.layers = nn.ModuleList(models.Block() for _ in range(L))
+
+    def forward(self, x):
+        for layer in self.layers:
+            if not self.checkpointed:
+                x = layer(x)
+            elif self.context_fn is None:
+                x = checkpoint(layer, x, use_reentrant=False)
+            else:
+                x = checkpoint(layer, x, use_reentrant=False, context_fn=self.context_fn)
+        return x
+
+
+def saved_bytes(module, x) -> int:
+    """Bytes of the tensors autograd saves for backward in one forward of ``module``."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = module(x)
+    out.sum().backward()
+    return total
+
+
+def parity(rank, world, checkpointed, option):
+    return check_parity(rank, world, lambda: Stack(checkpointed), PLAN,
+                        [example(2, 8, models.DIM)], dtype=torch.float64, strict=True,
+                        checkpoint=["layers.*"] if option else ())
+
+
+@pytest.mark.parametrize("checkpointed,option", [(True, False), (False, True)],
+                         ids=["in-model", "parallelize-option"])
+def test_checkpointed_blocks_match_single_device_with_the_same_collectives(
+        ranks, checkpointed, option):
+    """strict=True: no fallback. Backward recomputes each block and issues exactly the
+    uncheckpointed program's collectives, none twice."""
+    assert ranks.run(parity, checkpointed, option)[0] == TP_COUNTS
+
+
+def test_checkpointing_at_least_halves_the_saved_activations(fake_group):
+    fake_group(2)
+    x = torch.randn(2, 16, models.DIM)
+    plain = saved_bytes(fxtp.parallelize(Stack(), PLAN, example_inputs=(x,)), x)
+    in_model = fxtp.parallelize(Stack(checkpointed=True), PLAN, example_inputs=(x,))
+    by_option = fxtp.parallelize(Stack(), PLAN, example_inputs=(x,), checkpoint=["layers.*"])
+    assert [n for n, _ in in_model.named_children() if n.startswith("checkpoint_")] == \
+        [f"checkpoint_{i}" for i in range(L)]
+    for gm in (in_model, by_option):
+        assert saved_bytes(gm, x) <= plain / 2, (saved_bytes(gm, x), plain)
+        assert fxtp.explain(gm).summary.forward.counts == {"all_reduce": 2 * L}
+
+
+def _save_matmuls(calls, ctx, op, *args, **kwargs):
+    calls.append(op)
+    return CheckpointPolicy.MUST_SAVE if op in (torch.ops.aten.mm.default,
+                                                 torch.ops.aten.addmm.default) else \
+        CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def test_a_models_own_selective_policy_is_kept(fake_group):
+    fake_group(2)
+    calls = []
+    policy = functools.partial(create_selective_checkpoint_contexts,
+                               functools.partial(_save_matmuls, calls))
+    x = torch.randn(2, 16, models.DIM)
+    gm = fxtp.parallelize(Stack(True, context_fn=policy), PLAN, example_inputs=(x,))
+    calls.clear()
+    gm(x).sum().backward()
+    assert torch.ops.aten.mm.default in calls or torch.ops.aten.addmm.default in calls
+
+
+def test_a_checkpoint_pattern_matching_nothing_is_an_error(fake_group):
+    fake_group(2)
+    with pytest.raises(fxtp.PlanError, match=r"checkpoint pattern 'blocks\.\*'.*layers\.0"):
+        fxtp.parallelize(Stack(), PLAN, example_inputs=(torch.randn(2, 4, models.DIM),),
+                         checkpoint=["blocks.*"])
+
+
+def compiled(rank, world):
+    from tests.compiled import check_compiled
+    return check_compiled(rank, world, lambda: Stack(True), PLAN, [example(2, 8, models.DIM)])
+
+
+def test_checkpointed_program_compiles_whole_and_matches_eager(ranks2):
+    """torch.compile(gm, fullgraph=True): one graph; the recomputed blocks issue no
+    collective again in inductor's backward either."""
+    counts = ranks2.run(compiled)[0]
+    assert counts["eager"] == TP_COUNTS
+    assert counts["compiled"] == TP_COUNTS
