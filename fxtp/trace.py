@@ -8,6 +8,7 @@ says which graph values are their inputs and outputs.
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import Iterable, Optional
 
 import torch
@@ -17,7 +18,9 @@ import torch.utils.checkpoint as cp
 import torch.utils._pytree as pytree
 
 from .passes.errors import TraceError
-from .passes.graph import ModuleCall
+from torch.amp.autocast_mode import _enter_autocast, _exit_autocast
+
+from .passes.graph import AUTOCAST, ModuleCall
 from .passes.recompute import REGION
 
 
@@ -47,7 +50,9 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: Optional[dict],
             f"**example_kwargs) runs, and rewrite branches on tensor values with "
             f"torch.where / torch.cond.") from e
     gm = ep.module()
-    _inline_grad_mode_regions(gm)
+    region_calls: dict[str, ModuleCall] = {}
+    _inline_regions(gm, region_calls)
+    _reject_higher_order_ops(gm)
     _drop_export_guards(gm)
     gm = fx.GraphModule(gm, gm.graph)  # without export's input-shape check hooks
     gm.meta[REGION] = regions
@@ -60,6 +65,9 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: Optional[dict],
     signatures = {e.fqn: e.signature for e in ep.module_call_graph}
     for fqn in boundaries:
         if fqn == "":
+            continue
+        if fqn in region_calls:  # called inside an inlined region
+            calls[fqn] = region_calls[fqn]
             continue
         sig = signatures.get(fqn)
         if sig is None:
@@ -109,27 +117,61 @@ def _marking_checkpoints(model: torch.nn.Module, fqns: Iterable[str], regions: d
             hook.remove()
 
 
-def _inline_grad_mode_regions(gm: fx.GraphModule) -> None:
-    """Inline ``torch.no_grad()`` / ``enable_grad()`` regions that export wraps in a
-    higher-order op (Hugging Face computes rotary tables under no_grad), so their ops get
-    placements like any other. Outputs of a no-grad region are detached, which keeps its
-    meaning: nothing inside it receives gradients."""
+_HOP = torch.ops.higher_order
+
+
+def _inline_regions(gm: fx.GraphModule, calls: dict) -> None:
+    """Inline the regions export wraps in a higher-order op, so their ops get placements
+    like any other, keeping their meaning:
+
+    * ``torch.no_grad()`` / ``enable_grad()`` (Hugging Face computes rotary tables under
+      no_grad): outputs of a no-grad region are detached, so nothing in it gets gradients;
+    * ``torch.autocast(...)``: the region's ops run between ``_enter_autocast`` and
+      ``_exit_autocast`` calls (the functions dynamo's own graphs use), so each runs under
+      the same autocast state as on a single device; its nodes are marked
+      ``meta[AUTOCAST]`` so no pass moves them out of it.
+
+    Nested regions are inlined inside out. Export leaves the call boundaries of modules
+    called inside a region as ``_export_tracepoint`` nodes there: they become identities,
+    and ``calls`` gets each such module's :class:`ModuleCall` (its flat tensor inputs, as
+    positional arguments, and outputs)."""
     graph = gm.graph
     for node in list(graph.nodes):
-        if node.target is not torch.ops.higher_order.wrap_with_set_grad_enabled:
+        if node.target is _HOP.wrap_with_set_grad_enabled:
+            (enabled, submod, *operands), state = node.args, None
+        elif node.target is _HOP.wrap_with_autocast:
+            state, submod, operands = node.args[:4], node.args[4], node.args[5:]
+        else:
             continue
-        enabled, submod, *operands = node.args
-        body = getattr(gm, submod.target).graph
-        env = dict(zip([n for n in body.nodes if n.op == "placeholder"], operands))
+        region = getattr(gm, submod.target)
+        _inline_regions(region, calls)
+        env = dict(zip([n for n in region.graph.nodes if n.op == "placeholder"], operands))
         with graph.inserting_before(node):
-            for inner in body.nodes:
+            if state is not None:
+                enter = graph.call_function(_enter_autocast, tuple(state))
+            for inner in region.graph.nodes:
                 if inner.op == "placeholder":
                     continue
                 if inner.op == "output":
                     outs = [env[o] for o in inner.args[0]]
                     break
+                if inner.target is _HOP._export_tracepoint:
+                    env[inner] = tuple(env[a] for a in inner.args)
+                    call = calls.setdefault(inner.kwargs["path"].partition(".")[2], ModuleCall())
+                    if inner.kwargs["kind"] == "module_call_inputs":
+                        call.args = env[inner]
+                    else:
+                        call.outputs = env[inner]
+                    continue
+                if inner.target is operator.getitem and isinstance(env[inner.args[0]], tuple):
+                    env[inner] = env[inner.args[0]][inner.args[1]]
+                    continue
                 env[inner] = graph.node_copy(inner, lambda a: env[a])
-            if not enabled:
+                if state is not None:
+                    env[inner].meta[AUTOCAST] = True
+            if state is not None:
+                graph.call_function(_exit_autocast, (enter,))
+            elif not enabled:
                 detached = []
                 for out in outs:
                     d = graph.call_function(torch.ops.aten.detach.default, (out,))
@@ -142,6 +184,21 @@ def _inline_grad_mode_regions(gm: fx.GraphModule) -> None:
         graph.erase_node(node)
         graph.erase_node(submod)
         delattr(gm, submod.target)
+
+
+def _reject_higher_order_ops(gm: fx.GraphModule) -> None:
+    """Higher-order ops fxtp does not shard through are a :class:`TraceError` naming the op
+    and the module, never a crash inside a pass."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
+            stack = node.meta.get("nn_module_stack") or {}
+            fqn = next((path for path, _ in reversed(list(stack.values())) if path), "<root>")
+            raise TraceError(
+                f"module '{fqn}' calls the higher-order op {node.target.name()} "
+                f"(node '{node.name}'), which fxtp cannot parallelize yet (it inlines "
+                f"no_grad / enable_grad / autocast regions and keeps checkpoint regions). "
+                f"Keep that code out of the planned model, or express it without "
+                f"{node.target.name()}.")
 
 
 def _drop_export_guards(gm: fx.GraphModule) -> None:

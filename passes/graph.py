@@ -10,6 +10,8 @@ passes (:class:`ModuleSharding`, :class:`ModuleCall`). Imports no pass.
 ``BOUNDARY``    ``"fqn input 0"`` on a module-boundary :func:`layout` marker; seed
 ``COLLECTIVE``  the kind of collective a rewrite node issues
 ``FALLBACK``    why an op was gathered to Replicate; propagate
+``AUTOCAST``    on nodes of an inlined ``torch.autocast`` region (between its enter and
+                exit calls): they must stay there; trace
 ==============  ==========================================================================
 
 Every node also keeps export's ``val`` (a fake tensor with the *global* shape) and
@@ -31,6 +33,7 @@ INPUTS = "fxtp_input_placements"
 BOUNDARY = "fxtp_boundary"
 COLLECTIVE = "fxtp_collective"
 FALLBACK = "fxtp_fallback"
+AUTOCAST = "fxtp_autocast"
 
 Layouts = Optional[tuple[Optional[Placement], ...]]
 

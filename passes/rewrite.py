@@ -21,7 +21,8 @@ from torch.distributed.tensor import Replicate
 
 from . import collectives
 from .gradients import gradient_carriers
-from .graph import COLLECTIVE, INPUTS, PLACEMENT, layout, placement_of, tensor_inputs, val
+from .graph import (AUTOCAST, COLLECTIVE, INPUTS, PLACEMENT, layout, placement_of,
+                    tensor_inputs, val)
 from .placement import describe, is_replicate, split_factor, transition_steps
 from .rules import writes_first_input
 
@@ -136,12 +137,13 @@ def _sync_partial_grads(graph: fx.Graph, group: str) -> None:
 
 def computed_from_parameters(graph: fx.Graph) -> set:
     """Parameters, and values computed from parameters alone by deterministic ops that
-    write nothing (a norm weight cast to fp32, Gemma's ``1 + weight``): they can be computed
-    before everything else."""
+    write nothing (a norm weight cast to fp32, Gemma's ``1 + weight``), outside autocast
+    regions: they can be computed before everything else."""
     found: set[fx.Node] = set()
     for node in graph.nodes:
         if node.op == "get_attr" or node.op == "call_function" and node.all_input_nodes and \
-                all(a in found for a in node.all_input_nodes) and _pure(node.target):
+                all(a in found for a in node.all_input_nodes) and _pure(node.target) and \
+                not node.meta.get(AUTOCAST):
             found.add(node)
     return found
 

@@ -24,7 +24,7 @@ def seed(gm: fx.GraphModule, shardings: dict[str, ModuleSharding],
     """``aliases``: parameter FQN -> every FQN of the same (tied) tensor."""
     graph = gm.graph
     for node in graph.nodes:
-        if node.op == "get_attr":
+        if node.op == "get_attr" and isinstance(val(node), torch.Tensor):
             node.meta[PLACEMENT] = _param_placement(node, shardings, aliases.get(node.target))
             owner = node.target.rpartition(".")[0]
             _check_divisible(node, world, f"parameter '{node.target}'", shardings.get(owner))

@@ -67,7 +67,7 @@ def local_part(full: torch.Tensor, placement, rank: int, world: int) -> torch.Te
 def check_parity(rank, world, make_model, plan, inputs, *, dtype, steps=3,
                  input_placements=None, input_grads=True, inputs_per_step=None,
                  kwargs=None, output=lambda out: out, with_bytes=False, post=None,
-                 **parallelize_kwargs):
+                 compare_dtype=None, **parallelize_kwargs):
     """Assert forward outputs, every parameter and input gradient, and parameters after
     ``steps`` AdamW steps match the single-device model. ``inputs`` are traced; step ``s``
     runs ``inputs_per_step[s]`` when given (other shapes, for dynamic dims). Returns
@@ -76,7 +76,9 @@ def check_parity(rank, world, make_model, plan, inputs, *, dtype, steps=3,
     the model returns (``lambda o: o.logits`` for Hugging Face models). ``with_bytes`` adds
     the bytes each rank sent into each kind of collective: ``(fwd, bwd, fwd_bytes,
     bwd_bytes)``. ``post`` transforms the parallelized GraphModule in place before use
-    (a graph pass such as :func:`fxtp.passes.optimize.optimize`)."""
+    (a graph pass such as :func:`fxtp.passes.optimize.optimize`). ``compare_dtype``: the
+    dtype whose tolerance applies (a model computing in bf16 under autocast)."""
+    tol_dtype = compare_dtype or dtype
     torch.manual_seed(0)
     model = make_model().to(dtype)
     before = copy.deepcopy(model.state_dict())
@@ -112,23 +114,24 @@ def check_parity(rank, world, make_model, plan, inputs, *, dtype, steps=3,
         ref_out = output(ref(*xs, **kwargs))
         out_placement = gm.fxtp.output_placements[0]
         expected = local_part(ref_out, out_placement, rank, world)
-        torch.testing.assert_close(out, expected, **tolerance(dtype, expected, step),
+        torch.testing.assert_close(out, expected, **tolerance(tol_dtype, expected, step),
                                    msg=lambda m: f"step {step} output: {m}")
         weight = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(step),
                              dtype=dtype)
         (ref_out * weight).sum().backward()
         with fxtp.count_collectives() as bwd:
             (out * local_part(weight, out_placement, rank, world)).sum().backward()
-        floor = noise_floor([q.grad for q in ref.parameters()], dtype)
+        floor = noise_floor([q.grad for q in ref.parameters()], tol_dtype)
         for name, p in params.items():
             ref_grad = local_part(ref.get_parameter(name).grad, gm.fxtp.param_placements[name],
                                   rank, world)
-            torch.testing.assert_close(p.grad, ref_grad, **tolerance(dtype, ref_grad, step),
+            torch.testing.assert_close(p.grad, ref_grad,
+                                       **tolerance(tol_dtype, ref_grad, step),
                                        msg=lambda m: f"step {step} grad of {name}: {m}")
             noise[name] |= ref_grad.abs() <= floor
         for i, (x, lx, pl) in enumerate(zip(xs, local_xs, placements) if input_grads else ()):
             torch.testing.assert_close(lx.grad, local_part(x.grad, pl, rank, world),
-                                       **tolerance(dtype, x.grad, step),
+                                       **tolerance(tol_dtype, x.grad, step),
                                        msg=lambda m: f"step {step} grad of input {i}: {m}")
         opt.step()
         ref_opt.step()
@@ -140,7 +143,7 @@ def check_parity(rank, world, make_model, plan, inputs, *, dtype, steps=3,
         expected = local_part(ref.get_parameter(name).detach(), gm.fxtp.param_placements[name],
                               rank, world)
         torch.testing.assert_close(
-            p.detach()[~noise[name]], expected[~noise[name]], **tolerance(dtype, steps=steps),
+            p.detach()[~noise[name]], expected[~noise[name]], **tolerance(tol_dtype, steps=steps),
             msg=lambda m: f"{name} after {steps} AdamW steps: {m}")
     for name, t in model.state_dict().items():
         assert torch.equal(t, before[name]), f"parallelize modified the user's {name}"
