@@ -50,21 +50,25 @@ class Rule:
     ``local_op(node, inputs, output, group)``, given the placements chosen for the tensor
     inputs and the output and the group (``rank``, ``world`` and ``name``: a
     :class:`fxtp.mesh.Group`), returns the ``(target, args, kwargs)`` to run instead when the
-    op cannot run as is on its shards or takes rank-dependent arguments; ``communicates`` says that local op issues
-    collectives for its ``extra`` strategies (they need a real process group to check)."""
+    op cannot run as is on its shards or takes rank-dependent arguments; ``communicates``
+    says that local op issues collectives for its ``extra`` strategies (they need a real
+    process group to check). ``strided=False``: the op is offered no ``_StridedShard``
+    forms of its spec's strategies (its local form assumes one contiguous shard per rank:
+    a vocab offset, a diagonal shift, a chunk of a mask)."""
 
     spec: Callable[[fx.Node], DimSpec]
     shape_arg: Optional[int] = None
     local_op: Optional[Callable] = None
     extra: Optional[Callable] = None
     communicates: bool = False
+    strided: bool = True
 
     def strategies(self, node: fx.Node, world: int, actual=()):
         """Every valid ``(input placements, output placements)`` of ``node``; ``actual``,
         the placements its tensor inputs have now, lets strided labels follow them."""
         shapes = lambda vals: [getattr(v, "shape", None) for v in vals]  # noqa: E731
         yield from strategies(self.spec(node), shapes(val(a) for a in tensor_inputs(node)),
-                              shapes(output_vals(node)), world, actual)
+                              shapes(output_vals(node)), world, actual if self.strided else ())
         if self.extra is not None:
             yield from self.extra(node, world)
 
@@ -780,9 +784,9 @@ RULES.update({
     aten.div_.Tensor: pointwise("product", partial_args=(0,)),
     aten.type_as.default: pointwise("sum", unread=(1,)),
     aten.to.other: pointwise("sum", unread=(1,)),
-    aten.dropout.default: Rule(pointwise().spec, local_op=_dropout),
-    aten.tril.default: Rule(_tri_spec, local_op=_shifted_diagonal),
-    aten.triu.default: Rule(_tri_spec, local_op=_shifted_diagonal),
+    aten.dropout.default: Rule(pointwise().spec, local_op=_dropout, strided=False),
+    aten.tril.default: Rule(_tri_spec, local_op=_shifted_diagonal, strided=False),
+    aten.triu.default: Rule(_tri_spec, local_op=_shifted_diagonal, strided=False),
     # matrix products
     aten.linear.default: Rule(_linear_spec),
     aten.matmul.default: Rule(_matmul_spec),
@@ -791,7 +795,7 @@ RULES.update({
     aten.mm.default: einsum("m k+, k+ n -> m n", "product"),
     aten.bmm.default: einsum("b m k+, b k+ n -> b m n", "product"),
     aten.einsum.default: Rule(_einsum_spec),
-    aten.embedding.default: Rule(_embedding_spec, local_op=_vocab_parallel),
+    aten.embedding.default: Rule(_embedding_spec, local_op=_vocab_parallel, strided=False),
     # attention and losses
     aten.scaled_dot_product_attention.default: Rule(_sdpa_spec),
     aten._scaled_dot_product_flash_attention_for_cpu.default: Rule(_sdpa_spec),

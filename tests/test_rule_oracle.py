@@ -9,6 +9,10 @@ by 4, at world 2 and 4), which reach the ops no OpInfo sample does and give ever
 sharded or partial strategy at world 4. Each node with a rule has every strategy run on
 simulated ranks by :func:`tests.oracle.check_strategies`, forward and backward, and in its
 strided form where the rule offers one. ``pytest -s`` prints how many ops were verified.
+
+Strategies known to be wrong are listed in :data:`KNOWN_WRONG` and checked to still fail
+(strict xfail). OpInfo samples come from each OpInfo's sample function, called directly
+(``OpInfo.sample_inputs`` inspects the call stack for every sample: minutes here).
 """
 from __future__ import annotations
 
@@ -23,11 +27,11 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from fxtp.passes.rules import RULES, rule_for, tagged_pointwise_ops
-from tests.oracle import all_strategies, check_strategies, ops_with_rules, record, \
-    record_values
+from tests.oracle import all_strategies, check_strategies, ops_with_rules, record
 
 aten = torch.ops.aten
-OPINFO_SAMPLES = 8  # samples traced per OpInfo (one export for all of them)
+OPINFO_SAMPLES = 4  # samples traced per OpInfo (one export for all of them)
+INPLACE_SAMPLES = 2  # of which traced in their in-place form too
 PER_OP = 3  # OpInfo nodes checked per op: the first whose shapes admit a sharded strategy
 
 g = torch.Generator().manual_seed(0)
@@ -55,7 +59,7 @@ PROGRAMS = {
                     lambda: (rand(4, 8, 12), rand(16, 12), rand(16))),
     "matmul": (lambda a, b, c, u, v: (a @ b, a @ c, u @ c, c @ v, u @ u),
                lambda: (rand(4, 8, 12), rand(4, 12, 16), rand(12, 16), rand(12), rand(16))),
-    "mm_bmm": (lambda a, b, c, d: (a @ b, torch.bmm(c, d)),
+    "mm_bmm": (lambda a, b, c, d: (torch.mm(a, b), torch.bmm(c, d)),
                lambda: (rand(8, 12), rand(12, 16), rand(4, 8, 12), rand(4, 12, 16))),
     "addmm_baddbmm": (lambda b, x, w, b3, x3, w3: (torch.addmm(b, x, w),
                                                    torch.baddbmm(b3, x3, w3)),
@@ -111,6 +115,7 @@ PROGRAMS = {
              lambda: (rand(4, 8, 12),)),
     "extrema": (lambda x: (x.prod(), x.prod(1), x.amax(1), x.amin((0, 2)), x.max(), x.min(),
                            x.max(1), x.min(2, keepdim=True), x.argmax(1), x.argmin(),
+                           x.argmin(2, True),
                            x.logsumexp(1), x.median(1), x.kthvalue(2, 1)),
                 lambda: (rand(4, 8, 12),)),
     "logical": (lambda b: (b.any(), b.any(1), b.any((0, 2)), b.all(), b.all(1),
@@ -119,7 +124,10 @@ PROGRAMS = {
     "moments": (lambda x: (x.var(1), x.std((0, 2), keepdim=True), torch.var_mean(x, 1),
                            torch.std_mean(x, 2), aten.var.dim(x, [1]), aten.std.dim(x, [2]),
                            torch.linalg.vector_norm(x, dim=1), torch.norm(x, dim=2),
-                           x.norm(p=2, dim=1)),
+                           x.norm(p=2, dim=1), aten.var.correction(x, [1]),
+                           aten.std.correction(x, [0, 2], correction=0, keepdim=True),
+                           aten.var_mean.correction(x, [2]),
+                           aten.std_mean.correction(x, [1], keepdim=True)),
                 lambda: (rand(4, 8, 12),)),
     # views and shape changes
     "views": (lambda x: (x.view(4, 2, 4, 12), x.reshape(32, 12), x.flatten(1),
@@ -142,6 +150,19 @@ PROGRAMS = {
                                   x.new_zeros(4, 8), x.new_ones(4), x.new_empty(8),
                                   x.new_full((4, 4), 2.0)),
                     lambda: (rand(4, 8, 12), rand(4, 8, 12, dtype=torch.float32))),
+    "explicit_overloads": (
+        lambda x, y, m, b: (aten.to.dtype_layout(x, dtype=torch.float32), aten.to.other(x, y),
+                            x.transpose(0, 1).contiguous(), aten.mul.Scalar(x, 2.0),
+                            aten.div.Scalar(x, 4.0), aten.mul_.Scalar(x.clone(), 3.0),
+                            aten.div_.Scalar(x.clone(), 2.0),
+                            x.masked_fill(m, torch.tensor(0.5, dtype=torch.float64)),
+                            x.clone().masked_fill_(m, torch.tensor(1.5, dtype=torch.float64)),
+                            aten.norm.ScalarOpt_dim(x, 2, [1]),
+                            aten.norm.ScalarOpt_dim(x, 3, [0, 2], True),
+                            torch.count_nonzero(b, (0, 2)),
+                            aten.conj.default(torch.complex(x, y.double()))),
+        lambda: (rand(4, 8, 12), rand(4, 8, 12, dtype=torch.float32), rand(4, 8, 12) > 0,
+                 rand(4, 8, 12) > 0)),
     "complex": (lambda x, f: torch.view_as_real(torch.view_as_complex(x) * f),
                 lambda: (rand(4, 8, 12, 2), torch.polar(torch.ones(8, 12, dtype=torch.float64),
                                                          rand(8, 12)))),
@@ -150,6 +171,7 @@ PROGRAMS = {
                                       x.split([4, 8], 2), x.chunk(2, 1), x.unbind(1),
                                       x[:, 2:6], x.narrow(2, 4, 4), x.select(1, 3),
                                       x.flip(1), x.roll(2, 1), F.pad(x, (1, 2)),
+                                      aten.constant_pad_nd(x, [1, 2]),
                                       F.pad(x, (0, 0, 1, 1), value=2.0)),
                         lambda: (rand(4, 8, 12), rand(4, 8, 12))),
     "fused_split": (lambda x: (x.split(8, -1), torch.split(x, [8, 8, 8], 2), x.chunk(3, -1)),
@@ -190,6 +212,21 @@ PROGRAMS = {
                                       x.clone().copy_(y), +x, x.positive(),
                                       torch.clamp(x, -0.5, 0.5), x.pow(2)),
                   lambda: (rand(4, 8, 12), rand(4, 8, 12), rand(8, 1), rand(4, 8, 12) > 0)),
+    "scalar_overloads": (
+        lambda x, y: (aten.add.Scalar(x, 2.0), aten.sub.Scalar(x, 1.0), aten.rsub.Scalar(x, 1.0),
+                      aten.eq.Scalar(x, 0.5), aten.lt.Scalar(x, 0.0), aten.ge.Scalar(x, 0.0),
+                      aten.pow.Scalar(2.0, x), aten.pow.Tensor_Scalar(x, 3),
+                      aten.remainder.Scalar(x, 0.7), aten.fmod.Scalar(x, 0.7),
+                      aten.clamp_min(x, 0.0), aten.clamp_max(x, 0.5),
+                      aten.lerp.Tensor(x, y, y.sigmoid()), aten.xlogy.Scalar_Other(x.abs(), 2.0),
+                      aten.relu_(x.clone()), aten.hardtanh_(x.clone())),
+        lambda: (rand(4, 8, 12), rand(4, 8, 12))),
+    "backward_ops": (
+        lambda g, x, y: (aten.gelu_backward(g, x), aten.sigmoid_backward(g, y.sigmoid()),
+                         aten.tanh_backward(g, y.tanh()), aten.silu_backward(g, x),
+                         aten.threshold_backward(g, x, 0.0),
+                         aten.logit_backward(g, y.sigmoid())),
+        lambda: (rand(4, 8, 12), rand(4, 8, 12), rand(4, 8, 12))),
     "complex_pointwise": (lambda z: (z.real, z.imag, z.conj(), z * 2.0),
                           lambda: (torch.complex(rand(4, 8, 12), rand(4, 8, 12)),)),
 }
@@ -225,6 +262,8 @@ def _opinfos(op_db, targets) -> list:
     names = {_base_name(op) for op in targets}
     chosen = []
     for info in op_db:
+        if info.name.startswith("masked."):  # compositions of the ops sampled directly
+            continue
         candidates = {info.name, info.aten_name, info.name.split(".")[-1],
                       info.name.replace(".", "_"), _OPINFO_ALIASES.get(info.name)}
         candidates |= {a.name for a in info.aliases}
@@ -242,20 +281,32 @@ def _dtype(info):
     return None
 
 
+def _shardable(sample) -> bool:
+    """Could a strategy shard this sample at world 2 (a tensor with an even dim)?"""
+    return any(isinstance(x, torch.Tensor) and any(d % 2 == 0 for d in x.shape)
+               for x in tree_leaves((sample.input, sample.args, sample.kwargs)))
+
+
 def _calls(info, dtype) -> list:
-    """``(fn, sample args)`` of the OpInfo's first samples: the op and its in-place form."""
-    try:
-        samples = list(itertools.islice(
-            info.sample_inputs("cpu", dtype, requires_grad=False), OPINFO_SAMPLES))
+    """``(fn, sample args)`` of the OpInfo's first samples a strategy could shard (or its
+    first sample): the op, and for the first ones its in-place form."""
+    generator = None
+    torch.manual_seed(0)
+    try:  # the sample function itself: ``sample_inputs`` inspects the stack, per sample
+        generator = info.sample_inputs_func(info, "cpu", dtype, False)
+        samples = list(itertools.islice(generator, 3 * OPINFO_SAMPLES))
     except Exception:  # noqa: BLE001 - a sample function that does not run here
         return []
+    finally:
+        getattr(generator, "close", lambda: None)()
+    chosen = [s for s in samples if _shardable(s)][:OPINFO_SAMPLES] or samples[:1]
     calls = []
-    for s in samples:
+    for n, s in enumerate(chosen):
         args = (s.input, s.args, s.kwargs)
         calls.append((lambda x, a, k: info.op(x, *a, **k), args))
         inplace = info.inplace_variant
-        if inplace is not None and isinstance(s.input, torch.Tensor) and \
-                not s.broadcasts_input:
+        if inplace is not None and n < INPLACE_SAMPLES and \
+                isinstance(s.input, torch.Tensor) and not s.broadcasts_input:
             calls.append((lambda x, a, k, f=inplace: f(x.clone(), *a, **k), args))
     return calls
 
@@ -265,24 +316,22 @@ def _trace_calls(calls):
     flat, specs = [], []
     for _, args in calls:
         leaves, spec = tree_flatten(args)
-        specs.append((spec, len(leaves),
-                      [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]))
         flat.append(leaves)
-    tensors = [x.detach().clone() for leaves in flat for x in leaves
-               if isinstance(x, torch.Tensor)]
+        specs.append((spec, [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]))
+    tensors = [leaves[i].detach().clone() for leaves, (_, where) in zip(flat, specs)
+               for i in where]
 
     def program(*xs):
         it, outs = iter(xs), []
-        for (fn, _), leaves, (spec, _, where) in zip(calls, flat, specs):
+        for (fn, _), leaves, (spec, where) in zip(calls, flat, specs):
             leaves = list(leaves)
             for i in where:
                 leaves[i] = next(it)
-            x, a, k = tree_unflatten(leaves, spec)
-            outs += [o for o in tree_leaves(fn(x, a, k)) if isinstance(o, torch.Tensor)]
+            outs += [o for o in tree_leaves(fn(*tree_unflatten(leaves, spec)))
+                     if isinstance(o, torch.Tensor)]
         return tuple(outs)
     try:
-        gm, _ = record(program, tensors), None
-        return gm[0], record_values(gm[0], [t.clone() for t in tensors])
+        return record(program, tensors)
     except Exception:  # noqa: BLE001 - an op export or this harness cannot trace
         return None
 
@@ -352,27 +401,80 @@ def _params():
 CHECKED: dict = {}  # op -> strategies checked (filled as the tests run)
 
 
-@pytest.mark.parametrize("op", _params())
-def test_every_strategy_reassembles_forward_and_backward(op):
+def _sdpa_dropout(case, strategy) -> bool:
+    node = case.node
+    p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+    return p > 0 and "S(" in strategy
+
+
+KNOWN_WRONG = {
+    # op: (which of its strategies fail, why); each checked to still fail (strict xfail)
+    "aten.scaled_dot_product_attention.default": (
+        _sdpa_dropout, "dropout_p > 0: each rank draws a mask for its shard, not its part of "
+        "the single-device mask (same distribution, other numbers; README: Randomness)"),
+}
+
+
+def _run(op, known: bool):
+    """Check every case of ``op``; return the failures (``known``: only those
+    :data:`KNOWN_WRONG` lists, else only the others) and the number of strategies checked."""
+    wrong, _ = KNOWN_WRONG.get(str(op), (lambda case, strategy: False, ""))
     failures, checked = [], 0
     for seed, case in enumerate(cases()[op]):
         for world in case.worlds:
             errors = []
-            names = check_strategies(case.node, case.values, world, backward=True,
-                                     strided=True, seed=seed, errors=errors)
-            checked += len(names)
-            failures += [f"{case.source} world {world}: {e}" for e in errors]
-    CHECKED[op] = checked
+            try:
+                checked += len(check_strategies(case.node, case.values, world, backward=True,
+                                                strided=True, seed=seed, errors=errors))
+            except Exception as e:  # noqa: BLE001 - no strategies or no reference result
+                errors.append(("(all)", f"{type(e).__name__}: {e}"))
+            failures += [f"{case.source} world {world}: {strategy}: {why}"
+                         for strategy, why in errors if wrong(case, strategy) == known]
+    return failures, checked
+
+
+@pytest.mark.parametrize("op", _params())
+def test_every_strategy_reassembles_forward_and_backward(op):
+    failures, CHECKED[op] = _run(op, known=False)
     assert not failures, f"{op}: {len(failures)} failing:\n" + "\n".join(failures)
 
 
+@pytest.mark.parametrize("name", [pytest.param(name, id=name, marks=pytest.mark.xfail(
+    strict=True, reason=reason)) for name, (_, reason) in KNOWN_WRONG.items()])
+def test_known_wrong_strategies_still_fail(name):
+    """The strategies :data:`KNOWN_WRONG` lists fail: fixing one turns this XPASS (strict:
+    a failure), to remove it from the list."""
+    (op,) = [op for op in cases() if str(op) == name]
+    failures, _ = _run(op, known=True)
+    assert not failures, "\n".join(failures)
+
+
+# kernels that run only on CUDA, which this CPU oracle does not check (their rule,
+# ``_sdpa_spec``, is checked on the CPU flash and math kernels)
+CUDA_ONLY = {"aten._scaled_dot_product_flash_attention.default",
+             "aten._scaled_dot_product_efficient_attention.default",
+             "aten._scaled_dot_product_cudnn_attention.default"}
+# ops no strategy but all-Replicate ever serves: reductions over every dim that do not sum,
+# factories reading only metadata
+REPLICATE_ONLY = {"aten.max.default", "aten.min.default", "aten.any.default",
+                  "aten.all.default", "aten.prod.default", "aten.new_zeros.default",
+                  "aten.new_ones.default", "aten.new_empty.default", "aten.new_full.default"}
+
+
 def test_every_rule_is_checked():
-    """Every op of the table has a checked sample; prints how many ops were verified."""
+    """Every op of the table has a checked sample, with a sharded or partial strategy at
+    world 4; prints how many ops were verified (``pytest -s``)."""
     found = cases()
     explicit = [op for op in RULES if op in found]
     tagged = [op for op in found if op not in RULES]
-    print(f"\nrule oracle: {len(explicit)} of {len(RULES)} explicit rules and "
-          f"{len(tagged)} tag-derived pointwise ops verified"
-          + (f" ({sum(CHECKED.values())} strategy checks)" if CHECKED else ""))
-    missing = [str(op) for op in RULES if op not in found]
+    derived = [op for op in tagged_pointwise_ops() if op not in RULES]
+    print(f"\nrule oracle: {len(explicit)} of {len(RULES)} explicit rules and {len(tagged)} "
+          f"of {len(derived)} tag-derived pointwise ops verified"
+          + (f"; {sum(CHECKED.values())} strategy checks" if CHECKED else ""))
+    missing = [str(op) for op in RULES if op not in found and str(op) not in CUDA_ONLY]
     assert not missing, f"ops with a rule but no checked sample: {missing}"
+    at_world_4 = {op for op, found_cases in found.items() for c in found_cases
+                  if 4 in c.worlds and _nontrivial(c.node, 4)}
+    unsharded = [str(op) for op in RULES if op in found and op not in at_world_4
+                 and str(op) not in REPLICATE_ONLY]
+    assert not unsharded, f"no sharded or partial strategy checked at world 4: {unsharded}"
