@@ -33,7 +33,13 @@ class count_collectives(TorchDispatchMode):
         self.counts: Counter = Counter()
         self.bytes: Counter = Counter()
 
+    supports_higher_order_operators = True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.higher_order.cond:  # count inside the branch that runs
+            pred, true_fn, false_fn, operands = args
+            with self:
+                return (true_fn if pred else false_fn)(*operands)
         kind = KINDS.get(func)
         if kind is not None:
             x = args[0]

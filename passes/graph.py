@@ -108,6 +108,13 @@ def call_args(node: fx.Node) -> Optional[dict]:
     return dict(bound.arguments)
 
 
+def subgraphs(gm: fx.GraphModule, node: fx.Node) -> list[fx.GraphModule]:
+    """The graph modules a higher-order op's node calls (``torch.cond``'s branches)."""
+    return [getattr(gm, a.target) for a in node.args
+            if isinstance(a, fx.Node) and a.op == "get_attr" and
+            isinstance(getattr(gm, a.target, None), fx.GraphModule)]
+
+
 def layout(x: torch.Tensor, placement: Placement) -> torch.Tensor:
     """Marks a value that must have ``placement`` here (a module boundary the plan gives a
     layout); identity at run time, removed by the rewrite."""

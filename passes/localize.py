@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .graph import INPUTS, PLACEMENT
+from .graph import INPUTS, PLACEMENT, subgraphs
 from .placement import is_sharded, local_part
 from .rules import rule_for
 
@@ -35,6 +35,8 @@ def localize(gm: fx.GraphModule, group) -> None:
     localized: set[str] = set()
     shards: dict[int, torch.Tensor] = {}  # id(global tensor) -> local tensor, keeps ties
     for node in list(graph.nodes):
+        for branch in subgraphs(gm, node):  # torch.cond: each branch is localized alike
+            localize(branch, group)
         if node.op == "call_function":
             rule = rule_for(node.target)
             if rule is not None:
@@ -65,6 +67,8 @@ def _localize_attr(gm, target: str, placement, rank: int, world: int, shards: di
     owner_name, _, name = target.rpartition(".")
     owner = gm.get_submodule(owner_name)
     value = getattr(owner, name)
+    if not isinstance(value, torch.Tensor):  # a higher-order op's subgraph
+        return
     local = shards.get(id(value))
     if local is None:
         local = local_part(value, placement, rank, world).clone()

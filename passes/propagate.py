@@ -14,6 +14,7 @@ again after seeds change; each run starts over.
 """
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial
 
@@ -34,6 +35,9 @@ def propagate(gm: fx.GraphModule, world: int, strict: bool = False) -> list[str]
             node.meta[INPUTS] = tuple(R if isinstance(placement_of(a), Partial) else None
                                       for a in tensor_inputs(node))
         elif node.op == "call_function":
+            if node.target is torch.ops.higher_order.cond:
+                fallbacks += _propagate_cond(gm, node, world, strict)
+                continue
             message = _propagate_call(node, world)
             if message:
                 if strict:
@@ -94,6 +98,58 @@ def _propagate_call(node: fx.Node, world: int) -> str | None:
     node.meta[INPUTS] = best[1]
     node.meta[PLACEMENT] = _pack(node, best[2])
     return _gathers(node, rule, actual, best[1], world, where)
+
+
+def _propagate_cond(gm: fx.GraphModule, node: fx.Node, world: int, strict: bool) -> list[str]:
+    """``torch.cond(pred, true_fn, false_fn, operands)``: the predicate is replicated, each
+    branch is propagated from the operands' placements (a Partial operand is reduced
+    first), and the cond gives what the branches give. Where the branches disagree on an
+    output, both give it replicated (a reported fallback)."""
+    pred, *branches, operands = node.args
+    needed = [R if isinstance(placement_of(o), Partial) else placement_of(o) for o in operands]
+    modules = [getattr(gm, b.target) for b in branches]
+    for module in modules:
+        for placeholder, p in zip([n for n in module.graph.nodes if n.op == "placeholder"],
+                                  needed):
+            placeholder.meta[PLACEMENT] = p
+        propagate(module, world, strict)
+    fallbacks = []
+    for i, (a, b) in enumerate(zip(*(_outputs(module) for module in modules))):
+        if a != b:
+            message = (f"torch.cond (node '{node.name}' in module "
+                       f"'{module_fqn(node) or '<root>'}'): its branches give output {i} as "
+                       f"{describe(a)} and {describe(b)}; both give it replicated")
+            if strict:
+                raise ShardingError(message + " (strict=True)")
+            fallbacks.append(message)
+            for module in modules:
+                _replicate_output(module, i)
+    for module in modules:  # again: the branches' fallbacks, with the markers in place
+        fallbacks += propagate(module, world, strict)
+    outs = _outputs(modules[0])
+    node.meta[INPUTS] = (R,) + tuple(needed)
+    node.meta[PLACEMENT] = tuple(outs)
+    return fallbacks
+
+
+def _outputs(module: fx.GraphModule) -> list:
+    """A branch's output placements (Partial outputs are reduced on the way out)."""
+    out = next(reversed(module.graph.nodes))
+    return [R if isinstance(placement_of(o), Partial) else placement_of(o)
+            for o in out.args[0]]
+
+
+def _replicate_output(module: fx.GraphModule, i: int) -> None:
+    out = next(reversed(module.graph.nodes))
+    value = out.args[0][i]
+    if placement_of(value) == R:
+        return
+    with module.graph.inserting_before(out):
+        marker = module.graph.call_function(layout, (value, R))
+    marker.meta.update(val=val(value))
+    outs = list(out.args[0])
+    outs[i] = marker
+    out.args = (tuple(outs),)
 
 
 def _gathers(node, rule, actual, needed, world, where) -> str | None:

@@ -73,21 +73,56 @@ def test_autocast_region_compiles_whole(ranks2):
 
 
 class WithCond(nn.Module):
-    def __init__(self):
+    """A data-dependent branch between a colwise and a rowwise projection. ``agree``: both
+    branches act elementwise (each keeps the shards); otherwise one normalizes over the
+    sharded features (softmax: it needs them whole)."""
+
+    def __init__(self, agree=True):
         super().__init__()
+        self.agree = agree
         self.up = nn.Linear(models.DIM, 32)
         self.down = nn.Linear(32, models.DIM)
 
     def forward(self, x):
         h = self.up(x)
-        h = torch.cond(h.sum() > 0, lambda h: h.relu(), lambda h: h.tanh(), (h,))
+        other = (lambda h: h.tanh() * 2) if self.agree else (lambda h: h.softmax(-1))
+        h = torch.cond(h.sum() > 0, lambda h: h.relu(), other, (h,))
         return self.down(h)
+
+
+COND_PLAN = {"up": fxtp.ColwiseParallel(), "down": fxtp.RowwiseParallel()}
+
+
+def cond_parity(rank, world, agree, sign):
+    x = example(2, 4, models.DIM) * sign  # the sign picks the branch
+    return check_parity(rank, world, lambda: WithCond(agree), COND_PLAN, [x],
+                        dtype=torch.float64, strict=agree)
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0], ids=["true-branch", "false-branch"])
+def test_cond_branches_run_on_shards(ranks, sign):
+    """The predicate (a sum of shards) is all-reduced; each branch runs on the colwise
+    shards; the rowwise projection reduces after: 2 all-reduces forward, 1 backward."""
+    assert ranks.run(cond_parity, True, sign)[0] == ({"all_reduce": 2}, {"all_reduce": 1})
+
+
+def test_cond_branches_that_disagree_are_reconciled_and_reported(ranks2, fake_group):
+    ranks2.run(cond_parity, False, -1.0)
+    fake_group(2)
+    gm = fxtp.parallelize(WithCond(agree=False), COND_PLAN,
+                          example_inputs=(torch.randn(2, 4, models.DIM),))
+    assert any("branches give output 0 as S(2) and R; both give it replicated" in m
+               for m in gm.fxtp.fallbacks), gm.fxtp.fallbacks
+
+
+class WithFlex(nn.Module):
+    def forward(self, q):
+        from torch.nn.attention.flex_attention import flex_attention
+        return flex_attention(q, q, q)
 
 
 def test_an_unsupported_higher_order_op_is_a_trace_error_naming_it(fake_group):
     fake_group(2)
     with pytest.raises(fxtp.TraceError, match=r"module '<root>' calls the higher-order op "
-                                              r"cond .*cannot parallelize"):
-        fxtp.parallelize(WithCond(), {"up": fxtp.ColwiseParallel(),
-                                      "down": fxtp.RowwiseParallel()},
-                         example_inputs=(torch.randn(2, 4, models.DIM),))
+                                              r"flex_attention .*cannot parallelize"):
+        fxtp.parallelize(WithFlex(), {}, example_inputs=(torch.randn(1, 2, 8, 4),))
