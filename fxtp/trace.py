@@ -8,7 +8,6 @@ says which graph values are their inputs and outputs.
 from __future__ import annotations
 
 import contextlib
-import operator
 from typing import Iterable, Optional
 
 import torch
@@ -24,25 +23,49 @@ from .passes.graph import AUTOCAST, ModuleCall
 from .passes.recompute import REGION
 
 
+@torch.library.custom_op("fxtp::boundary", mutates_args=())
+def _boundary(x: torch.Tensor, fqn: str, kind: str, key: str) -> torch.Tensor:
+    """Marks ``x`` as the ``kind`` ("arg", "kwarg" or "output") ``key`` of module ``fqn``'s
+    call while tracing; every mark is removed from the traced graph."""
+    return x.clone()
+
+
+@_boundary.register_fake
+def _(x, fqn, kind, key):
+    return torch.empty_like(x)
+
+
+_boundary.register_autograd(lambda ctx, grad: (grad, None, None, None))
+
+
 def trace(model: torch.nn.Module, args: tuple, kwargs: Optional[dict],
           boundaries: Iterable[str], dynamic_shapes=None, checkpointed: Iterable[str] = ()
           ) -> tuple[fx.GraphModule, dict[str, ModuleCall]]:
     """Trace ``model(*args, **kwargs)``; return the graph module and the calls of the
     modules in ``boundaries`` (FQNs; ``""`` is the root, whose inputs are placeholders).
 
-    Activation-checkpoint regions (the model's non-reentrant ``torch.utils.checkpoint``
-    calls, and every call of the modules named in ``checkpointed``) are marked on their
-    nodes for :mod:`fxtp.passes.recompute`; their options are ``gm.meta[REGION]``."""
-    boundaries = tuple(boundaries)
+    A module's call boundary is its first call's tensor arguments and outputs, marked while
+    tracing by forward hooks (so arguments of any type, a dataclass or a ``BlockMask``,
+    pass through). Activation-checkpoint regions (the model's non-reentrant
+    ``torch.utils.checkpoint`` calls, and every call of the modules named in
+    ``checkpointed``) are marked on their nodes for :mod:`fxtp.passes.recompute`; their
+    options are ``gm.meta[REGION]``."""
+    boundaries = tuple(b for b in boundaries if b)
     regions: dict[int, dict] = {}
+    shapes: dict[str, tuple[int, int]] = {}
     try:
-        with fx_traceback.preserve_node_meta(), _marking_checkpoints(model, checkpointed,
-                                                                     regions):
-            ep = torch.export.export(
-                model, tuple(args), kwargs=kwargs or {}, strict=False,
-                dynamic_shapes=dynamic_shapes,
-                preserve_module_call_signature=tuple(b for b in boundaries if b))
+        with fx_traceback.preserve_node_meta(), \
+                _marking_checkpoints(model, checkpointed, regions), \
+                _marking_boundaries(model, boundaries, shapes):
+            ep = torch.export.export(model, tuple(args), kwargs=kwargs or {}, strict=False,
+                                     dynamic_shapes=dynamic_shapes)
     except Exception as e:  # noqa: BLE001 - re-raised with a hint
+        if type(e).__name__ == "UncapturedHigherOrderOpError":
+            raise TraceError(
+                f"fxtp could not trace {type(model).__name__}: {e}\nHint: a module the plan "
+                f"names (or that checkpoint= names) is called inside a torch.cond branch, "
+                f"whose tracing cannot run fxtp's boundary hooks; plan the modules around "
+                f"the cond, not inside its branches.") from e
         raise TraceError(
             f"fxtp could not trace {type(model).__name__} with torch.export (non-strict): "
             f"{type(e).__name__}: {e}\nHint: data-dependent Python control flow and "
@@ -50,34 +73,76 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: Optional[dict],
             f"**example_kwargs) runs, and rewrite branches on tensor values with "
             f"torch.where / torch.cond.") from e
     gm = ep.module()
-    region_calls: dict[str, ModuleCall] = {}
-    _inline_regions(gm, region_calls)
+    _inline_regions(gm)
     _reject_higher_order_ops(gm)
     _drop_export_guards(gm)
     gm = fx.GraphModule(gm, gm.graph)  # without export's input-shape check hooks
     gm.meta[REGION] = regions
-    nodes = {n.name: n for n in gm.graph.nodes}
-
-    def node_of(arg):
-        return nodes.get(getattr(arg, "name", None))
-
-    calls = {}
-    signatures = {e.fqn: e.signature for e in ep.module_call_graph}
+    calls = _take_boundaries(gm.graph, shapes)
     for fqn in boundaries:
-        if fqn == "":
-            continue
-        if fqn in region_calls:  # called inside an inlined region
-            calls[fqn] = region_calls[fqn]
-            continue
-        sig = signatures.get(fqn)
-        if sig is None:
-            raise TraceError(f"module '{fqn}' is named by the plan but torch.export recorded "
-                             f"no call of it; is it called in forward()?")
-        call_args, call_kwargs = pytree.tree_unflatten([node_of(a) for a in sig.inputs],
-                                                        sig.in_spec)
-        outputs = tuple(node_of(a) for a in sig.outputs)
-        calls[fqn] = ModuleCall(tuple(call_args), dict(call_kwargs), outputs)
+        if fqn not in calls:
+            raise TraceError(f"module '{fqn}' is named by the plan but was not called while "
+                             f"tracing; is it called in forward()?")
     return gm, calls
+
+
+@contextlib.contextmanager
+def _marking_boundaries(model: torch.nn.Module, fqns: Iterable[str], shapes: dict):
+    """Mark the tensor arguments and outputs of each module's first call with
+    :func:`_boundary`; ``shapes[fqn]``: (number of positional arguments, of output
+    leaves)."""
+    def mark(value, fqn, kind, key):
+        return torch.ops.fxtp.boundary(value, fqn, kind, str(key)) \
+            if isinstance(value, torch.Tensor) else value
+
+    def before(fqn):
+        def hook(module, args, kwargs):
+            if fqn in shapes:
+                return None
+            shapes[fqn] = (len(args), 0)
+            return (tuple(mark(a, fqn, "arg", i) for i, a in enumerate(args)),
+                    {k: mark(v, fqn, "kwarg", k) for k, v in kwargs.items()})
+        return hook
+
+    def after(fqn):
+        def hook(module, args, kwargs, output):
+            if shapes[fqn][1]:
+                return None
+            leaves, spec = pytree.tree_flatten(output)
+            shapes[fqn] = (shapes[fqn][0], len(leaves) or -1)
+            return pytree.tree_unflatten([mark(v, fqn, "output", i)
+                                          for i, v in enumerate(leaves)], spec)
+        return hook
+    hooks = []
+    for fqn in fqns:
+        module = model.get_submodule(fqn)
+        hooks.append(module.register_forward_pre_hook(before(fqn), with_kwargs=True))
+        hooks.append(module.register_forward_hook(after(fqn), with_kwargs=True))
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _take_boundaries(graph: fx.Graph, shapes: dict) -> dict[str, ModuleCall]:
+    """Remove the boundary marks from ``graph``; return each marked module's call."""
+    calls = {fqn: ModuleCall((None,) * n_args, {}, (None,) * max(n_out, 0))
+             for fqn, (n_args, n_out) in shapes.items()}
+    for node in list(graph.nodes):
+        if node.target is not torch.ops.fxtp.boundary.default:
+            continue
+        value, fqn, kind, key = node.args
+        call = calls[fqn]
+        if kind == "arg":
+            call.args = call.args[:int(key)] + (value,) + call.args[int(key) + 1:]
+        elif kind == "kwarg":
+            call.kwargs[key] = value
+        else:
+            call.outputs = call.outputs[:int(key)] + (value,) + call.outputs[int(key) + 1:]
+        node.replace_all_uses_with(value)
+        graph.erase_node(node)
+    return calls
 
 
 @contextlib.contextmanager
@@ -120,7 +185,7 @@ def _marking_checkpoints(model: torch.nn.Module, fqns: Iterable[str], regions: d
 _HOP = torch.ops.higher_order
 
 
-def _inline_regions(gm: fx.GraphModule, calls: dict) -> None:
+def _inline_regions(gm: fx.GraphModule) -> None:
     """Inline the regions export wraps in a higher-order op, so their ops get placements
     like any other, keeping their meaning:
 
@@ -131,10 +196,7 @@ def _inline_regions(gm: fx.GraphModule, calls: dict) -> None:
       the same autocast state as on a single device; its nodes are marked
       ``meta[AUTOCAST]`` so no pass moves them out of it.
 
-    Nested regions are inlined inside out. Export leaves the call boundaries of modules
-    called inside a region as ``_export_tracepoint`` nodes there: they become identities,
-    and ``calls`` gets each such module's :class:`ModuleCall` (its flat tensor inputs, as
-    positional arguments, and outputs)."""
+    Nested regions are inlined inside out."""
     graph = gm.graph
     for node in list(graph.nodes):
         if node.target is _HOP.wrap_with_set_grad_enabled:
@@ -144,7 +206,7 @@ def _inline_regions(gm: fx.GraphModule, calls: dict) -> None:
         else:
             continue
         region = getattr(gm, submod.target)
-        _inline_regions(region, calls)
+        _inline_regions(region)
         env = dict(zip([n for n in region.graph.nodes if n.op == "placeholder"], operands))
         with graph.inserting_before(node):
             if state is not None:
@@ -155,17 +217,6 @@ def _inline_regions(gm: fx.GraphModule, calls: dict) -> None:
                 if inner.op == "output":
                     outs = [env[o] for o in inner.args[0]]
                     break
-                if inner.target is _HOP._export_tracepoint:
-                    env[inner] = tuple(env[a] for a in inner.args)
-                    call = calls.setdefault(inner.kwargs["path"].partition(".")[2], ModuleCall())
-                    if inner.kwargs["kind"] == "module_call_inputs":
-                        call.args = env[inner]
-                    else:
-                        call.outputs = env[inner]
-                    continue
-                if inner.target is operator.getitem and isinstance(env[inner.args[0]], tuple):
-                    env[inner] = env[inner.args[0]][inner.args[1]]
-                    continue
                 env[inner] = graph.node_copy(inner, lambda a: env[a])
                 if state is not None:
                     env[inner].meta[AUTOCAST] = True
