@@ -241,15 +241,16 @@ def _reject_higher_order_ops(gm: fx.GraphModule) -> None:
     """Higher-order ops fxtp does not shard through are a :class:`TraceError` naming the op
     and the module, never a crash inside a pass."""
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is not _HOP.cond and \
-                isinstance(node.target, torch._ops.HigherOrderOperator):
+        if node.op == "call_function" and node.target not in (_HOP.cond, _HOP.flex_attention) \
+                and isinstance(node.target, torch._ops.HigherOrderOperator):
             stack = node.meta.get("nn_module_stack") or {}
             fqn = next((path for path, _ in reversed(list(stack.values())) if path), "<root>")
             raise TraceError(
                 f"module '{fqn}' calls the higher-order op {node.target.name()} "
                 f"(node '{node.name}'), which fxtp cannot parallelize yet (it inlines "
-                f"no_grad / enable_grad / autocast regions, keeps checkpoint regions and "
-                f"propagates into torch.cond's branches). "
+                f"no_grad / enable_grad / autocast regions, keeps checkpoint regions, "
+                f"propagates into torch.cond's branches and shards flex_attention by "
+                f"heads). "
                 f"Keep that code out of the planned model, or express it without "
                 f"{node.target.name()}.")
 

@@ -108,11 +108,12 @@ def call_args(node: fx.Node) -> Optional[dict]:
     return dict(bound.arguments)
 
 
-def subgraphs(gm: fx.GraphModule, node: fx.Node) -> list[fx.GraphModule]:
-    """The graph modules a higher-order op's node calls (``torch.cond``'s branches)."""
-    return [getattr(gm, a.target) for a in node.args
-            if isinstance(a, fx.Node) and a.op == "get_attr" and
-            isinstance(getattr(gm, a.target, None), fx.GraphModule)]
+def branches(gm: fx.GraphModule, node: fx.Node) -> list[fx.GraphModule]:
+    """The branches of a ``torch.cond`` node (graphs the passes propagate, rewrite and
+    localize like the main one); ``[]`` for any other node."""
+    if node.target is not torch.ops.higher_order.cond:
+        return []
+    return [getattr(gm, a.target) for a in node.args[1:3]]
 
 
 def layout(x: torch.Tensor, placement: Placement) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .graph import INPUTS, PLACEMENT, subgraphs
+from .graph import INPUTS, PLACEMENT, branches
 from .placement import is_sharded, local_part
 from .rules import rule_for
 
@@ -35,7 +35,7 @@ def localize(gm: fx.GraphModule, group) -> None:
     localized: set[str] = set()
     shards: dict[int, torch.Tensor] = {}  # id(global tensor) -> local tensor, keeps ties
     for node in list(graph.nodes):
-        for branch in subgraphs(gm, node):  # torch.cond: each branch is localized alike
+        for branch in branches(gm, node):  # torch.cond: each branch is localized alike
             localize(branch, group)
         if node.op == "call_function":
             rule = rule_for(node.target)

@@ -19,8 +19,8 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial
 
 from .errors import ShardingError
-from .graph import (FALLBACK, INPUTS, PLACEMENT, layout, module_fqn, output_vals, placement_of,
-                    tensor_inputs, val)
+from .graph import (FALLBACK, INPUTS, PLACEMENT, branches, layout, module_fqn, output_vals,
+                    placement_of, tensor_inputs, val)
 from .placement import R, describe, is_replicate, is_sharded, transition_cost
 from .dimspec import indivisible
 from .rules import PASSTHROUGH, rule_for, writes_first_input
@@ -105,9 +105,9 @@ def _propagate_cond(gm: fx.GraphModule, node: fx.Node, world: int, strict: bool)
     branch is propagated from the operands' placements (a Partial operand is reduced
     first), and the cond gives what the branches give. Where the branches disagree on an
     output, both give it replicated (a reported fallback)."""
-    pred, *branches, operands = node.args
+    operands = node.args[3]
     needed = [R if isinstance(placement_of(o), Partial) else placement_of(o) for o in operands]
-    modules = [getattr(gm, b.target) for b in branches]
+    modules = branches(gm, node)
     for module in modules:
         for placeholder, p in zip([n for n in module.graph.nodes if n.op == "placeholder"],
                                   needed):
@@ -165,8 +165,8 @@ def _gathers(node, rule, actual, needed, world, where) -> str | None:
                             world)
         why = (f"{', '.join(sizes)} does not divide by the world size {world}" if sizes else
                "no strategy of its rule keeps that dim sharded")
-        reasons.append(f"input {i} ({describe(a)}, shape {tuple(val(tensor_inputs(node)[i]).shape)}) "
-                       f"to {describe(n)}: {why}")
+        shape = tuple(val(tensor_inputs(node)[i]).shape)
+        reasons.append(f"input {i} ({describe(a)}, shape {shape}) to {describe(n)}: {why}")
     if not reasons:
         return None
     return f"{node.target} ({where}) gathers " + "; ".join(reasons)

@@ -21,7 +21,7 @@ from torch.distributed.tensor import Replicate
 
 from . import collectives
 from .gradients import gradient_carriers
-from .graph import (AUTOCAST, COLLECTIVE, INPUTS, PLACEMENT, layout, placement_of, subgraphs,
+from .graph import (AUTOCAST, COLLECTIVE, INPUTS, PLACEMENT, branches, layout, placement_of,
                     tensor_inputs, val)
 from .placement import describe, is_replicate, split_factor, transition_steps
 from .rules import writes_first_input
@@ -60,7 +60,7 @@ def rewrite(gm: fx.GraphModule, group: str, rank: int, world: int) -> None:
         if node.target is layout:
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
-        for branch in subgraphs(gm, node):  # torch.cond: each branch is rewritten alike
+        for branch in branches(gm, node):  # torch.cond: each branch is rewritten alike
             rewrite(branch, group, rank, world)
     _sync_partial_grads(graph, group)
     graph.lint()

@@ -19,6 +19,7 @@ argument at position 1 that sums (sharding the reduced dim gives ``Partial``)::
 """
 from __future__ import annotations
 
+import copy
 import operator
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -601,6 +602,68 @@ def _sdpa_spec(node):
     return DimSpec(tuple(specs), tuple(outs))
 
 
+def _flex_spec(node):
+    """``flex_attention(q, k, v, score_mod, block_mask, scale, options, score_buffers,
+    mask_buffers)``: batch and head dims shard, as for SDPA; the block mask's tensors
+    (batch, heads or 1, blocks...) shard with them where their size matches; buffers the
+    score and mask functions read stay replicated. Outputs: the attention output and the
+    per-row log-sum-exp and max (batch, heads, s)."""
+    q = val(node.args[0])
+    b, h = q.shape[0], q.shape[1]
+    buffers = {a for group in node.args[7:9] for a in (group or ())}
+    specs = [("b", "h", "s!", "e!"), ("b", "h", "t!", "e!"), ("b", "h", "t!", "f!")]
+    for a in tensor_inputs(node)[3:]:
+        x = val(a)
+        if x.dim() < 2 or a in buffers:
+            specs.append(tuple(fixed_label() for _ in x.shape))
+            continue
+        specs.append(("b" if _same(x.shape[0], b) and not _is_one(b) else fixed_label(),
+                      "h" if _same(x.shape[1], h) and not _is_one(h) else fixed_label()) +
+                     tuple(fixed_label() for _ in x.shape[2:]))
+    outs = [("b", "h", "s!", "f!")] + [("b", "h", "s!")[:x.dim()] if isinstance(x, torch.Tensor)
+                                       else None for x in output_vals(node)[1:]]
+    return DimSpec(tuple(specs), tuple(outs))
+
+
+def _flex_global_heads(node, inputs, output, group):
+    """Head-sharded flex attention: the score and mask functions see global head indices
+    (this rank's first head is ``rank * heads / world``), as on a single device. Each
+    shifted function is a new submodule; the traced ones are left as they are."""
+    if not (isinstance(inputs[0], Shard) and inputs[0].dim == 1):
+        return node.target, node.args, node.kwargs
+    offset = group.rank * (val(node.args[0]).shape[1] // group.world)
+    if offset == 0:
+        return node.target, node.args, node.kwargs
+    args = list(node.args)
+    block_mask = list(args[4])
+    args[3] = _heads_shifted(node, args[3], 2, offset)
+    block_mask[-1] = _heads_shifted(node, block_mask[-1], 1, offset)
+    args[4] = tuple(block_mask)
+    return node.target, tuple(args), node.kwargs
+
+
+def _heads_shifted(node: fx.Node, function, index: int, offset: int):
+    """A ``get_attr`` of a copy of the traced ``function`` whose head index (placeholder
+    ``index``) is shifted by ``offset``."""
+    if not (isinstance(function, fx.Node) and function.op == "get_attr"):
+        return function
+    gm = node.graph.owning_module
+    name = f"{function.target}_heads_from_{offset}"
+    if not hasattr(gm, name):
+        original = getattr(gm, function.target)
+        shifted = fx.GraphModule(original, copy.deepcopy(original.graph))
+        head = [n for n in shifted.graph.nodes if n.op == "placeholder"][index]
+        with shifted.graph.inserting_after(head):
+            global_head = shifted.graph.call_function(operator.add, (head, offset))
+        head.replace_all_uses_with(global_head, delete_user_cb=lambda u: u is not global_head)
+        shifted.recompile()
+        gm.add_submodule(name, shifted)
+    with node.graph.inserting_before(node):
+        attr = node.graph.get_attr(name)
+    attr.meta.update(function.meta)
+    return attr
+
+
 def _broadcast_labels(shape, full):
     """Labels of a tensor broadcast against dims labelled ``full`` (size-1 dims fixed)."""
     off = len(full) - len(shape)
@@ -803,6 +866,8 @@ RULES.update({
     aten._scaled_dot_product_efficient_attention.default: Rule(_sdpa_spec),
     aten._scaled_dot_product_cudnn_attention.default: Rule(_sdpa_spec),
     aten._scaled_dot_product_attention_math.default: Rule(_sdpa_spec),
+    torch.ops.higher_order.flex_attention: Rule(_flex_spec, local_op=_flex_global_heads,
+                                                strided=False),
     aten.cross_entropy_loss.default: Rule(cross_entropy_spec, local_op=loss_parallel,
                                           extra=class_sharded, communicates=True),
     # normalizations

@@ -302,6 +302,8 @@ def _bind(args, kwargs, inputs, tensors, values):
         if pending.get(a):
             t = tensors[pending[a].pop(0)]
             return t.clone() if t.requires_grad else t
+        if a not in values and a.op == "get_attr":  # made by the local form (a subgraph)
+            return getattr(a.graph.owning_module, a.target)
         return values[a]
     return fx.node.map_aggregate((args, kwargs), local)
 

@@ -115,14 +115,65 @@ def test_cond_branches_that_disagree_are_reconciled_and_reported(ranks2, fake_gr
                for m in gm.fxtp.fallbacks), gm.fxtp.fallbacks
 
 
-class WithFlex(nn.Module):
-    def forward(self, q):
-        from torch.nn.attention.flex_attention import flex_attention
-        return flex_attention(q, q, q)
+class WithUnsupported(nn.Module):
+    """A recurrence written with ``scan`` (a higher-order op fxtp does not parallelize)."""
+
+    def forward(self, x):
+        from torch._higher_order_ops.scan import scan
+        return scan(lambda carry, row: (carry + row, carry * 2), x[0], x)[1]
 
 
 def test_an_unsupported_higher_order_op_is_a_trace_error_naming_it(fake_group):
     fake_group(2)
     with pytest.raises(fxtp.TraceError, match=r"module '<root>' calls the higher-order op "
-                                              r"flex_attention .*cannot parallelize"):
-        fxtp.parallelize(WithFlex(), {}, example_inputs=(torch.randn(1, 2, 8, 4),))
+                                              r"scan .*cannot parallelize"):
+        fxtp.parallelize(WithUnsupported(), {}, example_inputs=(torch.randn(3, 4),))
+
+
+def alibi(score, b, h, q_idx, kv_idx):
+    """A head-indexed score bias: each head penalizes distance with its own slope."""
+    return score - 0.5 * h * (q_idx - kv_idx)
+
+
+class FlexAttention(nn.Module):
+    """torchtitan-style attention through ``flex_attention``: a causal ``BlockMask`` built in
+    forward and a score function that reads the head index (an ALiBi-like bias)."""
+
+    def __init__(self, dim=32, n_heads=4):
+        super().__init__()
+        self.n_heads = n_heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def heads(self, x):
+        """The attention output per head, (B, H, T, D / H)."""
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        bsz, seqlen, _ = x.shape
+        q, k, v = (w(x).view(bsz, seqlen, self.n_heads, -1).transpose(1, 2)
+                   for w in (self.wq, self.wk, self.wv))
+        mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None,
+                                 seqlen, seqlen, device=x.device)
+        return flex_attention(q, k, v, block_mask=mask, score_mod=alibi)
+
+    def forward(self, x):
+        out = self.heads(x)
+        return self.wo(out.transpose(1, 2).flatten(2))
+
+
+FLEX_PLAN = {"w[qkv]": fxtp.ColwiseParallel(), "wo": fxtp.RowwiseParallel()}
+
+
+def flex_forward(rank, world):
+    torch.manual_seed(0)
+    model = FlexAttention().requires_grad_(False)  # CPU flex attention cannot trace grads
+    x = example(2, 16, 32)
+    gm = fxtp.parallelize(model, FLEX_PLAN, example_inputs=(x,), strict=True)
+    with torch.no_grad(), fxtp.count_collectives() as counts:
+        out = gm(x)
+    torch.testing.assert_close(out, model(x).detach())
+    return dict(counts.counts)
+
+
+def test_flex_attention_shards_by_heads_with_global_head_indices(ranks):
+    """Forward only (torch has no CPU backward for flex_attention): each rank attends with
+    its heads, its score function sees their global indices; one all-reduce after wo."""
+    assert ranks.run(flex_forward)[0] == {"all_reduce": 1}

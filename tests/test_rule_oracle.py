@@ -47,6 +47,16 @@ def ints(high, *shape):
 
 # --- hand-written programs: ops no OpInfo sample reaches, and world-4 shapes ----------------
 
+def _flex(q, k, v):
+    """flex_attention with a head-indexed score function and a causal block mask built in
+    forward (torchtitan's way), so head shards must see global head indices."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None,
+                             q.shape[2], k.shape[2], device="cpu")
+    return flex_attention(q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s + h * 0.25,
+                          block_mask=mask)
+
+
 def _sdpa_ops(q, k, v):
     return (aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=True)[:2],
             aten._scaled_dot_product_attention_math(q, k, v)[:2])
@@ -76,6 +86,7 @@ PROGRAMS = {
              lambda: (rand(4, 4, 8, 4), rand(4, 4, 8, 4), rand(4, 4, 8, 4), rand(8, 8))),
     "sdpa_gqa": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
                  lambda: (rand(4, 8, 4, 4), rand(4, 4, 4, 4), rand(4, 4, 4, 4))),
+    "flex_attention": (_flex, lambda: (rand(4, 4, 16, 8), rand(4, 4, 16, 8), rand(4, 4, 16, 8))),
     "sdpa_kernels": (_sdpa_ops, lambda: (rand(4, 4, 8, 4), rand(4, 4, 8, 4), rand(4, 4, 8, 4))),
     "sdpa_cpu_flash_mask": (
         lambda q, k, v, m: aten._scaled_dot_product_flash_attention_for_cpu(
@@ -245,6 +256,8 @@ class Case:
 
 
 def _base_name(op) -> str:
+    if not isinstance(op, torch._ops.OpOverload):  # a higher-order op
+        return op.name()
     name = op._schema.name.split("::")[1]
     return name if name.startswith("_") else name.rstrip("_")
 
@@ -415,6 +428,9 @@ KNOWN_WRONG = {
 }
 
 
+FORWARD_ONLY = {torch.ops.higher_order.flex_attention}  # torch has no CPU flex backward
+
+
 def _run(op, known: bool):
     """Check every case of ``op``; return the failures (``known``: only those
     :data:`KNOWN_WRONG` lists, else only the others) and the number of strategies checked."""
@@ -424,7 +440,8 @@ def _run(op, known: bool):
         for world in case.worlds:
             errors = []
             try:
-                checked += len(check_strategies(case.node, case.values, world, backward=True,
+                checked += len(check_strategies(case.node, case.values, world,
+                                                backward=op not in FORWARD_ONLY,
                                                 strided=True, seed=seed, errors=errors))
             except Exception as e:  # noqa: BLE001 - no strategies or no reference result
                 errors.append(("(all)", f"{type(e).__name__}: {e}"))
