@@ -67,6 +67,9 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
     replicated, or as local shards where the plan leaves them sharded. Parameters keep
     their FQNs and hold local shards. ``model`` is not modified.
 
+    ``strict``: what would be a warning is an error: a fallback (a gather fxtp had to add,
+    :class:`ShardingError`) or a plan key that matches no module (:class:`PlanError`).
+
     ``dynamic_shapes`` (``torch.export``'s format, e.g. ``{"x": {0: Dim("batch"),
     1: Dim("seq")}}``) marks dims that may change between calls: the result then serves
     every size without retracing.
@@ -85,7 +88,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
     without editing the model.
     """
     check_fresh(model)
-    shardings = resolve_plan(model, plan)
+    shardings = resolve_plan(model, plan, strict)
     checkpointed = module_fqns(model, checkpoint, "checkpoint pattern")
     group = resolve_group(mesh)
     device = _device(device, group)

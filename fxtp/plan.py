@@ -6,6 +6,7 @@ depth (``layers.*.attention.wq``, ``net[1-2]``); ``""`` is the root module.
 from __future__ import annotations
 
 import difflib
+import warnings
 from fnmatch import fnmatchcase
 from typing import Mapping, Union
 
@@ -51,12 +52,16 @@ def _closest(key: str, fqns: list[str], n: int = 3) -> list[str]:
     return sorted(fqns, key=score, reverse=True)[:n]
 
 
-def resolve_plan(model: nn.Module, plan: Plan) -> dict[str, ModuleSharding]:
+def resolve_plan(model: nn.Module, plan: Plan, strict: bool = False
+                 ) -> dict[str, ModuleSharding]:
     """Return FQN -> :class:`ModuleSharding` for every module the plan names. Styles may be
     fxtp's or ``torch.distributed.tensor.parallel``'s own objects.
 
-    Raises :class:`PlanError` for a key that matches no module (naming the closest FQNs),
-    a module matched by two keys, or a style that cannot handle the module's type.
+    A key that matches no module is skipped with a warning naming the key and the closest
+    FQNs, as torch's ``parallelize_module`` does (plans are shared between model variants:
+    torchtune's llama3 plan names an ``output`` its tied 3.2 models lack); with ``strict``
+    it is a :class:`PlanError`. Raises :class:`PlanError` for a module matched by two keys,
+    or a style that cannot handle the module's type.
     """
     if isinstance(plan, (ParallelStyle, TorchStyle)):
         plan = {"": plan}
@@ -76,8 +81,11 @@ def resolve_plan(model: nn.Module, plan: Plan) -> dict[str, ModuleSharding]:
         if not fqns:
             close = _closest(key, [f for f in modules if f])
             hint = f"; closest module FQNs: {', '.join(close)}" if close else ""
-            raise PlanError(f"plan key {key!r} matches no module of "
-                            f"{type(model).__name__}{hint}")
+            message = f"plan key {key!r} matches no module of {type(model).__name__}{hint}"
+            if strict:
+                raise PlanError(message + " (strict=True)")
+            warnings.warn(f"fxtp: {message}; skipping it", stacklevel=3)
+            continue
         for fqn in fqns:
             if fqn in resolved:
                 raise PlanError(f"module '{fqn}' is matched by plan keys "

@@ -26,10 +26,21 @@ def test_character_class_and_root_key():
     assert list(resolve_plan(seq, {"": fxtp.PrepareModuleInput()})) == [""]
 
 
-def test_a_key_that_matches_nothing_names_the_key_and_closest_fqns():
-    with pytest.raises(fxtp.PlanError, match=r"'layers\.\*\.attention\.wz'.*closest.*"
-                                             r"layers\.\d\.attention\.w[qkvo]"):
-        resolve_plan(models.Stack(), {"layers.*.attention.wz": fxtp.ColwiseParallel()})
+UNMATCHED = r"'layers\.\*\.attention\.wz'.*closest.*layers\.\d\.attention\.w[qkvo]"
+
+
+def test_a_key_that_matches_nothing_is_skipped_with_a_warning_naming_the_closest_fqns():
+    """As torch's parallelize_module: plans are shared between model variants."""
+    with pytest.warns(UserWarning, match=UNMATCHED + ".*skipping it"):
+        resolved = resolve_plan(models.Stack(), {"layers.*.attention.wz": fxtp.ColwiseParallel(),
+                                                 "layers.*.attention.wq": fxtp.ColwiseParallel()})
+    assert sorted(resolved) == ["layers.0.attention.wq", "layers.1.attention.wq"]
+
+
+def test_under_strict_a_key_that_matches_nothing_is_an_error():
+    with pytest.raises(fxtp.PlanError, match=UNMATCHED + r".*\(strict=True\)"):
+        resolve_plan(models.Stack(), {"layers.*.attention.wz": fxtp.ColwiseParallel()},
+                     strict=True)
 
 
 def test_two_keys_matching_one_module_is_an_error():
