@@ -74,7 +74,7 @@ def _time(module, x, steps, warmup) -> dict:
 def run(layers: int = 2, batch: int = 1, seq: int = 2048, world: int = 8, steps: int = 10,
         warmup: int = 3, variants=None) -> dict:
     import fxtp
-    from benchmarks.run import dtensor_tp
+    from benchmarks.dtensor_tp import dtensor_tp
     from fxtp.llama import LlamaConfig, llama_layer_plan
     from torch.testing._internal.distributed.fake_pg import FakeStore
     if not dist.is_initialized():

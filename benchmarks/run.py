@@ -33,14 +33,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from benchmarks.dtensor_tp import WHY_DTENSOR_PATCHED, dtensor_tp
+
 RESULTS = pathlib.Path(__file__).parent / "results"
 VARIANTS = ("single", "dtensor_eager", "dtensor_compiled", "handwritten_eager",
             "handwritten_compiled", "fxtp_eager", "fxtp_compiled")
-WHY_DTENSOR_PATCHED = (
-    "DTensor TP with use_local_output=True hands attention local tensors, so the model's "
-    "global head counts break its view(); the benchmark's DTensor copy sets each attention's "
-    "n_heads and n_kv_heads to the local counts (as torchtitan does). fxtp runs the "
-    "unmodified model.")
 
 
 def sizes(quick: bool) -> dict:
@@ -72,26 +69,6 @@ def build(variant: str, model, tokens, rank: int, world: int):
         module = fxtp.parallelize(model, llama_tp_plan(), example_inputs=(tokens,))
     return torch.compile(module, fullgraph=not variant.startswith("dtensor")) \
         if variant.endswith("compiled") else module
-
-
-def dtensor_tp(model, world: int, device_type: str = "cpu"):
-    """torch's DTensor TP of a :class:`fxtp.llama.Llama` (or of its layers alone) under the
-    same plan as fxtp's."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
-    for layer in model.layers:  # see WHY_DTENSOR_PATCHED
-        layer.attention.n_heads //= world
-        layer.attention.n_kv_heads //= world
-    plan = {**{f"layers.*.attention.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")},
-            "layers.*.attention.wo": RowwiseParallel(),
-            **{f"layers.*.feed_forward.{w}": ColwiseParallel() for w in ("w1", "w3")},
-            "layers.*.feed_forward.w2": RowwiseParallel()}
-    if hasattr(model, "tok_embeddings"):
-        plan.update({"tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
-                     "output": ColwiseParallel(output_layouts=Replicate())})
-    return parallelize_module(model, init_device_mesh(device_type, (world,)), plan)
 
 
 def train_step(module, opt, tokens, targets) -> torch.Tensor:
