@@ -59,7 +59,9 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
                 device: Union[str, torch.device, None] = None,
                 dump_dir: Optional[str] = None,
                 checkpoint: Sequence[str] = ()) -> fx.GraphModule:
-    """Return this rank's tensor-parallel ``GraphModule`` for ``model`` under ``plan``.
+    """Return this rank's tensor-parallel ``GraphModule`` for ``model`` under ``plan``: a
+    style, a dict of FQN patterns to styles (or Hugging Face plan strings), or ``"auto"``
+    (a Hugging Face model's own plan, :mod:`fxtp.hf_plans`).
 
     ``example_inputs`` / ``example_kwargs`` are full (single-device) inputs used for
     tracing. At run time every rank passes the same full inputs, except root inputs whose

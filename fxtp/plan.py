@@ -1,7 +1,9 @@
 """Plan resolution: a style or a dict of FQN patterns -> styles, matched against a model.
 
 Keys split on ``.``; each part is matched with ``fnmatch`` against the child names at that
-depth (``layers.*.attention.wq``, ``net[1-2]``); ``""`` is the root module.
+depth (``layers.*.attention.wq``, ``net[1-2]``); ``""`` is the root module. Values may be
+Hugging Face plan strings (``"colwise"``), and the plan ``"auto"`` is the model's own
+Hugging Face plan (:mod:`fxtp.hf_plans`).
 """
 from __future__ import annotations
 
@@ -13,10 +15,11 @@ from typing import Mapping, Union
 import torch.nn as nn
 from torch.distributed.tensor.parallel import ParallelStyle as TorchStyle
 
+from .hf_plans import model_plan, styles_of
 from .passes.errors import PlanError
 from .styles import ModuleSharding, ParallelStyle, from_torch
 
-Plan = Union[ParallelStyle, Mapping[str, ParallelStyle]]
+Plan = Union[ParallelStyle, Mapping[str, Union[ParallelStyle, str]], str]
 
 
 def _matches(key: str, fqn: str) -> bool:
@@ -65,9 +68,12 @@ def resolve_plan(model: nn.Module, plan: Plan, strict: bool = False
     """
     if isinstance(plan, (ParallelStyle, TorchStyle)):
         plan = {"": plan}
+    if plan == "auto":
+        plan = model_plan(model)
     if not isinstance(plan, Mapping):
-        raise PlanError(f"plan must be a ParallelStyle or a dict FQN -> ParallelStyle, "
-                        f"got {type(plan).__name__}")
+        raise PlanError(f"plan must be a ParallelStyle, a dict FQN -> ParallelStyle (or "
+                        f"Hugging Face plan string) or 'auto', got {plan!r}")
+    plan = styles_of(plan)
     modules = dict(model.named_modules())
     resolved: dict[str, ModuleSharding] = {}
     matched_by: dict[str, str] = {}

@@ -8,7 +8,6 @@ compatibility; fxtp's graph always computes the single-device program.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 import torch.nn as nn

@@ -466,6 +466,15 @@ def _mean_of_shard(dims_of):
     return local
 
 
+def _diff_spec(node):
+    """``diff(x, n, dim, prepend, append)``: ``dim`` never shards; ``prepend`` / ``append``
+    shard with ``x`` on the other dims."""
+    n = _rank(node.args[0])
+    d = _arg(node, 2, "dim", -1) % n
+    labels = tuple(f"d{j}!" if j == d else f"d{j}" for j in range(n))
+    return DimSpec(tuple(labels for _ in tensor_inputs(node)), (labels,))
+
+
 def _pad_spec(node):
     """``constant_pad_nd(x, pad, value)``: padded (trailing) dims never shard; a nonzero fill
     would be added once per rank to a Partial value, so only zero padding passes it."""
@@ -834,8 +843,11 @@ LINEAR_POINTWISE = [
 NONLINEAR_POINTWISE = [
     aten.masked_fill.Tensor, aten.masked_fill_.Tensor, aten.ones_like.default,
     aten.full_like.default, aten.empty_like.default, aten.fill_.Scalar, aten.fill_.Tensor,
+    aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar, aten.__and__.Tensor,
+    aten.__or__.Tensor, aten.__xor__.Tensor,
 ]
-"""Elementwise ops torch does not tag ``pointwise`` (their other operands are 0-d)."""
+"""Elementwise ops torch does not tag ``pointwise`` (0-d operands, scalar forms, the
+Python operator aliases of the bitwise ops; Hugging Face's mask code uses them)."""
 
 RULES: dict = {op: pointwise("sum") for op in LINEAR_POINTWISE}
 RULES.update({op: pointwise() for op in NONLINEAR_POINTWISE})
@@ -893,6 +905,7 @@ RULES.update({
     aten.argsort.default: along(dims_arg(1, omitted="last")),
     aten.argsort.stable: along(dims_arg(2, omitted="last")),
     aten.topk.default: along(dims_arg(2, omitted="last")),
+    aten.diff.default: Rule(_diff_spec),
     # reductions
     aten.sum.default: reduction(ALL_DIMS, summed=True, partial="sum",
                                 keepdim_arg=None),

@@ -58,7 +58,7 @@ def test_a_style_on_a_module_type_it_cannot_shard_names_fqn_and_type(style):
 
 def test_non_style_values_and_non_placements_are_rejected():
     with pytest.raises(fxtp.PlanError, match=r"plan\['net1'\] must be an fxtp parallel style"):
-        resolve_plan(models.MLP(), {"net1": "colwise"})
+        resolve_plan(models.MLP(), {"net1": 3})  # strings are Hugging Face plan strings
     with pytest.raises(fxtp.PlanError, match="output_layouts must be a torch.distributed"):
         fxtp.ColwiseParallel(output_layouts=-1)
     with pytest.raises(fxtp.PlanError, match="same length"):

@@ -1,0 +1,79 @@
+"""Hugging Face tensor-parallel plans: ``"auto"`` (the model's own plan) and plan strings.
+
+A Hugging Face model carries its plan: ``config.base_model_tp_plan`` (FQN patterns under the
+base model -> style strings) and its head class's ``_tp_plan`` (``lm_head``); transformers
+merges them, base model prefix included, as ``model.tp_plan``. Each string has the meaning
+transformers gives it, as an fxtp style. fxtp tracks every value's real placement, so the
+strings that only say how a gradient or an output must be reduced
+(``replicated_with_grad_allreduce``, ``all_reduce``) and those that keep a tensor whole
+(``replicate``, ``local_params``) need no style: fxtp does it where the graph needs it.
+"""
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import torch.nn as nn
+from torch.distributed.tensor import Replicate
+
+from .passes.errors import PlanError
+from .styles import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+
+STYLES: dict[str, Callable[[], ParallelStyle]] = {
+    "colwise": ColwiseParallel,
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise": RowwiseParallel,
+    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "embedding_colwise": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "packed_colwise": ColwiseParallel,  # a fused projection: its split gets a strided layout
+    "packed_rowwise": RowwiseParallel,
+    "sequence_parallel": SequenceParallel,
+}
+"""Plan strings with a style: the layouts transformers registers for each."""
+
+NO_STYLE = frozenset({"replicate", "replicated_with_grad_allreduce", "all_reduce",
+                      "local_params"})
+"""Plan strings fxtp needs no style for (it reduces gradients and outputs where needed)."""
+
+UNSUPPORTED = frozenset({"moe_tp_experts", "moe_identity_expert", "mla_kv_a_proj"})
+"""Mixture-of-experts and MLA strings: rejected, naming the string."""
+
+
+def model_plan(model: nn.Module) -> dict[str, str]:
+    """The plan ``model`` carries (``"auto"``): transformers' merged ``model.tp_plan``, or
+    ``config.base_model_tp_plan`` under the base model's prefix plus the class's
+    ``_tp_plan``."""
+    plan = dict(getattr(model, "tp_plan", None) or {})
+    if not plan:
+        base = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
+        prefix = getattr(model, "base_model_prefix", "")
+        under = f"{prefix}." if prefix and isinstance(getattr(model, prefix, None), nn.Module) \
+            else ""
+        plan = {f"{under}{key}": style for key, style in base.items()}
+        plan.update(getattr(type(model), "_tp_plan", None) or {})
+    if not plan:
+        raise PlanError(f"plan='auto' needs a Hugging Face model that carries a tensor-"
+                        f"parallel plan (config.base_model_tp_plan); {type(model).__name__} "
+                        f"has none: pass a plan dict")
+    return plan
+
+
+def styles_of(plan: Mapping) -> dict:
+    """``plan`` with Hugging Face plan strings replaced by fxtp styles (other values as they
+    are); strings that need no style are left out."""
+    resolved = {}
+    for key, value in plan.items():
+        if not isinstance(value, str):
+            resolved[key] = value
+        elif value in STYLES:
+            resolved[key] = STYLES[value]()
+        elif value in UNSUPPORTED:
+            raise PlanError(f"plan[{key!r}] = {value!r}: a mixture-of-experts / MLA style of "
+                            f"Hugging Face's, which fxtp does not shard; leave those modules "
+                            f"out of the plan (they then run replicated)")
+        elif value not in NO_STYLE:
+            raise PlanError(f"plan[{key!r}] = {value!r} is not a Hugging Face plan string; "
+                            f"known: {', '.join(sorted(STYLES.keys() | NO_STYLE))}")
+    return resolved
