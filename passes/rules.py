@@ -730,7 +730,7 @@ def _ignore_input(node):
 
 # --- indexing and scatter -------------------------------------------------------------------
 
-def _index_layout(node, self_labels, indices):
+def _index_layout(self_labels, indices):
     """Labels of ``self[indices]`` (advanced indexing; ``indices`` has ``None`` for dims
     taken whole): the index tensors' broadcast dims (never sharded) replace the indexed
     dims, in place when those are adjacent, else in front."""
@@ -752,7 +752,7 @@ def _index_spec(node):
         return DimSpec((labels,) + tuple(_fixed(ix) for ix in indices if ix is not None),
                        (tuple(fixed_label() for _ in range(_rank(node))),))
     labels = _labels(n)
-    out = _index_layout(node, labels, indices)
+    out = _index_layout(labels, indices)
     return DimSpec((labels,) + tuple(_fixed(ix) for ix in indices if ix is not None), (out,),
                    "product", (0,))
 
@@ -773,7 +773,7 @@ def _index_put_spec(node):
         labels = tuple(fixed_label() for _ in range(n))
         target = labels
     else:
-        target = _index_layout(node, labels, indices)
+        target = _index_layout(labels, indices)
     values = val(node.args[2])
     values_labels = _broadcast_labels(values.shape, list(target))
     ins = (labels,) + tuple(_fixed(ix) for ix in indices if ix is not None) + (values_labels,)
