@@ -16,24 +16,18 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-_c10d = torch.ops._c10d_functional
-KINDS = {
-    _c10d.all_reduce.default: "all_reduce",
-    _c10d.all_gather_into_tensor.default: "all_gather",
-    _c10d.reduce_scatter_tensor.default: "reduce_scatter",
-    _c10d.all_to_all_single.default: "all_to_all",
-}
+from .passes.collectives import KINDS
 
 
 class count_collectives(TorchDispatchMode):
     """``counts``: kind -> number of calls; ``bytes``: kind -> bytes of the local inputs."""
 
+    supports_higher_order_operators = True
+
     def __init__(self):
         super().__init__()
         self.counts: Counter = Counter()
         self.bytes: Counter = Counter()
-
-    supports_higher_order_operators = True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.higher_order.cond:  # count inside the branch that runs

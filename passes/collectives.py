@@ -40,6 +40,15 @@ import torch
 
 _c10d = torch.ops._c10d_functional
 
+KINDS = {
+    _c10d.all_reduce.default: "all_reduce",
+    _c10d.all_gather_into_tensor.default: "all_gather",
+    _c10d.reduce_scatter_tensor.default: "reduce_scatter",
+    _c10d.all_to_all_single.default: "all_to_all",
+}
+"""The functional-collective ops that communicate, by kind (each is followed by a
+``wait_tensor``)."""
+
 
 def _all_reduce(x: torch.Tensor, group: str, op: str = "sum") -> torch.Tensor:
     return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), op, group))

@@ -106,7 +106,7 @@ def _propagate_cond(gm: fx.GraphModule, node: fx.Node, world: int, strict: bool)
     first), and the cond gives what the branches give. Where the branches disagree on an
     output, both give it replicated (a reported fallback)."""
     operands = node.args[3]
-    needed = [R if isinstance(placement_of(o), Partial) else placement_of(o) for o in operands]
+    needed = [_reduced(placement_of(o)) for o in operands]
     modules = branches(gm, node)
     for module in modules:
         for placeholder, p in zip([n for n in module.graph.nodes if n.op == "placeholder"],
@@ -135,8 +135,12 @@ def _propagate_cond(gm: fx.GraphModule, node: fx.Node, world: int, strict: bool)
 def _outputs(module: fx.GraphModule) -> list:
     """A branch's output placements (Partial outputs are reduced on the way out)."""
     out = next(reversed(module.graph.nodes))
-    return [R if isinstance(placement_of(o), Partial) else placement_of(o)
-            for o in out.args[0]]
+    return [_reduced(placement_of(o)) for o in out.args[0]]
+
+
+def _reduced(p):
+    """The placement a value leaves with: a Partial value is reduced to Replicate."""
+    return R if isinstance(p, Partial) else p
 
 
 def _replicate_output(module: fx.GraphModule, i: int) -> None:

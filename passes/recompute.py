@@ -24,17 +24,16 @@ from typing import Optional
 
 import torch
 import torch.fx as fx
-from .rewrite import computed_from_parameters
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts, noop_context_fn)
+
+from .collectives import KINDS
+from .rewrite import computed_from_parameters
 
 REGION = "fxtp_checkpoint"
 PREFIX = "checkpoint_"
 
-_c10d = torch.ops._c10d_functional
-_COLLECTIVE_OPS = {_c10d.all_reduce.default, _c10d.all_gather_into_tensor.default,
-                   _c10d.reduce_scatter_tensor.default, _c10d.wait_tensor.default,
-                   _c10d.all_to_all_single.default}
+_COLLECTIVE_OPS = set(KINDS) | {torch.ops._c10d_functional.wait_tensor.default}
 
 
 def _policy(ctx, op, *args, **kwargs):
