@@ -25,7 +25,7 @@ from .passes.errors import PlanError
 from .guards import check_fresh, check_same_on_every_rank, guard_inputs
 from .materialize import fake_tensors, materialize, meta_tensors, swapped
 from .mesh import resolve_group
-from .plan import Plan, module_fqns, resolve_plan
+from .plan import Plan, module_fqns, resolve_plan, tied_names
 from .trace import trace
 
 
@@ -103,9 +103,10 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
         draw = int(torch.randint(2 ** 62, (), device="cpu")) if meta else 0  # init seed
         init_seed = check_same_on_every_rank(group, _device(None, group), shardings, model,
                                              gm, draw)
-        seed(gm, shardings, calls, group.world, _tied_names(model))
-        fallbacks = propagate(gm, group.world, strict=strict)
-        if stride_fused_splits(gm, group.world):  # fused projections re-seeded strided
+        seed(gm, shardings, calls, group.world, tied_names(model))
+        fallbacks = propagate(gm, group.world)
+        # fused projections re-seeded strided; strict raises on a fallback left after that
+        if stride_fused_splits(gm, group.world) or strict and fallbacks:
             fallbacks = propagate(gm, group.world, strict=strict)
         dump.placements(gm)
         for message in fallbacks:
@@ -142,10 +143,3 @@ def _device(device, group) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(group.device_type)
 
-
-def _tied_names(model: nn.Module) -> dict[str, list[str]]:
-    """Parameter FQN -> all FQNs of that tensor, for tensors registered under several."""
-    names: dict[int, list[str]] = {}
-    for fqn, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(fqn)
-    return {fqn: group for group in names.values() if len(group) > 1 for fqn in group}

@@ -13,11 +13,13 @@ from fnmatch import fnmatchcase
 from typing import Mapping, Union
 
 import torch.nn as nn
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle as TorchStyle
 
 from .hf_plans import model_plan, styles_of
 from .passes.errors import PlanError
-from .styles import ModuleSharding, ParallelStyle, from_torch
+from .styles import (ColwiseParallel, ModuleSharding, ParallelStyle, RowwiseParallel,
+                     from_torch)
 
 Plan = Union[ParallelStyle, Mapping[str, Union[ParallelStyle, str]], str]
 
@@ -98,4 +100,56 @@ def resolve_plan(model: nn.Module, plan: Plan, strict: bool = False
                                 f"{matched_by[fqn]!r} and {key!r}; give each module one style")
             resolved[fqn] = style.shard(fqn, modules[fqn])
             matched_by[fqn] = key
+    _follow_ties(model, resolved)
     return resolved
+
+
+def _follow_ties(model: nn.Module, resolved: dict[str, ModuleSharding]) -> None:
+    """A module left out of the plan that shares a planned module's parameter (an
+    embedding tied to the LM head) gets the style that splits that parameter the same way,
+    with its input and output replicated: a vocab-sharded weight makes the embedding a
+    vocab-parallel lookup (``RowwiseParallel``) and the head colwise with its logits
+    gathered. Other module types keep no style; the seed pass gives the shared tensor the
+    planned placement under every name."""
+    modules = dict(model.named_modules())
+    for names in tied_names(model).values():
+        planned = {fqn: _planned(resolved, fqn) for fqn in names}
+        placements = {str(p): p for p in planned.values() if p is not None}
+        if len(placements) != 1:
+            continue  # nothing planned, or planned two ways (the seed pass says so)
+        (placement,) = placements.values()
+        for fqn in names:
+            owner, _, name = fqn.rpartition(".")
+            if owner in resolved or name != "weight":
+                continue
+            style = _tie_style(modules[owner], placement)
+            if style is not None:
+                resolved[owner] = style.shard(owner, modules[owner])
+
+
+def _planned(resolved, fqn):
+    owner, _, name = fqn.rpartition(".")
+    return resolved[owner].params.get(name) if owner in resolved else None
+
+
+def _tie_style(module: nn.Module, placement) -> ParallelStyle | None:
+    """The style that gives ``module.weight`` (vocab x dim) ``placement``, replicated in
+    and out."""
+    if not isinstance(placement, Shard) or placement.dim not in (0, 1):
+        return None
+    vocab = placement.dim == 0
+    if isinstance(module, nn.Embedding):
+        return RowwiseParallel(input_layouts=Replicate()) if vocab else \
+            ColwiseParallel(output_layouts=Replicate())
+    if isinstance(module, nn.Linear):
+        return ColwiseParallel(output_layouts=Replicate()) if vocab else \
+            RowwiseParallel(input_layouts=Replicate())
+    return None
+
+
+def tied_names(model: nn.Module) -> dict[str, list[str]]:
+    """Parameter FQN -> all FQNs of that tensor, for tensors registered under several."""
+    names: dict[int, list[str]] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(fqn)
+    return {fqn: group for group in names.values() if len(group) > 1 for fqn in group}

@@ -44,19 +44,22 @@ def seed(gm: fx.GraphModule, shardings: dict[str, ModuleSharding],
 
 
 def _param_placement(node, shardings, fqns) -> Placement:
-    """The placement the plan gives a parameter under any of its (tied) names."""
+    """The placement the plan gives a parameter under any of its (tied) names: names whose
+    module the plan leaves out follow the others; planned names must agree."""
     planned = {}
     for fqn in fqns or [node.target]:
         owner, _, name = fqn.rpartition(".")
         p = shardings[owner].params.get(name) if owner in shardings else None
-        planned[fqn] = normalize(p or Replicate(), val(node).dim())
+        if p is not None:
+            planned[fqn] = normalize(p, val(node).dim())
     if len(set(map(str, planned.values()))) > 1:
         ways = ", ".join(f"'{f}' as {p}" for f, p in planned.items())
-        raise PlanError(f"tied parameter {' = '.join(planned)} is planned two ways ({ways}). "
-                        f"Plan every module that uses it so its weight is split the same way, "
-                        f"e.g. the input embedding RowwiseParallel() (vocab rows, Shard(0)) "
-                        f"and the output projection ColwiseParallel() (vocab rows, Shard(0))")
-    return next(iter(planned.values()))
+        raise PlanError(f"tied parameter {' = '.join(fqns)} is planned two ways ({ways}). "
+                        f"Plan its modules so the shared weight is split the same way, e.g. "
+                        f"the input embedding RowwiseParallel() (vocab rows, Shard(0)) and "
+                        f"the output projection ColwiseParallel() (vocab rows, Shard(0)), or "
+                        f"plan one of them and leave the other out: it follows the tie")
+    return next(iter(planned.values()), Replicate())
 
 
 def _check_divisible(node, world, what, sharding=None):

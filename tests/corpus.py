@@ -10,9 +10,11 @@ no dropout) and built from seeds: nothing is downloaded.
 
 * Llama-style models sharing one block, with rotary embeddings written four ways, as
   torchtune, Hugging Face, Meta (complex numbers) and GPT-J / Cohere write them.
-* GPT-2 (``tests/transformer_models.py``).
-* Hugging Face ``*ForCausalLM`` models from small random configs: Llama, Qwen2, Mistral,
-  Gemma2, Phi3, OLMo2, Cohere, GPT-NeoX, with plans written for each family's FQNs.
+* GPT-2 (``tests/transformer_models.py``) and nanoGPT (fused ``c_attn``, tied head, loss
+  inside ``forward``).
+* Hugging Face ``*ForCausalLM`` models from small random configs: Llama, Qwen2, Qwen3,
+  Mistral, Gemma2, Phi3, OLMo2, Granite, Starcoder2, Cohere, GPT-NeoX (tied variants as
+  shipped), with plans written for each family's FQNs.
 """
 from __future__ import annotations
 
@@ -201,6 +203,81 @@ def gpt2():
     return tm.GPT2(tm.GPT2Config(vocab_size=VOCAB))
 
 
+# --- nanoGPT (Karpathy's model.py: fused c_attn, wte tied to lm_head, loss inside) ---------
+
+class NanoAttention(nn.Module):
+    def __init__(self, n_embd, n_head):
+        super().__init__()
+        self.n_head, self.n_embd = n_head, n_embd
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class NanoMLP(nn.Module):
+    def __init__(self, n_embd):
+        super().__init__()
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * n_embd, n_embd)
+
+    def forward(self, x):
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class NanoBlock(nn.Module):
+    def __init__(self, n_embd, n_head):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd)
+        self.attn = NanoAttention(n_embd, n_head)
+        self.ln_2 = nn.LayerNorm(n_embd)
+        self.mlp = NanoMLP(n_embd)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(nn.Module):
+    """nanoGPT's ``GPT``: ``forward(idx, targets)`` returns ``(logits, loss)``."""
+
+    def __init__(self, vocab_size=VOCAB, block_size=32, n_layer=L, n_head=4, n_embd=32):
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(vocab_size, n_embd), wpe=nn.Embedding(block_size, n_embd),
+            h=nn.ModuleList(NanoBlock(n_embd, n_head) for _ in range(n_layer)),
+            ln_f=nn.LayerNorm(n_embd)))
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight
+
+    def forward(self, idx, targets):
+        pos = torch.arange(0, idx.size(1), dtype=torch.long, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return logits, loss
+
+
+def nanogpt_plan():
+    """A user's plan for nanoGPT: Megatron's layer plan, the head colwise with its logits
+    left sharded (loss parallel); the tied embedding is left out and follows the head."""
+    return {"transformer.h.*.attn.c_attn": ColwiseParallel(),
+            "transformer.h.*.attn.c_proj": RowwiseParallel(),
+            "transformer.h.*.mlp.c_fc": ColwiseParallel(),
+            "transformer.h.*.mlp.c_proj": RowwiseParallel(),
+            "lm_head": ColwiseParallel()}
+
+
 # --- Hugging Face families ---------------------------------------------------------------
 
 HIDDEN, HEADS, KV_HEADS = 32, 8, 4
@@ -253,6 +330,36 @@ def hf_olmo2():
 
 def hf_cohere():
     return _hf("CohereConfig", "CohereForCausalLM", pad_token_id=0)
+
+
+def hf_qwen3():
+    return _hf("Qwen3Config", "Qwen3ForCausalLM")  # q_norm / k_norm per head
+
+
+def hf_granite():
+    # scales embeddings, attention, residuals and logits by config multipliers
+    return _hf("GraniteConfig", "GraniteForCausalLM", embedding_multiplier=2.0,
+               attention_multiplier=0.3, residual_multiplier=0.5, logits_scaling=4.0,
+               pad_token_id=0)
+
+
+def hf_starcoder2(tie_word_embeddings=True):
+    # LayerNorms with biases, c_fc / c_proj MLP with biases, q/k/v/o biases; tied head
+    return _hf("Starcoder2Config", "Starcoder2ForCausalLM", residual_dropout=0.0,
+               embedding_dropout=0.0, pad_token_id=0, tie_word_embeddings=tie_word_embeddings)
+
+
+def hf_gemma2_tied():
+    """Gemma2 as shipped: the head tied to the embedding."""
+    return _hf("Gemma2Config", "Gemma2ForCausalLM", attn_implementation="eager",
+               sliding_window=8, query_pre_attn_scalar=HIDDEN // HEADS, pad_token_id=0,
+               tie_word_embeddings=True)
+
+
+def hf_cohere_tied():
+    """Cohere as shipped: the head tied to the embedding, logits scaled."""
+    return _hf("CohereConfig", "CohereForCausalLM", pad_token_id=0, tie_word_embeddings=True,
+               logit_scale=0.5)
 
 
 def hf_gpt_neox():

@@ -67,7 +67,7 @@ def local_part(full: torch.Tensor, placement, rank: int, world: int) -> torch.Te
 def check_parity(rank, world, make_model, plan, inputs, *, dtype, steps=3,
                  input_placements=None, input_grads=True, inputs_per_step=None,
                  kwargs=None, output=lambda out: out, with_bytes=False, post=None,
-                 compare_dtype=None, **parallelize_kwargs):
+                 compare_dtype=None, output_index=0, **parallelize_kwargs):
     """Assert forward outputs, every parameter and input gradient, and parameters after
     ``steps`` AdamW steps match the single-device model. ``inputs`` are traced; step ``s``
     runs ``inputs_per_step[s]`` when given (other shapes, for dynamic dims). Returns
@@ -77,7 +77,8 @@ def check_parity(rank, world, make_model, plan, inputs, *, dtype, steps=3,
     the bytes each rank sent into each kind of collective: ``(fwd, bwd, fwd_bytes,
     bwd_bytes)``. ``post`` transforms the parallelized GraphModule in place before use
     (a graph pass such as :func:`fxtp.passes.optimize.optimize`). ``compare_dtype``: the
-    dtype whose tolerance applies (a model computing in bf16 under autocast)."""
+    dtype whose tolerance applies (a model computing in bf16 under autocast).
+    ``output_index``: the position of ``output``'s pick among the graph's outputs."""
     tol_dtype = compare_dtype or dtype
     torch.manual_seed(0)
     model = make_model().to(dtype)
@@ -112,7 +113,7 @@ def check_parity(rank, world, make_model, plan, inputs, *, dtype, steps=3,
             out = output(gm(*local_xs, **kwargs))
         torch.manual_seed(1000 + step)
         ref_out = output(ref(*xs, **kwargs))
-        out_placement = gm.fxtp.output_placements[0]
+        out_placement = gm.fxtp.output_placements[output_index]
         expected = local_part(ref_out, out_placement, rank, world)
         torch.testing.assert_close(out, expected, **tolerance(tol_dtype, expected, step),
                                    msg=lambda m: f"step {step} output: {m}")

@@ -20,11 +20,40 @@ def hf_parity(rank, world, make, plan):
                         output=lambda out: out.logits)
 
 
-@pytest.mark.parametrize("name", ["hf_llama", "hf_qwen2"])
+MEGATRON_PLUS = lambda fwd_gathers, bwd: ({"all_reduce": 2 * L + 1, "all_gather": fwd_gathers},  # noqa: E731
+                                          bwd)
+AUTO = {
+    # Megatron: q, k, v, gate, up colwise; o, down rowwise; a vocab-parallel embedding;
+    # the head colwise with its logits gathered
+    "hf_llama": MEGATRON_TP,
+    "hf_qwen2": MEGATRON_TP,
+    "hf_mistral": MEGATRON_TP,
+    "hf_granite": MEGATRON_TP,
+    # tied: the plan names only lm_head; the embedding follows the tie (vocab-parallel)
+    "hf_gemma2_tied": MEGATRON_TP,
+    "hf_starcoder2": MEGATRON_TP,
+    # q_norm / k_norm weights (per head, replicated) used on head shards: their gradients
+    # are partial, one bucketed all-reduce (Hugging Face's replicated_with_grad_allreduce)
+    "hf_qwen3": (MEGATRON_TP[0], {"all_reduce": 2 * L + 2}),
+    # parallel block: one norm output feeds attention and MLP, one backward all-reduce per
+    # layer for it
+    "hf_cohere_tied": (MEGATRON_TP[0], {"all_reduce": L + 1}),
+    # the plan leaves embed_in out (replicated): no forward all-reduce for it
+    "hf_gpt_neox": ({"all_reduce": 2 * L, "all_gather": 1}, {"all_reduce": 2 * L + 1}),
+    # the plans Hugging Face ships for these gather colwise outputs (colwise_gather_output)
+    # and split rowwise inputs (rowwise_split_input): 2 gathers per layer (Phi-3's fused
+    # qkv and gate_up) or 3 (OLMo2's q, k, v), whose backward is a local chunk, and each
+    # rowwise split's backward is an all-gather
+    "hf_phi3": MEGATRON_PLUS(2 * L + 1, {"all_reduce": 2 * L + 1, "all_gather": 2 * L}),
+    "hf_olmo2": MEGATRON_PLUS(3 * L + 1, {"all_reduce": 2 * L + 1, "all_gather": L}),
+}
+
+
+@pytest.mark.parametrize("name", list(AUTO))
 def test_auto_uses_the_models_own_plan(ranks, name):
-    """Hugging Face's plan: q, k, v, gate, up colwise; o, down rowwise; a vocab-parallel
-    embedding; the head colwise with its output gathered."""
-    assert ranks.run(hf_parity, getattr(corpus, name), "auto")[0] == MEGATRON_TP
+    """Each family under the plan it carries: parity in fp64 (forward, every gradient, 3
+    AdamW steps), no fallback (strict) and the collectives that plan implies."""
+    assert ranks.run(hf_parity, getattr(corpus, name), "auto")[0] == AUTO[name]
 
 
 def test_the_auto_plan_is_the_base_model_plan_under_its_prefix_plus_the_heads():
