@@ -20,7 +20,8 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .passes.placement import is_sharded, local_part
+from .passes.collectives import _gather_units
+from .passes.placement import UnitShard, dtensor_placement, is_sharded, local_part
 
 from .passes.errors import PlanError
 from .parallelize import info_of
@@ -32,31 +33,38 @@ def _tensors(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
             **dict(gm.named_buffers(remove_duplicate=False))}
 
 
-def _dtensor(local: torch.Tensor, placement, mesh, world: int) -> DTensor:
-    shape = list(local.shape)
+def _dtensor(local: torch.Tensor, placement, mesh, world: int, shape) -> DTensor:
+    """This rank's ``local`` tensor of global ``shape`` as a DTensor; a parameter dealt in
+    whole heads (:class:`UnitShard`, which DTensor cannot describe) is gathered whole."""
     if is_sharded(placement):
-        shape[placement.dim] *= world
+        placement_ = dtensor_placement(placement, shape[placement.dim], world)
+        if placement_ is None:
+            local = _gather_units(local, placement.dim, placement.units,
+                                  shape[placement.dim], world, mesh.get_group().group_name)
+        placement = placement_ or Replicate()
     return DTensor.from_local(local, mesh, [placement], run_check=False,
                               shape=torch.Size(shape),
                               stride=torch.empty(shape, device="meta").stride())
 
 
 def _entries(gm: fx.GraphModule):
-    """``(key, this rank's tensor, placement)`` for each state-dict key (a tied tensor
-    has its placement under every name)."""
+    """``(key, this rank's tensor, placement, global shape)`` for each state-dict key (a
+    tied tensor has its placement under every name)."""
     info, tensors = info_of(gm), _tensors(gm)
-    placed = {id(tensors[fqn]): p for fqn, p in info.param_placements.items() if p}
+    placed = {id(tensors[fqn]): (p, info.param_shapes[fqn])
+              for fqn, p in info.param_placements.items() if p}
     for key in info.state_keys:
-        yield key, tensors[key], placed.get(id(tensors[key]), Replicate())
+        t = tensors[key]
+        yield (key, t, *placed.get(id(t), (Replicate(), tuple(t.shape))))
 
 
 @torch.no_grad()
 def state_dict(gm: fx.GraphModule) -> dict[str, DTensor]:
     """The model's state as ``DTensor`` s on ``gm.fxtp.mesh`` (see the module docstring)."""
     info, out, made = info_of(gm), {}, {}
-    for key, t, placement in _entries(gm):
+    for key, t, placement, shape in _entries(gm):
         if id(t) not in made:  # tied names share one DTensor
-            dt = _dtensor(t.detach(), placement, info.mesh, info.world_size)
+            dt = _dtensor(t.detach(), placement, info.mesh, info.world_size, shape)
             if isinstance(placement, _StridedShard):
                 dt = dt.redistribute(info.mesh, [Shard(placement.dim)])
             made[id(t)] = dt
@@ -74,7 +82,11 @@ def load_state_dict(gm: fx.GraphModule, sd: Mapping[str, DTensor]) -> None:
         if not isinstance(value, DTensor):
             raise PlanError(f"state_dict['{key}'] is a {type(value).__name__}, not a "
                             f"DTensor; use fxtp.load_full_state_dict for full tensors")
-        return value.redistribute(info.mesh, [placement]).to_local()
+        if not isinstance(placement, UnitShard):
+            return value.redistribute(info.mesh, [placement]).to_local()
+        as_dtensor = dtensor_placement(placement, value.shape[placement.dim], info.world_size)
+        full = value.redistribute(info.mesh, [as_dtensor or Replicate()]).to_local()
+        return full if as_dtensor else local_part(full, placement, info.rank, info.world_size)
     _load(gm, sd, local)
 
 
@@ -83,10 +95,10 @@ def full_state_dict(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
     """The model's state as full tensors, the same on every rank: what the single-device
     model's ``state_dict()`` would hold."""
     info, out, made = info_of(gm), {}, {}
-    for key, t, placement in _entries(gm):
+    for key, t, placement, shape in _entries(gm):
         if id(t) not in made:
-            made[id(t)] = _dtensor(t.detach(), placement, info.mesh,
-                                   info.world_size).full_tensor()
+            made[id(t)] = _dtensor(t.detach(), placement, info.mesh, info.world_size,
+                                   shape).full_tensor()
         out[key] = made[id(t)]
     return out
 
@@ -109,7 +121,7 @@ def _load(gm, sd: Mapping, local_of) -> None:
     if missing or unexpected:
         raise PlanError(f"state dict keys differ from the model's: missing {missing}, "
                         f"unexpected {unexpected}")
-    for key, t, placement in _entries(gm):
+    for key, t, placement, _ in _entries(gm):
         value = local_of(key, sd[key], placement)
         if value.shape != t.shape:
             raise PlanError(f"state_dict['{key}'] gives this rank a {tuple(value.shape)} "

@@ -38,7 +38,8 @@ import torch.fx as fx
 
 from .passes.gradients import gradient_carriers
 from .passes.graph import COLLECTIVE, FALLBACK, PLACEMENT, call_args, module_fqn, val
-from .passes.placement import describe, is_sharded, size_hint, split_factor
+from .passes.placement import (UnitShard, describe, is_sharded, local_range, size_hint,
+                              split_factor)
 from .passes.recompute import inline_checkpoints
 
 from .passes.cross_entropy import forward_all_reduce_bytes, loss_parallel_cross_entropy
@@ -165,6 +166,10 @@ def _chunk(size: int, rank: int, world: int) -> int:
 def _local_dims(v: torch.Tensor, p, rank: int, world: int, hints: dict) -> list[tuple]:
     dims = [_dim(s, hints) for s in v.shape]
     if not is_sharded(p):
+        return dims
+    if isinstance(p, UnitShard):  # static sizes only
+        length = local_range(p, dims[p.dim][1], rank, world)[1]
+        dims[p.dim] = (length, length)
         return dims
     k = split_factor(p)
     size, hint = dims[p.dim]

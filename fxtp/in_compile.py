@@ -26,7 +26,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import Replicate
 
 from .passes.graph import PLACEMENT
-from .passes.placement import is_sharded, split_factor
+from .passes.placement import UnitShard, is_sharded, split_factor
 
 from .passes import collectives
 from .passes.errors import FxtpError
@@ -62,10 +62,7 @@ def parallelize_dynamo_graph(gm: fx.GraphModule, example_inputs, plan, mesh) -> 
             if full is None:
                 raise FxtpError(f"dynamo did not pass '{node.target}' to the backend; "
                                 f"backend='fxtp' with a plan cannot shard it")
-            placement = node.meta[PLACEMENT]
-            env[node] = graph.call_function(collectives.shard, (full,), dict(
-                dim=placement.dim, rank=info.rank, world=info.world_size, group=info.group,
-                split_factor=split_factor(placement))) if is_sharded(placement) else full
+            env[node] = _shard(graph, full, node.meta[PLACEMENT], info)
         elif node.op == "output":
             outs = pytree.tree_leaves(node.args[0])
             _check_outputs(gm, outs)
@@ -73,6 +70,19 @@ def parallelize_dynamo_graph(gm: fx.GraphModule, example_inputs, plan, mesh) -> 
         else:
             env[node] = graph.node_copy(node, env.__getitem__)
     return fx.GraphModule(tp, graph)
+
+
+def _shard(graph: fx.Graph, full: fx.Node, placement, info) -> fx.Node:
+    """This rank's part of a full parameter, as a differentiable collective."""
+    if not is_sharded(placement):
+        return full
+    if isinstance(placement, UnitShard):
+        return graph.call_function(collectives.shard_units, (full,), dict(
+            dim=placement.dim, units=placement.units, rank=info.rank, world=info.world_size,
+            group=info.group))
+    return graph.call_function(collectives.shard, (full,), dict(
+        dim=placement.dim, rank=info.rank, world=info.world_size, group=info.group,
+        split_factor=split_factor(placement)))
 
 
 def _compiled_call() -> tuple[nn.Module, list, dict]:

@@ -38,7 +38,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 
-from .passes.placement import is_sharded
+from .passes.placement import dtensor_placement, is_sharded, local_range
 
 from .passes.errors import PlanError
 
@@ -163,7 +163,13 @@ def _init_view(local: torch.Tensor, placement, mesh, global_shape) -> torch.Tens
     global shape over it."""
     if not is_sharded(placement):
         return local
-    return DTensor.from_local(local, mesh, [placement], run_check=False,
+    as_dtensor = dtensor_placement(placement, global_shape[placement.dim], mesh.size())
+    if as_dtensor is None:
+        raise PlanError(f"a meta-device model's parameter dealt in whole units "
+                        f"({placement}, e.g. heads that do not divide by the world size) "
+                        f"cannot be initialized shard by shard; build the model on a real "
+                        f"device, or choose sizes that divide by the world size")
+    return DTensor.from_local(local, mesh, [as_dtensor], run_check=False,
                               shape=torch.Size(global_shape),
                               stride=torch.empty(global_shape, device="meta").stride())
 
@@ -192,8 +198,8 @@ def _zero_padding_row(module: nn.Embedding, prefix: str, locals_, placements, gr
     p = placements.get(fqn)
     if fqn not in locals_ or not is_sharded(p) or p.dim != 0:
         return  # unsharded rows: the initializer's own write went through
-    rows = locals_[fqn].shape[0]
-    row = module.padding_idx % module.num_embeddings - group.rank * rows
+    start, rows = local_range(p, module.num_embeddings, group.rank, group.world)
+    row = module.padding_idx % module.num_embeddings - start
     if 0 <= row < rows:
         locals_[fqn][row].fill_(0)
 

@@ -1,5 +1,5 @@
-"""``parallelize``: trace -> (same on every rank?) -> seed -> propagate -> strided
-(re-propagate) -> rewrite -> localize -> (materialize meta tensors) -> guard inputs ->
+"""``parallelize``: trace -> (same on every rank?) -> seed -> propagate -> strided, heads
+dealt whole (re-propagate) -> rewrite -> localize -> (materialize meta tensors) -> guard inputs ->
 checkpoint regions, each stage's result optionally dumped to files (:mod:`fxtp.dump`)."""
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from .passes.recompute import REGION, outline_checkpoints
 from .passes.rewrite import rewrite
 from .passes.seed import seed
 from .passes.strided import stride_fused_splits
+from .passes.units import deal_consumers, deal_sources
 
 from .dump import Dumper
 from .passes.errors import PlanError
@@ -40,6 +41,7 @@ class ParallelInfo:
     fallbacks: list[str] = field(default_factory=list)
     output_placements: tuple = ()
     param_placements: dict = field(default_factory=dict)
+    param_shapes: dict = field(default_factory=dict)  # FQN -> global shape
     mesh: Optional[DeviceMesh] = None
     state_keys: tuple = ()  # the model's state_dict() keys, in order
 
@@ -105,9 +107,13 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
                                              gm, draw)
         seed(gm, shardings, calls, group.world, tied_names(model))
         fallbacks = propagate(gm, group.world)
-        # fused projections re-seeded strided; strict raises on a fallback left after that
-        if stride_fused_splits(gm, group.world) or strict and fallbacks:
-            fallbacks = propagate(gm, group.world, strict=strict)
+        # layouts that serve what would be gathered: fused projections strided, heads that
+        # do not divide by the world size dealt whole (and their consumers alike)
+        for relayout in (stride_fused_splits, deal_sources, deal_consumers):
+            if relayout(gm, group.world):
+                fallbacks = propagate(gm, group.world)
+        if strict and fallbacks:  # raises on the first
+            propagate(gm, group.world, strict=True)
         dump.placements(gm)
         for message in fallbacks:
             warnings.warn("fxtp: " + message, stacklevel=2)
@@ -116,6 +122,8 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
         localize(gm, group)
         placements = {n.target: n.meta[PLACEMENT] for n in gm.graph.nodes
                       if n.op == "get_attr" and PLACEMENT in n.meta}
+        shapes = {n.target: tuple(n.meta["val"].shape) for n in gm.graph.nodes
+                  if n.op == "get_attr" and PLACEMENT in n.meta}
         device_mesh = group.device_mesh()
         if meta and device.type != "meta":
             materialize(gm, model, meta, placements, group, device_mesh, device, init_fn,
@@ -123,17 +131,20 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
         guard_inputs(gm, group.world)
         outline_checkpoints(gm, gm.meta[REGION])
         dump.code("localized", gm)
-        gm.fxtp = _info(gm, model, shardings, group, fallbacks, placements, device_mesh)
+        gm.fxtp = _info(gm, model, shardings, group, fallbacks, placements, shapes,
+                        device_mesh)
         dump.report(gm)
     return gm
 
 
-def _info(gm, model, shardings, group, fallbacks, placements, device_mesh) -> ParallelInfo:
+def _info(gm, model, shardings, group, fallbacks, placements, shapes, device_mesh
+          ) -> ParallelInfo:
     outputs = next(iter(reversed(gm.graph.nodes))).args[0]
     return ParallelInfo({k: s.style for k, s in shardings.items()}, group.name, group.rank,
                         group.world, fallbacks,
                         tuple(getattr(o, "meta", {}).get(PLACEMENT) for o in outputs),
-                        placements, device_mesh, tuple(model.state_dict(keep_vars=True)))
+                        placements, shapes, device_mesh,
+                        tuple(model.state_dict(keep_vars=True)))
 
 
 def _device(device, group) -> torch.device:

@@ -14,7 +14,15 @@ function              forward                     backward
 ``grad_sync``         identity                    all-reduce of a partial gradient
 ``grad_sync_bucket``  identity on n tensors       one all-reduce of all their
                                                   partial gradients (per dtype)
+``all_gather_units``  UnitShard(d) -> Replicate   this rank's units, or an all-
+                                                  reduce first when partial
 ====================  ==========================  ==============================
+
+``all_gather_units`` gathers whole units dealt unevenly or to groups of ranks
+(:class:`~fxtp.passes.placement.UnitShard`): every rank's piece is padded to the longest,
+gathered, and each unit taken once. With fewer units than ranks the gradient goes to the
+first rank of each group (the others' contributions are zero), so that summing a group's
+contributions gives it once.
 
 ``split_factor=k`` makes the sharding ``_StridedShard(d, k)``: dim ``d`` is ``k`` equal
 blocks and a rank holds its piece of every block, in block order. The blocks are reordered
@@ -37,6 +45,8 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+
+from .placement import UnitShard, local_range
 
 _c10d = torch.ops._c10d_functional
 
@@ -82,6 +92,56 @@ def _chunk(x: torch.Tensor, dim: int, rank: int, world: int,
         return x.chunk(world, dim)[rank].contiguous()
     pieces = x.unflatten(dim, (split_factor, world, -1)).select(dim + 1, rank)
     return pieces.flatten(dim, dim + 1).contiguous()
+
+
+def _gather_units(x: torch.Tensor, dim: int, units: int, size: int, world: int,
+                  group: str) -> torch.Tensor:
+    p = UnitShard(dim, units)
+    ranges = [local_range(p, size, r, world) for r in range(world)]
+    longest = max(length for _, length in ranges)
+    x = x.movedim(dim, 0)
+    padded = torch.cat([x, x.new_zeros(longest - x.shape[0], *x.shape[1:])]) \
+        if x.shape[0] < longest else x
+    out = _c10d.wait_tensor(_c10d.all_gather_into_tensor(padded.contiguous(), world, group))
+    pieces, covered = [], 0
+    for r, (start, length) in enumerate(ranges):
+        if start == covered and length:  # the first rank holding these units
+            pieces.append(out.narrow(0, r * longest, length))
+            covered += length
+    return torch.cat(pieces).movedim(0, dim).contiguous()
+
+
+def _own_units(grad: torch.Tensor, dim: int, units: int, rank: int, world: int
+               ) -> torch.Tensor:
+    start, length = local_range(UnitShard(dim, units), grad.shape[dim], rank, world)
+    mine = grad.narrow(dim, start, length)
+    first = units >= world or rank % (world // units) == 0
+    return mine.contiguous() if first else torch.zeros_like(mine)
+
+
+class _AllGatherUnits(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, units, size, rank, world, group, partial_grad):
+        ctx.args = (dim, units, rank, world, group, partial_grad)
+        return _gather_units(x, dim, units, size, world, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dim, units, rank, world, group, partial_grad = ctx.args
+        if partial_grad:
+            grad = _all_reduce(grad, group)
+        return _own_units(grad, dim, units, rank, world), *(None,) * 7
+
+
+class _ShardUnits(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, units, rank, world, group):
+        ctx.args = (dim, units, x.shape[dim], world, group)
+        return _own_units(x, dim, units, rank, world)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_units(grad, *ctx.args), None, None, None, None, None
 
 
 class _AllReduce(torch.autograd.Function):
@@ -185,6 +245,21 @@ def shard(x: torch.Tensor, dim: int, rank: int, world: int, group: str,
     return _Shard.apply(x, dim, rank, world, group, split_factor)
 
 
+def all_gather_units(x: torch.Tensor, dim: int, units: int, size: int, rank: int, world: int,
+                     group: str, partial_grad: bool = False) -> torch.Tensor:
+    """Concatenate the ranks' whole units of a dim of global ``size`` dealt in ``units``
+    (a :class:`~fxtp.passes.placement.UnitShard`); the gradient as in :func:`all_gather`,
+    each unit's to one rank."""
+    return _AllGatherUnits.apply(x, dim, units, size, rank, world, group, partial_grad)
+
+
+def shard_units(x: torch.Tensor, dim: int, units: int, rank: int, world: int, group: str
+                ) -> torch.Tensor:
+    """Keep this rank's whole units of a replicated tensor (``units >= world``: each unit on
+    one rank); the gradient is gathered."""
+    return _ShardUnits.apply(x, dim, units, rank, world, group)
+
+
 def grad_sync(x: torch.Tensor, group: str) -> torch.Tensor:
     """Identity forward; all-reduce the partial gradient backward (Megatron's ``f``)."""
     return _GradSync.apply(x, group)
@@ -244,7 +319,8 @@ def _split_like(flat: torch.Tensor, xs: Sequence[torch.Tensor]) -> tuple[torch.T
     return tuple(p.view(x.shape) for p, x in zip(flat.split([x.numel() for x in xs]), xs))
 
 
-COLLECTIVES = (all_reduce, reduce_scatter, all_gather, shard, grad_sync)
+COLLECTIVES = (all_reduce, reduce_scatter, all_gather, shard, grad_sync, all_gather_units,
+               shard_units)
 BUCKETS = {all_reduce: all_reduce_bucket, grad_sync: grad_sync_bucket,
            all_gather: all_gather_bucket, reduce_scatter: reduce_scatter_bucket,
            shard: shard_bucket}

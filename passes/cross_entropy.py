@@ -1,7 +1,9 @@
 """Loss parallel's kernel: cross-entropy on logits sharded over the class dim, never gathered.
 
-Each rank holds ``C_local = C / world`` consecutive classes of every token's logits, classes
-``[rank * C_local, (rank + 1) * C_local)``. The loss needs per-token reductions over all
+Each rank holds consecutive classes of every token's logits: ``C_local = C / world``,
+classes ``[rank * C_local, (rank + 1) * C_local)``, or where the classes do not divide by the
+world size, the ranks' ``torch.chunk`` of them (``classes=(offset, C)``; every rank holding
+some). The loss needs per-token reductions over all
 classes; each is one all-reduce of a per-token tensor in the compute dtype (fp32; fp64 for
 fp64 logits):
 
@@ -27,13 +29,16 @@ REDUCTIONS = ("none", "mean", "sum")  # the order of aten's Reduction enum
 
 def loss_parallel_cross_entropy(logits, target, weight, reduction: str, ignore_index: int,
                                 label_smoothing: float, class_dim: int, rank: int, world: int,
-                                group: str) -> torch.Tensor:
+                                group: str, classes=None) -> torch.Tensor:
     """:func:`cross_entropy` on a resolved group (``rank``, ``world`` and the registered
-    ``group`` name): the form fxtp's graphs call."""
+    ``group`` name): the form fxtp's graphs call. ``classes``: ``(offset, C)``, this rank's
+    first class and the number of classes, where they are not ``world`` equal shards."""
+    local = logits.shape[class_dim]
+    offset, n_classes = classes or (rank * local, local * world)
     class_dim = _check(logits, target, weight, reduction, ignore_index, label_smoothing,
-                       class_dim, world)
+                       class_dim, n_classes)
     return _CrossEntropy.apply(logits, target, weight, reduction, ignore_index,
-                               float(label_smoothing), class_dim, rank, world, group)
+                               float(label_smoothing), class_dim, offset, n_classes, group)
 
 
 def forward_all_reduce_bytes(tokens: int, dtype: torch.dtype, probability_targets: bool,
@@ -47,7 +52,8 @@ def forward_all_reduce_bytes(tokens: int, dtype: torch.dtype, probability_target
     return [tokens * item, tokens * item, tokens * terms * item]
 
 
-def _check(logits, target, weight, reduction, ignore_index, smoothing, class_dim, world) -> int:
+def _check(logits, target, weight, reduction, ignore_index, smoothing, class_dim,
+           n_classes) -> int:
     """Validate the arguments as F.cross_entropy would; return the normalized class dim."""
     where = "fxtp.cross_entropy"
     if reduction not in REDUCTIONS:
@@ -62,7 +68,6 @@ def _check(logits, target, weight, reduction, ignore_index, smoothing, class_dim
         raise ValueError(f"{where}: class_dim={class_dim} is out of range for logits of shape "
                          f"{tuple(logits.shape)}")
     class_dim %= n
-    n_classes = logits.shape[class_dim] * world
     tokens = logits.shape[:class_dim] + logits.shape[class_dim + 1:]
     if target.is_floating_point():
         if target.shape != logits.shape:
@@ -103,10 +108,10 @@ def _shifted(x: torch.Tensor, by: torch.Tensor, dtype) -> torch.Tensor:
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, weight, reduction, ignore_index, smoothing, class_dim,
-                rank, world, group):
+                offset, n_classes, group):
         x = logits.movedim(class_dim, -1)
         dtype = _compute_dtype(logits.dtype)
-        terms = _Terms(target, weight, ignore_index, smoothing, class_dim, rank, world,
+        terms = _Terms(target, weight, ignore_index, smoothing, class_dim, offset, n_classes,
                        x.shape[-1], dtype)
         maxima = _all_reduce(x.amax(-1).to(dtype), group, "max")
         z = _shifted(x, maxima, dtype)
@@ -123,7 +128,7 @@ class _CrossEntropy(torch.autograd.Function):
         elif reduction == "mean":
             loss = loss.sum() / count
         ctx.save_for_backward(logits, target, weight, maxima + log_sum_exp, scale, count)
-        ctx.args = (reduction, ignore_index, smoothing, class_dim, rank, world)
+        ctx.args = (reduction, ignore_index, smoothing, class_dim, offset, n_classes)
         out_dtype = (torch.result_type(logits, target) if target.is_floating_point()
                      else logits.dtype)
         return loss.to(out_dtype)
@@ -131,10 +136,10 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         logits, target, weight, log_sum_exp, scale, count = ctx.saved_tensors
-        reduction, ignore_index, smoothing, class_dim, rank, world = ctx.args
+        reduction, ignore_index, smoothing, class_dim, offset, n_classes = ctx.args
         x = logits.movedim(class_dim, -1)
         dtype = log_sum_exp.dtype
-        terms = _Terms(target, weight, ignore_index, smoothing, class_dim, rank, world,
+        terms = _Terms(target, weight, ignore_index, smoothing, class_dim, offset, n_classes,
                        x.shape[-1], dtype)
         g = grad.to(dtype)
         if reduction == "mean":
@@ -160,12 +165,12 @@ class _Terms:
     target ``q``, smoothed ``q' = (1 - e) q + e / C``: ``sum_c w_c q'_c (L - z_c)``.
     """
 
-    def __init__(self, target, weight, ignore_index, smoothing, class_dim, rank, world,
+    def __init__(self, target, weight, ignore_index, smoothing, class_dim, offset, n_classes,
                  n_local, dtype):
-        self.smoothing, self.n_classes = smoothing, n_local * world
+        self.smoothing, self.n_classes = smoothing, n_classes
         self.weight = None if weight is None else weight.to(dtype)
         self.local_weight = (None if weight is None else
-                             self.weight[rank * n_local:(rank + 1) * n_local])
+                             self.weight[offset:offset + n_local])
         self.probs = target.is_floating_point()
         if self.probs:
             q = target.movedim(class_dim, -1).to(dtype)
@@ -174,7 +179,7 @@ class _Terms:
             return
         self.total_weight = self.n_classes if weight is None else self.weight.sum()
         self.keep = target != ignore_index
-        local = target - rank * n_local
+        local = target - offset
         self.mine = self.keep & (local >= 0) & (local < n_local)
         self.index = local.clamp(0, n_local - 1).unsqueeze(-1)
         self.target_weight = (self.keep.to(dtype) if weight is None else

@@ -20,7 +20,7 @@ from typing import Iterator, Optional, Sequence
 from torch.distributed.tensor import Placement, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .placement import P, R, split_factor
+from .placement import P, R, UnitShard, split_factor
 
 Labels = tuple[str, ...]
 _fresh = itertools.count()
@@ -85,46 +85,39 @@ def parse(spec: str, ranks: Sequence[Optional[int]], out_ranks: Sequence[int] = 
     return DimSpec(inputs, outputs, partial, partial_args)
 
 
-def _base(label: str) -> str:
+def label_base(label: str) -> str:
     return label.rstrip("+!")
 
 
 def strategies(spec: DimSpec, in_shapes: Sequence, out_shapes: Sequence, world: int,
-               actual: Sequence = ()
+               actual: Sequence = (), unit_actual: Sequence = ()
                ) -> Iterator[tuple[tuple[Optional[Placement], ...], tuple[Placement, ...]]]:
     """Yield every valid ``(input placements, output placements)`` for the op: all
     Replicate, one strategy per shardable label whose dims divide evenly by ``world`` (and
-    its strided form, see :func:`_strided`, given the inputs' ``actual`` placements), and
-    the Partial pass-through strategies."""
+    its strided form, see :func:`_strided`, given the inputs' ``actual`` placements), the
+    unit-sharded forms of :func:`_units` (given ``unit_actual``), and the Partial
+    pass-through strategies."""
     n_in = len(spec.inputs)
     yield tuple(None if s is None else R for s in spec.inputs), (R,) * len(spec.outputs)
     labels = spec.labels()
-    out_bases = {_base(label) for labels in spec.outputs for label in labels}
-    fixed = {_base(label) for label in labels if label.endswith("!")}
-    summed_bases = {_base(label) for label in labels if label.endswith("+")}
-    for base in dict.fromkeys(map(_base, labels)):
+    out_bases = {label_base(label) for labels in spec.outputs for label in labels}
+    fixed = {label_base(label) for label in labels if label.endswith("!")}
+    summed_bases = {label_base(label) for label in labels if label.endswith("+")}
+    for base in dict.fromkeys(map(label_base, labels)):
         summed = base in summed_bases
         if base in fixed or (not summed and base not in out_bases):
             continue
-
-        def place(labels, shape):
-            if labels is None:
-                return None
-            dims = [d for d, lab in enumerate(labels) if _base(lab) == base]
-            if not dims:
-                return R
-            size = shape[dims[0]]
-            if len(dims) > 1 or (isinstance(size, int) and size % world):
-                return False
-            return Shard(dims[0])
-
-        ins = tuple(place(lab, s) for lab, s in zip(spec.inputs, in_shapes))
-        outs = tuple(P if summed else place(lab, s) for lab, s in zip(spec.outputs, out_shapes))
-        if False not in ins and False not in outs:
+        found = _sharding(spec, base, summed, in_shapes, out_shapes,
+                          lambda d, size: False if isinstance(size, int) and size % world
+                          else Shard(d))
+        if found is not None:
+            ins, outs = found
             yield ins, outs
             strided = _strided(ins, outs, actual, in_shapes, out_shapes, world)
             if strided is not None:
                 yield strided
+    yield from _units(spec, in_shapes, out_shapes, world, unit_actual)
+    yield from _whole(spec, unit_actual)
     partial_outs = (P,) * len(spec.outputs)
     if spec.partial == "sum":
         yield tuple(None if s is None else P if spec.partial_args is None or i in
@@ -156,6 +149,59 @@ def _strided(ins, outs, actual, in_shapes, out_shapes, world):
     return tuple(map(stride, ins)), tuple(map(stride, outs))
 
 
+def _units(spec, in_shapes, out_shapes, world, actual):
+    """For each input arriving ``UnitShard(d, n)``, the strategy sharding the label of its
+    dim ``d`` in ``n`` units on every tensor carrying it, when each such dim has a static
+    size divisible by ``n``. A summed label gives ``Partial``, but only when the units are
+    dealt to distinct ranks (a group of ranks holding one unit would add it several
+    times)."""
+    out_bases = {label_base(label) for labels in spec.outputs for label in labels}
+    seen = set()
+    for labels, a in zip(spec.inputs, actual):
+        if not isinstance(a, UnitShard) or labels is None or a.dim >= len(labels):
+            continue
+        label = labels[a.dim]
+        base, summed = label_base(label), label.endswith("+")
+        if a.units == 1 or label.endswith("!") or (base, a.units) in seen or \
+                (summed and a.units < world) or (not summed and base not in out_bases):
+            continue
+        seen.add((base, a.units))
+        found = _sharding(spec, base, summed, in_shapes, out_shapes,
+                          lambda d, size, n=a.units: UnitShard(d, n)
+                          if isinstance(size, int) and size % n == 0 else False)
+        if found is not None:
+            yield found
+
+
+def _sharding(spec, base, summed, in_shapes, out_shapes, shard):
+    """``(input placements, output placements)`` sharding label ``base`` on every tensor
+    carrying it as ``shard(dim, size)`` (``False``: it cannot) and replicating the others
+    (a summed label's outputs ``Partial``), or ``None``."""
+    def place(labels, shape):
+        if labels is None:
+            return None
+        dims = [d for d, lab in enumerate(labels) if label_base(lab) == base]
+        if not dims:
+            return R
+        return False if len(dims) > 1 else shard(dims[0], shape[dims[0]])
+
+    ins = tuple(place(lab, s) for lab, s in zip(spec.inputs, in_shapes))
+    outs = tuple(P if summed else place(lab, s) for lab, s in zip(spec.outputs, out_shapes))
+    return (ins, outs) if False not in ins and False not in outs else None
+
+
+def _whole(spec, actual):
+    """Inputs held whole by every rank with per-rank partial gradients (a single unit, see
+    ``UnitShard``) compute anything as replicated inputs would: the outputs are held so."""
+    def whole(a):
+        return isinstance(a, UnitShard) and a.units == 1
+    if not any(map(whole, actual)):
+        return
+    yield (tuple(None if labels is None else a if whole(a) else R
+                 for labels, a in zip(spec.inputs, actual)),
+           (UnitShard(0, 1),) * len(spec.outputs))
+
+
 def indivisible(spec: DimSpec, in_shapes: Sequence, out_shapes: Sequence, input_index: int,
                 dim: int, world: int) -> list[str]:
     """Why the label of dim ``dim`` of input ``input_index`` has no sharded strategy, when
@@ -164,13 +210,13 @@ def indivisible(spec: DimSpec, in_shapes: Sequence, out_shapes: Sequence, input_
     labels = spec.inputs[input_index]
     if labels is None or dim >= len(labels) or labels[dim].endswith("!"):
         return []
-    base = _base(labels[dim])
+    base = label_base(labels[dim])
     found = []
     for side, specs, shapes in (("input", spec.inputs, in_shapes),
                                 ("output", spec.outputs, out_shapes)):
         for i, (labs, shape) in enumerate(zip(specs, shapes)):
             for d, label in enumerate(labs or ()):
                 size = shape[d] if shape is not None else None
-                if _base(label) == base and isinstance(size, int) and size % world:
+                if label_base(label) == base and isinstance(size, int) and size % world:
                     found.append(f"dim {d} of {side} {i} (size {size})")
     return found

@@ -18,27 +18,28 @@ def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, offset
     return out.masked_fill(outside.unsqueeze(-1), 0)
 
 
-def sharded_dropout(x: torch.Tensor, p: float, train: bool, dim: int, rank: int,
-                    world: int) -> torch.Tensor:
-    """Dropout of this rank's shard (along ``dim``) of a tensor: the mask of the whole tensor
-    is drawn, exactly as single-device dropout draws it, and this rank's chunk is applied.
-    Each shard thus gets its own part of the mask, the result equals the single-device one
-    for the same seed, and every rank's generator stays in step (so dropout on replicated
-    values still draws the same mask on every rank)."""
+def sharded_dropout(x: torch.Tensor, p: float, train: bool, dim: int, start: int,
+                    size: int) -> torch.Tensor:
+    """Dropout of this rank's shard (elements ``[start, start + len)`` along ``dim``, of
+    ``size``) of a tensor: the mask of the whole tensor is drawn, exactly as single-device
+    dropout draws it, and this rank's part is applied. Each shard thus gets its own part of
+    the mask, the result equals the single-device one for the same seed, and every rank's
+    generator stays in step (so dropout on replicated values still draws the same mask on
+    every rank)."""
     if not train or p == 0 or x.numel() == 0:
         return x
     shape = list(x.shape)
-    shape[dim] *= world
+    shape[dim] = size
     noise = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p)
-    noise = noise.chunk(world, dim)[rank].clone(memory_format=torch.contiguous_format)
+    noise = noise.narrow(dim, start, x.shape[dim]).clone(memory_format=torch.contiguous_format)
     return x * noise.div_(1 - p)
 
 
-def mean_of_shard(x: torch.Tensor, world: int, dim=None, keepdim: bool = False,
+def mean_of_shard(x: torch.Tensor, length: int, size: int, dim=None, keepdim: bool = False,
                   dtype=None) -> torch.Tensor:
-    """This rank's Partial contribution to a mean over dims one of which is sharded evenly
-    over ``world`` ranks: the shard's mean divided by ``world`` (the means of equal-sized
-    shards average to the whole's)."""
-    if dim is None:
-        return torch.mean(x, dtype=dtype) / world
-    return torch.mean(x, dim, keepdim, dtype=dtype) / world
+    """This rank's Partial contribution to a mean over dims one of which is sharded, this
+    rank holding ``length`` of its ``size`` elements: the shard's mean times
+    ``length / size`` (``1 / world`` for equal shards)."""
+    mean = torch.mean(x, dtype=dtype) if dim is None else torch.mean(x, dim, keepdim,
+                                                                     dtype=dtype)
+    return mean * length / size if length else torch.zeros_like(mean)  # an empty shard

@@ -14,6 +14,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from .cross_entropy import REDUCTIONS, loss_parallel_cross_entropy
 from .dimspec import DimSpec
+from .placement import UnitShard, local_range
 
 _ARGS = (("weight", None), ("reduction", 1), ("ignore_index", -100), ("label_smoothing", 0.0))
 
@@ -46,12 +47,14 @@ def cross_entropy_spec(node: fx.Node) -> DimSpec:
 
 
 def class_sharded(node: fx.Node, world: int):
-    """Logits (and probability targets) sharded over classes -> replicated loss."""
+    """Logits (and probability targets) sharded over classes -> replicated loss; classes
+    that do not divide by the world size are dealt as ``torch.chunk`` deals them."""
     logits, target = _logits_and_target(node)
     c = _class_dim(logits)
-    if not isinstance(logits.shape[c], int) or logits.shape[c] % world:
-        return
-    shard = Shard(c)
+    classes = logits.shape[c]
+    if not isinstance(classes, int) or -(-classes // world) * (world - 1) >= classes:
+        return  # symbolic, or some rank would hold no class
+    shard = Shard(c) if classes % world == 0 else UnitShard(c, classes)
     inputs = (shard, shard if target.is_floating_point() else Replicate())
     if _options(node)["weight"] is not None:
         inputs += (Replicate(),)
@@ -63,9 +66,12 @@ def loss_parallel(node: fx.Node, inputs, output, group):
     shards and replicated logits run the op itself."""
     logits = node.args[0]
     c = _class_dim(logits.meta["val"])
-    if inputs[0] != Shard(c):
+    if inputs[0] not in (Shard(c), UnitShard(c, logits.meta["val"].shape[c])):
         return node.target, node.args, node.kwargs
     o = _options(node)
+    classes = logits.meta["val"].shape[c]
+    uneven = {} if classes % group.world == 0 else dict(
+        classes=(local_range(inputs[0], classes, group.rank, group.world)[0], classes))
     return loss_parallel_cross_entropy, (
         logits, node.args[1], o["weight"], REDUCTIONS[o["reduction"]], o["ignore_index"],
-        o["label_smoothing"], c, group.rank, group.world, group.name), {}
+        o["label_smoothing"], c, group.rank, group.world, group.name), uneven

@@ -3,12 +3,15 @@
 Placements are torch's own ``Shard(d)``, ``Replicate()`` and ``Partial()`` objects, and
 ``_StridedShard(d, split_factor=k)`` (dim ``d`` cut into ``k`` equal blocks, each sharded
 over the ranks: a rank holds its piece of every block, in block order; fused projections
-use it, see :mod:`fxtp.passes.strided`). Shard dims are normalized to be non-negative for the
-tensor they describe.
+use it, see :mod:`fxtp.passes.strided`), and fxtp's own :class:`UnitShard` (a dim cut into
+equal units, such as heads or vocabulary rows, dealt out whole: unevenly when their number
+does not divide by the world size, in groups of ranks when there are fewer units than
+ranks). Shard dims are normalized to be non-negative for the tensor they describe.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -22,9 +25,86 @@ LOCAL_COPY_COST = 1e-3  # a chunk costs no communication, but prefer not to move
 LATENCY = 1.0  # a collective's fixed cost, in bytes: breaks ties between equal byte counts
 
 
+@dataclass(frozen=True)
+class UnitShard(Placement):
+    """Dim ``dim`` cut into ``units`` equal units (heads, vocabulary rows), each rank
+    holding whole units. With ``units >= world`` they are dealt as ``torch.chunk`` deals
+    them, ``ceil(units / world)`` per rank, the last ranks getting fewer (or none): a
+    vocabulary of 50257 at 4 ranks, 6 heads at 4 (2, 2, 2, 0). With ``units < world``
+    (dividing it) each unit is held by ``world / units`` consecutive ranks: 2 KV heads at
+    4 ranks, ranks 0-1 hold head 0; a single unit (one KV head: multi-query attention) is
+    held whole by every rank, whatever ``dim`` says. Only used where ``Shard(dim)`` would
+    not say the same (``units`` not a multiple of ``world``), and only on static sizes.
+
+    Gradients of a value placed so follow the placement: with ``units >= world`` each rank
+    holds its units' gradient, as under ``Shard``; with fewer units each rank holds its own
+    contribution to its unit's gradient (they are summed where the value meets a
+    replicated or parameter input, by the usual gradient all-reduce)."""
+
+    dim: int
+    units: int
+
+    def __str__(self):
+        return f"UnitShard(dim={self.dim}, units={self.units})"
+
+    def __reduce__(self):  # torch's Placement is a C++ class: pickle by fields
+        return UnitShard, (self.dim, self.units)
+
+
+def unit_shard(dim: int, size, units: int, world: int):
+    """The placement holding whole units: ``Shard(dim)`` when ``units`` divides by
+    ``world`` (the same chunks), else :class:`UnitShard` (``size`` must be static)."""
+    if units % world == 0:
+        return Shard(dim)
+    if not isinstance(size, int) or size % units or (units < world and world % units):
+        raise ValueError(f"dim {dim} of size {size} cannot be dealt in {units} units over "
+                         f"{world} ranks")
+    return UnitShard(dim, units)
+
+
+def is_whole(p) -> bool:
+    """A :class:`UnitShard` of a single unit: every rank holds the whole tensor."""
+    return isinstance(p, UnitShard) and p.units == 1
+
+
+def is_grouped(p, world: int) -> bool:
+    """A :class:`UnitShard` with fewer units than ranks (each unit held by a group)."""
+    return isinstance(p, UnitShard) and p.units < world
+
+
+def unit_range(units: int, rank: int, world: int) -> tuple[int, int]:
+    """The units ``[start, stop)`` rank ``rank`` holds (see :class:`UnitShard`)."""
+    if units < world:
+        unit = rank * units // world
+        return unit, unit + 1
+    per = -(-units // world)
+    start = min(rank * per, units)
+    return start, min(start + per, units)
+
+
+def local_range(p, size: int, rank: int, world: int) -> tuple[int, int]:
+    """``(start, length)`` of the elements of a dim of ``size`` that ``rank`` holds under
+    ``Shard`` or :class:`UnitShard` ``p`` (for ``Shard``, ``torch.chunk``'s)."""
+    units = p.units if isinstance(p, UnitShard) else size
+    start, stop = unit_range(units, rank, world) if isinstance(p, UnitShard) else \
+        unit_range(size, rank, world)
+    per_unit = size // units
+    return start * per_unit, (stop - start) * per_unit
+
+
+def dtensor_placement(p, size: int, world: int):
+    """The DTensor placement that lays a dim of ``size`` out as ``p`` does, or ``None``:
+    a :class:`UnitShard` of single elements is ``Shard`` (DTensor deals uneven dims as
+    ``torch.chunk`` does); one of larger units (heads) or of groups has none."""
+    if not isinstance(p, UnitShard):
+        return p
+    return Shard(p.dim) if p.units == size and p.units >= world else None
+
+
 def is_sharded(p) -> bool:
-    """``Shard`` or ``_StridedShard`` (which is not a ``Shard`` subclass)."""
-    return isinstance(p, (Shard, _StridedShard))
+    """``Shard``, ``_StridedShard`` (which is not a ``Shard`` subclass) or
+    :class:`UnitShard`."""
+    return isinstance(p, (Shard, _StridedShard, UnitShard))
 
 
 def split_factor(p) -> int:
@@ -33,7 +113,10 @@ def split_factor(p) -> int:
 
 
 def with_dim(p, dim: int):
-    """The placement ``p`` (sharded) with its dim replaced, keeping any split factor."""
+    """The placement ``p`` (sharded) with its dim replaced, keeping any split factor or
+    unit count."""
+    if isinstance(p, UnitShard):
+        return UnitShard(dim, p.units)
     k = split_factor(p)
     return _StridedShard(dim, split_factor=k) if k > 1 else Shard(dim)
 
@@ -57,6 +140,8 @@ def local_part(value: torch.Tensor, p, rank: int, world: int) -> torch.Tensor:
     value.chunk(k, d)], d)``, which needs the dim's size to divide by ``k * world``."""
     if not is_sharded(p):
         return value
+    if isinstance(p, UnitShard):
+        return value.narrow(p.dim, *local_range(p, value.shape[p.dim], rank, world))
     k = split_factor(p)
     if k == 1:
         return value.chunk(world, p.dim)[rank]
@@ -91,6 +176,8 @@ def transition_cost(src: Placement, dst: Placement, val: torch.Tensor, world: in
     share = (world - 1) / world * nbytes + LATENCY
     if isinstance(dst, Partial):
         return INF  # fxtp never creates partial values by redistribution
+    if is_narrowing(src, dst, val, world):
+        return LOCAL_COPY_COST
     if isinstance(src, Partial):
         # A reduce-scatter moves half an all-reduce's bytes, but the shards then need an
         # all-gather downstream unless a plan layout asks for them, so the choice between
@@ -101,12 +188,39 @@ def transition_cost(src: Placement, dst: Placement, val: torch.Tensor, world: in
     return share  # all-gather
 
 
-def transition_steps(src: Placement, dst: Placement) -> list[tuple[str, Optional[Placement]]]:
+def is_narrowing(src, dst, val: torch.Tensor, world: int) -> bool:
+    """Does every rank hold ``dst``'s elements within its ``src`` ones, so that a local
+    slice turns one into the other? From ``Replicate`` to a :class:`UnitShard`, and from
+    a grouped ``UnitShard`` to ``Shard`` on the same dim (each rank's chunk lies in its
+    group's unit; a single unit is the whole tensor, on any dim)."""
+    if not isinstance(dst, (Shard, UnitShard)) or isinstance(dst, _StridedShard):
+        return False
+    if isinstance(src, Replicate):
+        return isinstance(dst, UnitShard)
+    return isinstance(src, UnitShard) and (src.dim == dst.dim or src.units == 1) and \
+        is_grouped(src, world) and isinstance(val.shape[dst.dim], int) and all(
+            _within(local_range(dst, val.shape[dst.dim], r, world),
+                    local_range(src, val.shape[dst.dim], r, world)) for r in range(world))
+
+
+def _within(inner, outer) -> bool:
+    return outer[0] <= inner[0] and inner[0] + inner[1] <= outer[0] + outer[1]
+
+
+def transition_steps(src: Placement, dst: Placement, val: Optional[torch.Tensor] = None,
+                     world: int = 1) -> list[tuple[str, Optional[Placement]]]:
     """The collectives that turn ``src`` into ``dst``: ``[(kind, sharding), ...]`` with kinds
-    ``all_reduce``, ``reduce_scatter``, ``all_gather`` and ``shard`` (local chunk), and the
-    sharding each one gathers from or produces (``None`` for ``all_reduce``)."""
+    ``all_reduce``, ``reduce_scatter``, ``all_gather``, ``shard`` (local chunk) and
+    ``narrow`` (a local slice: :func:`is_narrowing`), and the sharding each one gathers
+    from or produces (``None`` for ``all_reduce``). ``val`` (the value's global
+    meta tensor) and ``world`` decide narrowing."""
     if src == dst:
         return []
+    if val is not None and is_narrowing(src, dst, val, world):
+        return [("narrow", dst)]
+    if isinstance(dst, UnitShard):  # held whole or reduced first, then sliced
+        steps = transition_steps(src, R)
+        return steps + [("narrow", dst)]
     if isinstance(src, Partial):
         return [("all_reduce", None)] if isinstance(dst, Replicate) else \
             [("reduce_scatter", dst)]
@@ -117,12 +231,15 @@ def transition_steps(src: Placement, dst: Placement) -> list[tuple[str, Optional
 
 
 def describe(p) -> str:
-    """Short text for dumps: ``S(1)``, ``S(1)/3`` (strided in 3 blocks), ``R``, ``P``;
+    """Short text for dumps: ``S(1)``, ``S(1)/3`` (strided in 3 blocks), ``S(1)~6`` (in 6
+    units), ``R``, ``P``;
     tuples joined with commas."""
     if p is None:
         return "-"
     if isinstance(p, (tuple, list)):
         return "(" + ", ".join(describe(q) for q in p) + ")"
+    if isinstance(p, UnitShard):
+        return f"S({p.dim})~{p.units}"
     if is_sharded(p):
         k = split_factor(p)
         return f"S({p.dim})" + (f"/{k}" if k > 1 else "")

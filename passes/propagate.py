@@ -21,7 +21,8 @@ from torch.distributed.tensor import Partial
 from .errors import ShardingError
 from .graph import (FALLBACK, INPUTS, PLACEMENT, branches, layout, module_fqn, output_vals,
                     placement_of, tensor_inputs, val)
-from .placement import R, describe, is_replicate, is_sharded, transition_cost
+from .placement import (R, describe, is_narrowing, is_replicate, is_sharded,
+                        transition_cost)
 from .dimspec import indivisible
 from .rules import PASSTHROUGH, rule_for, writes_first_input
 
@@ -161,7 +162,8 @@ def _gathers(node, rule, actual, needed, world, where) -> str | None:
     rule keeps it sharded: e.g. a head count that does not divide by the world size)."""
     reasons = []
     for i, (a, n) in enumerate(zip(actual, needed)):
-        if not is_sharded(a) or n is None or n == a:
+        if not is_sharded(a) or n is None or n == a or \
+                is_narrowing(a, n, val(tensor_inputs(node)[i]), world):
             continue
         sizes = indivisible(rule.spec(node), [getattr(val(x), "shape", None)
                                               for x in tensor_inputs(node)],

@@ -23,7 +23,8 @@ from . import collectives
 from .gradients import gradient_carriers
 from .graph import (AUTOCAST, COLLECTIVE, INPUTS, PLACEMENT, branches, layout, placement_of,
                     tensor_inputs, val)
-from .placement import describe, is_replicate, split_factor, transition_steps
+from .placement import (UnitShard, describe, is_replicate, is_sharded, local_range,
+                        split_factor, transition_steps)
 from .rules import writes_first_input
 
 aten = torch.ops.aten
@@ -39,7 +40,7 @@ def rewrite(gm: fx.GraphModule, group: str, rank: int, world: int) -> None:
             return src
         if key not in made:
             out = src
-            for kind, sharding in transition_steps(placement_of(src), dst):
+            for kind, sharding in transition_steps(placement_of(src), dst, val(src), world):
                 out = _collective(graph, kind, sharding, out, before, group, rank, world)
             made[key] = out
         return made[key]
@@ -73,16 +74,37 @@ _KINDS = {"all_reduce": collectives.all_reduce, "reduce_scatter": collectives.re
 
 def _collective(graph, kind, sharding, src, before, group, rank, world) -> fx.Node:
     """``sharding``: the placement the collective gathers from or produces. Arguments are
-    passed by name (``x`` positionally), so later passes read them by name."""
+    passed by name (``x`` positionally), so later passes read them by name. ``narrow`` is
+    a local slice (autograd's backward pads it with zeros: a partial gradient)."""
+    if kind == "narrow":
+        return _narrow(graph, src, sharding, before, rank, world)
     fn = _KINDS[kind]
     given = {"dim": sharding and sharding.dim, "rank": rank, "world": world, "group": group,
              "split_factor": split_factor(sharding)}
+    if isinstance(sharding, UnitShard):
+        fn = collectives.all_gather_units
+        given.update(units=sharding.units, size=val(src).shape[sharding.dim])
     params = inspect.signature(fn).parameters
     with graph.inserting_before(before):
         node = graph.call_function(fn, (src,), {k: v for k, v in given.items() if k in params})
     node.meta.update(val=val(src), nn_module_stack=dict(before.meta.get("nn_module_stack", {})))
     node.meta[PLACEMENT] = sharding if kind in ("reduce_scatter", "shard") else Replicate()
     node.meta[COLLECTIVE] = kind
+    return node
+
+
+def _narrow(graph, src, dst, before, rank, world) -> fx.Node:
+    """This rank's ``dst`` elements out of its ``src`` ones (:func:`is_narrowing`)."""
+    size = val(src).shape[dst.dim]
+    start, length = local_range(dst, size, rank, world)
+    have = placement_of(src)
+    if is_sharded(have):
+        start -= local_range(have, size, rank, world)[0]
+    with graph.inserting_before(before):
+        node = graph.call_function(aten.slice.Tensor, (src, dst.dim, start, start + length))
+    node.meta.update(val=val(src), nn_module_stack=dict(before.meta.get("nn_module_stack", {})))
+    node.meta[PLACEMENT] = dst
+    node.meta[INPUTS] = (None,)  # local bounds already: localization leaves it as is
     return node
 
 
@@ -125,7 +147,8 @@ def _sync_partial_grads(graph: fx.Graph, group: str) -> None:
         if node in from_params:
             params[node] = partial_users
             continue
-        if node.target is collectives.all_gather and len(partial_users) == len(node.users):
+        if node.target in (collectives.all_gather, collectives.all_gather_units) and \
+                len(partial_users) == len(node.users):
             node.kwargs = {**node.kwargs, "partial_grad": True}
             continue
         with graph.inserting_after(node):

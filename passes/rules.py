@@ -27,14 +27,14 @@ from typing import Callable, Optional
 import sympy
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .dimspec import DimSpec, fixed_label, parse, strategies
 from .graph import is_tensor_node, output_vals, tensor_inputs, val
 from .local_ops import mean_of_shard, sharded_dropout, vocab_parallel_embedding
 from .loss_parallel import class_sharded, cross_entropy_spec, loss_parallel
-from .placement import is_sharded
+from .placement import UnitShard, is_sharded, is_whole, local_range
 
 aten = torch.ops.aten
 
@@ -55,7 +55,8 @@ class Rule:
     says that local op issues collectives for its ``extra`` strategies (they need a real
     process group to check). ``strided=False``: the op is offered no ``_StridedShard``
     forms of its spec's strategies (its local form assumes one contiguous shard per rank:
-    a vocab offset, a diagonal shift, a chunk of a mask)."""
+    a vocab offset, a diagonal shift, a chunk of a mask). ``units=False``: nor
+    :class:`~fxtp.passes.placement.UnitShard` forms (its local form assumes equal shards)."""
 
     spec: Callable[[fx.Node], DimSpec]
     shape_arg: Optional[int] = None
@@ -63,13 +64,16 @@ class Rule:
     extra: Optional[Callable] = None
     communicates: bool = False
     strided: bool = True
+    units: bool = True
 
     def strategies(self, node: fx.Node, world: int, actual=()):
         """Every valid ``(input placements, output placements)`` of ``node``; ``actual``,
-        the placements its tensor inputs have now, lets strided labels follow them."""
+        the placements its tensor inputs have now, lets strided and unit-sharded labels
+        follow them."""
         shapes = lambda vals: [getattr(v, "shape", None) for v in vals]  # noqa: E731
         yield from strategies(self.spec(node), shapes(val(a) for a in tensor_inputs(node)),
-                              shapes(output_vals(node)), world, actual if self.strided else ())
+                              shapes(output_vals(node)), world, actual if self.strided else (),
+                              actual if self.units else ())
         if self.extra is not None:
             yield from self.extra(node, world)
 
@@ -77,12 +81,15 @@ class Rule:
         """``(target, args, kwargs)`` of this rank's computation of ``node`` (whose args
         are graph values), given its tensor inputs' and its output's placements."""
         target, args, kwargs = node.target, node.args, node.kwargs
+        # a value every rank holds whole computes as if replicated
+        inputs = tuple(Replicate() if is_whole(p) else p for p in inputs)
+        output = Replicate() if is_whole(output) else output
         if self.local_op is not None:
             target, args, kwargs = self.local_op(node, inputs, output, group)
         if self.shape_arg is not None:
             args = list(args)
-            args[self.shape_arg] = localize_shape(args[self.shape_arg], output, group.world,
-                                                  graph, node)
+            args[self.shape_arg] = localize_shape(args[self.shape_arg], output, group, graph,
+                                                  node)
             args = tuple(args)
         return target, args, kwargs
 
@@ -290,7 +297,7 @@ def _localize_unflatten(node, inputs, output, group):
     sizes = list(node.args[2])
     k = output.dim - dim
     if 0 <= k < len(sizes) and sizes[k] != -1:
-        sizes[k] = sizes[k] // group.world
+        sizes[k] = local_size(output, sizes[k], group)
     return node.target, (node.args[0], node.args[1], sizes) + tuple(node.args[3:]), node.kwargs
 
 
@@ -453,15 +460,19 @@ def _local_slice(node, inputs, output, group):
 
 
 def _mean_of_shard(dims_of):
-    """A mean over a sharded dim: each rank's mean of its shard, divided by the world size,
-    is its Partial contribution (OLMo-2 normalizes q and k over all heads)."""
+    """A mean over a sharded dim: each rank's mean of its shard, scaled by its share of
+    that dim (``1 / world`` for equal shards), is its Partial contribution (OLMo-2
+    normalizes q and k over all heads)."""
     def local(node, inputs, output, group):
         p = inputs[0]
         n = _rank(node.args[0])
         if not (is_sharded(p) and p.dim in {d % n for d in dims_of(node)}):
             return node.target, node.args, node.kwargs
         dim = None if node.target is aten.mean.default else _arg(node, 1, "dim")
-        return mean_of_shard, (node.args[0], group.world), dict(
+        share = (local_size(p, val(node.args[0]).shape[p.dim], group),
+                 val(node.args[0]).shape[p.dim]) if isinstance(p, UnitShard) else \
+            (1, group.world)
+        return mean_of_shard, (node.args[0], *share), dict(
             dim=dim, keepdim=_arg(node, 2, "keepdim", False), dtype=node.kwargs.get("dtype"))
     return local
 
@@ -492,9 +503,14 @@ def _shifted_diagonal(node, inputs, output, group):
     n = _rank(node.args[0])
     if not is_sharded(p) or p.dim < n - 2:
         return node.target, node.args, node.kwargs
-    offset = group.rank * (val(node.args[0]).shape[p.dim] // group.world)
+    offset = _start(p, val(node.args[0]), group)
     shift = offset if p.dim == n - 2 else -offset
     return node.target, (node.args[0], _arg(node, 1, "diagonal", 0) + shift), {}
+
+
+def _start(p, value, group) -> int:
+    """The global index of this rank's first element along ``p``'s (sharded) dim."""
+    return local_range(p, value.shape[p.dim], group.rank, group.world)[0]
 
 
 def _tri_spec(node):
@@ -685,10 +701,10 @@ def _embedding_spec(node):
 
 
 def _vocab_parallel(node, inputs, output, group):
-    if not (isinstance(inputs[0], Shard) and inputs[0].dim == 0):
+    if not (isinstance(inputs[0], (Shard, UnitShard)) and inputs[0].dim == 0):
         return node.target, node.args, node.kwargs
     weight, indices = node.args[:2]
-    offset = group.rank * (val(weight).shape[0] // group.world)
+    offset = _start(inputs[0], val(weight), group)
     return vocab_parallel_embedding, (weight, indices, offset, _arg(node, 2, "padding_idx", -1)), {}
 
 
@@ -696,10 +712,12 @@ def _dropout(node, inputs, output, group):
     """Dropout of a shard draws the whole mask and keeps its chunk (see
     :func:`~fxtp.passes.local_ops.sharded_dropout`); of a replicated value, the same mask on
     every rank (all ranks' generators are in step)."""
-    if not isinstance(inputs[0], Shard):
+    if not isinstance(inputs[0], (Shard, UnitShard)):
         return node.target, node.args, node.kwargs
     x, p, train = node.args[0], _arg(node, 1, "p"), _arg(node, 2, "train")
-    return sharded_dropout, (x, p, train, inputs[0].dim, group.rank, group.world), {}
+    d = inputs[0].dim
+    return sharded_dropout, (x, p, train, d, _start(inputs[0], val(x), group),
+                             val(x).shape[d]), {}
 
 
 def _same_dims(node):
@@ -879,7 +897,7 @@ RULES.update({
     aten._scaled_dot_product_cudnn_attention.default: Rule(_sdpa_spec),
     aten._scaled_dot_product_attention_math.default: Rule(_sdpa_spec),
     torch.ops.higher_order.flex_attention: Rule(_flex_spec, local_op=_flex_global_heads,
-                                                strided=False),
+                                                strided=False, units=False),
     aten.cross_entropy_loss.default: Rule(cross_entropy_spec, local_op=loss_parallel,
                                           extra=class_sharded, communicates=True),
     # normalizations
@@ -1047,11 +1065,28 @@ def writes_first_input(target) -> bool:
     return alias is not None and alias.is_write
 
 
-def localize_shape(shape, placement, world: int, graph: fx.Graph, before: fx.Node):
-    """Rewrite a global shape list for an output with ``placement``: the sharded entry is
-    divided by ``world`` (``-1`` stays inferred; a symbolic size gets a floordiv node)."""
+def localize_shape(shape, placement, group, graph: fx.Graph, before: fx.Node):
+    """Rewrite a global shape list for an output with ``placement`` on ``group``'s rank:
+    the sharded entry is divided by the world size (a :class:`UnitShard`'s is this rank's
+    length; ``-1`` stays inferred; a symbolic size gets a floordiv node)."""
     if not is_sharded(placement):
         return shape
+    shape = list(shape)
+    d = placement.dim
+    entry = shape[d]
+    if isinstance(entry, int):
+        shape[d] = entry if entry == -1 else local_size(placement, entry, group)
+    else:
+        with graph.inserting_before(before):
+            shape[d] = graph.call_function(operator.floordiv, (entry, group.world))
+    return shape
+
+
+def local_size(placement, size: int, group) -> int:
+    """This rank's length of a sharded dim of global ``size``."""
+    if isinstance(placement, UnitShard):
+        return local_range(placement, size, group.rank, group.world)[1]
+    return size // group.world
     shape = list(shape)
     d = placement.dim
     entry = shape[d]

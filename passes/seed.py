@@ -14,7 +14,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 
 from .errors import PlanError
 from .graph import BOUNDARY, PLACEMENT, ModuleCall, ModuleSharding, inside, layout, val
-from .placement import normalize
+from .placement import UnitShard, is_sharded, normalize
 
 aten = torch.ops.aten
 
@@ -27,7 +27,7 @@ def seed(gm: fx.GraphModule, shardings: dict[str, ModuleSharding],
         if node.op == "get_attr" and isinstance(val(node), torch.Tensor):
             node.meta[PLACEMENT] = _param_placement(node, shardings, aliases.get(node.target))
             owner = node.target.rpartition(".")[0]
-            _check_divisible(node, world, f"parameter '{node.target}'", shardings.get(owner))
+            _deal_indivisible(node, world, f"parameter '{node.target}'", shardings.get(owner))
         elif node.op == "placeholder":
             node.meta[PLACEMENT] = Replicate()
     root = shardings.get("")
@@ -62,13 +62,25 @@ def _param_placement(node, shardings, fqns) -> Placement:
     return next(iter(planned.values()), Replicate())
 
 
-def _check_divisible(node, world, what, sharding=None):
+def _deal_indivisible(node, world, what, sharding=None, uneven=True):
+    """A ``Shard`` on a static dim that does not divide by ``world`` becomes a
+    :class:`UnitShard` of that dim's elements (dealt as ``torch.chunk`` deals them; never on
+    ``uneven=False`` values, which are passed in as shards); a dim with fewer elements than
+    ranks, a strided one or a symbolic one is a :class:`PlanError`."""
     p, shape = node.meta[PLACEMENT], val(node).shape
-    if isinstance(p, Shard) and isinstance(shape[p.dim], int) and shape[p.dim] % world:
-        style = f" ({type(sharding.style).__name__})" if sharding else ""
-        raise PlanError(f"{what}{style} is sharded on dim {p.dim} of size {shape[p.dim]}, "
-                        f"which does not divide by the world size {world}; choose sizes "
-                        f"divisible by {world} or leave this module out of the plan")
+    if not is_sharded(p) or not isinstance(shape[p.dim], int) or shape[p.dim] % world == 0:
+        return
+    size = shape[p.dim]
+    if uneven and isinstance(p, Shard) and size >= world:
+        node.meta[PLACEMENT] = UnitShard(p.dim, size)
+        if node.target is layout:
+            node.args = (node.args[0], node.meta[PLACEMENT])
+        return
+    style = f" ({type(sharding.style).__name__})" if sharding else ""
+    raise PlanError(f"{what}{style} is sharded on dim {p.dim} of size {size}, which "
+                    f"{'is smaller than' if size < world else 'does not divide by'} the world "
+                    f"size {world}; choose sizes divisible by {world} or leave this module "
+                    f"out of the plan")
 
 
 def _root_call(gm) -> ModuleCall:
@@ -86,7 +98,7 @@ def _seed_root_inputs(gm, root: ModuleSharding, world: int) -> None:
     for node, p in pairs:
         if node is not None and p is not None and val(node) is not None:
             node.meta[PLACEMENT] = normalize(p, val(node).dim())
-            _check_divisible(node, world, f"root input '{node.name}'")
+            _deal_indivisible(node, world, f"root input '{node.name}'", uneven=False)
 
 
 def _insert_layout(graph, node, placement, users, what, owner, world):
@@ -99,7 +111,7 @@ def _insert_layout(graph, node, placement, users, what, owner, world):
     marker.meta.update(val=val(node), nn_module_stack=dict(owner.meta.get("nn_module_stack", {})))
     marker.meta[BOUNDARY] = what
     marker.meta[PLACEMENT] = marker.args[1]
-    _check_divisible(marker, world, f"the layout at {what}")
+    _deal_indivisible(marker, world, f"the layout at {what}")
     for user in users:
         user.replace_input_with(node, marker)
 
@@ -177,4 +189,4 @@ def _output_marker(node):
 
 def _sharded_on(node, dim) -> bool:
     p = node.meta.get(PLACEMENT)
-    return isinstance(p, Shard) and p.dim == dim
+    return isinstance(p, (Shard, UnitShard)) and p.dim == dim

@@ -26,22 +26,22 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .graph import INPUTS, PLACEMENT, layout, placement_of, tensor_inputs, val
-from .placement import is_replicate
+from .placement import UnitShard, is_replicate
 from .rules import rule_for
 
 
 def stride_fused_splits(gm: fx.GraphModule, world: int) -> bool:
     """Re-seed the parameters behind every gathered fused split strided; True if any was
     (propagation must then run again)."""
-    readers = Counter(id(_tensor(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr")
+    tied = tied_attrs(gm)
     changed = False
     for node in gm.graph.nodes:
         strided = _wanted(node, world)
         carriers: dict[fx.Node, int] = {}
         if strided is None or not _all_users_want(node.args[0], strided, world) or \
-                not _carried_from_params(node.args[0], strided.dim, carriers, first=True):
+                not carried_from_params(node.args[0], strided.dim, carriers, first=True):
             continue
-        if any(readers[id(_tensor(gm, n.target))] > 1 for n in carriers if n.op == "get_attr"):
+        if tied & set(carriers):
             continue  # tied: the same tensor is also read under another name
         for n, dim in carriers.items():
             placement = _StridedShard(dim, split_factor=strided.split_factor)
@@ -74,7 +74,14 @@ def _all_users_want(node: fx.Node, strided, world: int) -> bool:
     return all(_wanted(user, world) == strided and user.args[0] is node for user in node.users)
 
 
-def _carried_from_params(node: fx.Node, dim: int, carriers: dict, first: bool = False) -> bool:
+def tied_attrs(gm: fx.GraphModule) -> set:
+    """The ``get_attr`` nodes of tensors the graph reads under more than one name."""
+    attrs = [n for n in gm.graph.nodes if n.op == "get_attr"]
+    readers = Counter(id(_tensor(gm, n.target)) for n in attrs)
+    return {n for n in attrs if readers[id(_tensor(gm, n.target))] > 1}
+
+
+def carried_from_params(node: fx.Node, dim: int, carriers: dict, first: bool = False) -> bool:
     """Whether ``node``'s sharded ``dim`` comes, index for index and through nodes with
     one user each (``first``: the fused output itself may have several, checked by
     :func:`_all_users_want`), from parameters only; records every node on the way in
@@ -85,15 +92,15 @@ def _carried_from_params(node: fx.Node, dim: int, carriers: dict, first: bool = 
     if node.op == "get_attr":
         return True
     p = placement_of(node)
-    if node.op != "call_function" or not (isinstance(p, Shard) and p.dim == dim):
+    if node.op != "call_function" or not (isinstance(p, (Shard, UnitShard)) and p.dim == dim):
         return False
     size, carried = val(node).shape[dim], False
     for arg, needed in zip(tensor_inputs(node), node.meta[INPUTS]):
         if needed is None or is_replicate(needed):
             continue
-        if not (isinstance(needed, Shard) and placement_of(arg) == needed and
+        if not (isinstance(needed, (Shard, UnitShard)) and placement_of(arg) == needed and
                 _same_static(val(arg).shape[needed.dim], size) and
-                _carried_from_params(arg, needed.dim, carriers)):
+                carried_from_params(arg, needed.dim, carriers)):
             return False
         carried = True
     return carried

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -37,7 +38,9 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
             break
         fn, args = task
         try:
-            results.put((rank, True, fn(rank, world, *args)))
+            result = fn(rank, world, *args)
+            pickle.dumps(result)  # fails here, reported, rather than in the queue's thread
+            results.put((rank, True, result))
         except BaseException:  # noqa: BLE001 - reported to the test process
             results.put((rank, False, traceback.format_exc()))
     dist.destroy_process_group()

@@ -3,16 +3,19 @@
 :func:`record` exports a program the way fxtp traces models (``torch.export``'s pre-dispatch
 ATen IR) and keeps every node's value. :func:`check_strategies` runs every strategy the rule
 of a node offers on simulated ranks: each rank gets its part of every tensor input
-(``Shard``: its chunk; ``_StridedShard``: its chunk of every block; ``Replicate`` or unread:
-the full tensor; ``Partial``: a random split that sums to it), runs the rule's localized op,
-and the per-rank results must reassemble the single-device result (``Shard``: concatenate;
-``Partial``: sum; ``Replicate``: every rank equal). With ``backward`` the input gradients are
+(``Shard``: its chunk; ``_StridedShard``: its chunk of every block; ``UnitShard``: its whole
+units, or its group's unit; ``Replicate`` or unread: the full tensor; ``Partial``: a random
+split that sums to it), runs the rule's localized op, and the per-rank results must
+reassemble the single-device result (``Shard``, ``UnitShard``: concatenate, one rank per
+unit, a group's ranks equal; ``Partial``: sum; ``Replicate``: every rank equal). With ``backward`` the input gradients are
 checked too: each rank gets the output gradient in the output's placement (its chunk of a
 sharded output's gradient, the full gradient of a replicated or partial one), and its input
 gradients reassemble by the input's placement (``Shard``: concatenate; ``Partial``: every
 rank holds the full gradient; ``Replicate``: every rank equal when the whole strategy is
 replicated, else summed over ranks, as fxtp's rewrite all-reduces the gradient of a
-replicated value read by ops on sharded or partial values). No process group is needed.
+replicated value read by ops on sharded or partial values). A unit held by a group of ranks
+has its output gradient on the group's first rank (zero on the others) and its input
+gradient summed over the group. No process group is needed.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from torch.utils._pytree import tree_map
 
 from fxtp.mesh import Group
 from fxtp.passes.graph import tensor_inputs
+from fxtp.passes.placement import UnitShard
 from fxtp.passes.rules import rule_for
 from tests.parity import local_part
 
@@ -63,12 +67,27 @@ def ops_with_rules(gm: fx.GraphModule) -> list[fx.Node]:
             if n.op == "call_function" and rule_for(n.target) is not None]
 
 
-def assemble(parts, placement):
-    """The global tensor whose per-rank parts under ``placement`` (sharded) are ``parts``."""
+def assemble(parts, placement, sum_groups: bool = False):
+    """The global tensor whose per-rank parts under ``placement`` (sharded) are ``parts``;
+    a unit held by a group of ranks is its first rank's part (``sum_groups``: the sum of
+    the group's parts)."""
+    if isinstance(placement, UnitShard):
+        return _assemble_units(parts, placement, sum_groups)
     if isinstance(placement, _StridedShard):
         d, k = placement.dim, placement.split_factor
         return torch.cat([torch.cat([p.chunk(k, d)[j] for p in parts], d) for j in range(k)], d)
     return torch.cat(parts, dim=placement.dim)
+
+
+def _assemble_units(parts, p, sum_groups):
+    world = len(parts)
+    if p.units == 1:  # held whole by every rank
+        return sum(parts) if sum_groups else parts[0]
+    if p.units >= world:
+        return torch.cat(parts, dim=p.dim)
+    per = world // p.units
+    groups = [parts[g * per:(g + 1) * per] for g in range(p.units)]
+    return torch.cat([sum(g) if sum_groups else g[0] for g in groups], dim=p.dim)
 
 
 def random_like(value: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -84,7 +103,7 @@ def split_partial(value: torch.Tensor, world: int, gen: torch.Generator) -> list
 
 
 def is_sharded(p) -> bool:
-    return isinstance(p, (Shard, _StridedShard))
+    return isinstance(p, (Shard, _StridedShard, UnitShard))
 
 
 def describe(p) -> str:
@@ -94,6 +113,8 @@ def describe(p) -> str:
         return "(" + ", ".join(map(describe, p)) + ")"
     if isinstance(p, _StridedShard):
         return f"S({p.dim})/{p.split_factor}"
+    if isinstance(p, UnitShard):
+        return f"S({p.dim})~{p.units}"
     if isinstance(p, Shard):
         return f"S({p.dim})"
     return "P" if isinstance(p, Partial) else "R"
@@ -121,26 +142,47 @@ def _uninitialized(target) -> bool:
     return "empty" in str(target)
 
 
-def all_strategies(node: fx.Node, world: int, actual=(), strided: bool = False) -> list:
+def all_strategies(node: fx.Node, world: int, actual=(), strided: bool = False,
+                   units: bool = False) -> list:
     """The node's strategies, without those whose local op communicates (they are checked on
     real process groups). With ``strided``, also the strided form of every sharded strategy
-    (offered when its sharded inputs arrive as ``_StridedShard(d, 2)``)."""
+    (offered when its sharded inputs arrive as ``_StridedShard(d, 2)``). With ``units``,
+    also the unit-sharded forms offered when a sharded input arrives as
+    ``UnitShard(d, n)``, for every ``n`` the dim's size allows (:func:`unit_counts`)."""
     rule = rule_for(node.target)
     found = dict.fromkeys(rule.strategies(node, world, actual))
-    if strided:
-        for ins, _ in list(found):
-            if any(type(p) is Shard for p in ins):
-                arrive = tuple(_StridedShard(p.dim, split_factor=2) if type(p) is Shard else p
-                               for p in ins)
+    inputs = tensor_inputs(node)
+    for ins, _ in list(found):
+        if strided and any(type(p) is Shard for p in ins):
+            arrive = tuple(_StridedShard(p.dim, split_factor=2) if type(p) is Shard else p
+                           for p in ins)
+            for s in rule.strategies(node, world, arrive):
+                if any(isinstance(p, _StridedShard) for p in s[0] + s[1]):
+                    found.setdefault(s)
+    for i, p in enumerate(() if not units else actual or (None,) * len(inputs)):
+        shape = getattr(inputs[i].meta.get("val"), "shape", ())
+        for d in range(len(shape)):
+            for n in unit_counts(shape[d], world):
+                arrive = tuple(UnitShard(d, n) if j == i else R for j in range(len(inputs)))
                 for s in rule.strategies(node, world, arrive):
-                    if any(isinstance(p, _StridedShard) for p in s[0] + s[1]):
+                    if any(isinstance(q, UnitShard) for q in s[0] + s[1]):
                         found.setdefault(s)
     communicating = set(rule.extra(node, world)) if rule.communicates else set()
     return [s for s in found if s not in communicating]
 
 
+def unit_counts(size, world: int) -> list[int]:
+    """Unit counts a dim of ``size`` can be dealt in without being an even ``Shard``: a
+    count that does not divide by ``world`` (uneven), or one dividing it (groups)."""
+    if not isinstance(size, int) or size == 0:
+        return []
+    return [n for n in range(1, size + 1) if size % n == 0 and n % world and
+            (n >= world or world % n == 0)][:3]
+
+
 def check_strategies(node: fx.Node, values: dict, world: int, actual=(), *,
-                     backward: bool = False, strided: bool = False, seed: int = 0,
+                     backward: bool = False, strided: bool = False, units: bool = False,
+                     seed: int = 0,
                      tol: dict | None = None, errors: list | None = None) -> list[str]:
     """Check every strategy of ``node`` (see the module docstring) on ``world`` simulated
     ranks; return the names of the strategies checked (a ``Partial`` bool input is none).
@@ -150,7 +192,7 @@ def check_strategies(node: fx.Node, values: dict, world: int, actual=(), *,
     gen = torch.Generator().manual_seed(seed)
     reference = _Reference(node, values, inputs, gen, backward)
     checked = []
-    for ins, outs in all_strategies(node, world, actual, strided):
+    for ins, outs in all_strategies(node, world, actual, strided, units):
         if any(isinstance(p, Partial) and values[a].dtype == torch.bool
                for a, p in zip(inputs, ins)):
             continue
@@ -210,7 +252,7 @@ def _check_one(node, values, world, inputs, ins, outs, reference, gen, tol):
                for r in ranks]
         msg = f"{name}: gradient of input {i}"
         if is_sharded(p):
-            whole = assemble(got, p)
+            whole = assemble(got, p, sum_groups=True)
         elif isinstance(p, Partial) or replicated:
             whole = _combine(got, R, msg, tol)
         else:
@@ -221,6 +263,11 @@ def _check_one(node, values, world, inputs, ins, outs, reference, gen, tol):
 
 def _combine(got, p, what, tol):
     """Per-rank values under placement ``p`` -> the global value."""
+    if isinstance(p, UnitShard) and p.units < len(got):  # a group's ranks agree
+        per = len(got) // p.units
+        for r, other in enumerate(got):
+            torch.testing.assert_close(other, got[r - r % per], equal_nan=True, **tol,
+                                       msg=lambda m: f"{what} differs within a group: {m}")
     if is_sharded(p):
         return assemble(got, p)
     if isinstance(p, Partial):
@@ -338,4 +385,7 @@ class _RankRun:
 
 
 def _local_grad(g, p, rank, world):
+    """A rank's part of an output gradient: a unit's on its group's first rank only."""
+    if isinstance(p, UnitShard) and p.units < world and rank % (world // p.units):
+        return torch.zeros_like(local_part(g, p, rank, world))
     return local_part(g, p, rank, world) if is_sharded(p) else g

@@ -8,6 +8,7 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import fxtp
+from fxtp.passes.placement import UnitShard
 
 LR = 1e-2
 TIGHT = dict(rtol=1e-9, atol=1e-11)  # fp64 outputs and gradients
@@ -54,13 +55,22 @@ def example(*shape, seed=1):
 
 def local_part(full: torch.Tensor, placement, rank: int, world: int) -> torch.Tensor:
     """The part of ``full`` a rank holds under ``placement``: ``Shard(d)`` a contiguous
-    chunk; ``_StridedShard(d, k)`` its chunk of each of the ``k`` blocks, concatenated."""
+    chunk; ``_StridedShard(d, k)`` its chunk of each of the ``k`` blocks, concatenated;
+    ``UnitShard(d, n)`` its ``torch.chunk`` of the ``n`` units, or its group's unit."""
     if isinstance(placement, _StridedShard):
         return torch.cat([local_part(block, Shard(placement.dim), rank, world)
                           for block in full.chunk(placement.split_factor, placement.dim)],
                          placement.dim)
     if isinstance(placement, Shard):
         return full.chunk(world, placement.dim)[rank]
+    if isinstance(placement, UnitShard):
+        d, units = placement.dim, placement.units
+        if units == 1:  # held whole by every rank
+            return full
+        if units < world:  # each unit held by world / units consecutive ranks
+            return full.chunk(units, d)[rank * units // world]
+        chunks = full.unflatten(d, (units, -1)).chunk(world, d)  # may be fewer than world
+        return chunks[rank].flatten(d, d + 1) if rank < len(chunks) else full.narrow(d, 0, 0)
     return full
 
 

@@ -25,12 +25,14 @@ def test_a_2d_mesh_is_rejected_with_the_slice_to_pass(fake_group):
                          example_inputs=(torch.randn(B, models.DIM),))
 
 
-def test_sizes_that_do_not_divide_by_the_world_size_are_a_clear_error(fake_group):
+def test_a_sharded_dim_smaller_than_the_world_size_is_a_clear_error(fake_group):
+    """Sizes that do not divide by the world size are dealt unevenly
+    (``tests/test_uneven.py``); fewer elements than ranks cannot be."""
     fake_group(4)
     with pytest.raises(fxtp.PlanError, match=r"parameter 'net1\.weight' \(ColwiseParallel\) "
-                                             r"is sharded on dim 0 of size 6, which does not "
-                                             r"divide by the world size 4; choose sizes"):
-        fxtp.parallelize(models.MLP(dim=4, hidden=6), models.MLP_PLAN,
+                                             r"is sharded on dim 0 of size 2, which is smaller "
+                                             r"than the world size 4; choose sizes"):
+        fxtp.parallelize(models.MLP(dim=4, hidden=2), models.MLP_PLAN,
                          example_inputs=(torch.randn(2, 4),))
 
 

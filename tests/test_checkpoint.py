@@ -2,7 +2,8 @@
 one world size and loads at another, or into the single-device model (and back);
 fxtp.full_state_dict / load_full_state_dict do the same with plain tensors. Every round
 trip is bit-exact. The subjects hold every kind of placement: Shard(0), Shard(1),
-Replicate, _StridedShard (fused projections) and a tied weight."""
+Replicate, _StridedShard (fused projections), a tied weight, and UnitShard (a vocabulary of
+67 and 6 heads, dealt unevenly)."""
 import warnings
 
 import pytest
@@ -15,12 +16,15 @@ import fxtp
 from tests import models
 from tests import transformer_models as tm
 from tests.conftest import pool_of
+from tests.corpus import gpt2_tp_plan
 from tests.parity import local_part
 
 TOKENS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
 SUBJECTS = {
     "gpt2": (tm.GPT2, tm.gpt2_sp_plan(), TOKENS),
     "fused": (lambda: models.FusedStack(2), models.FUSED_PLAN, torch.randn(2, 8, models.DIM)),
+    "uneven": (lambda: tm.GPT2(tm.GPT2Config(vocab_size=67, n_head=6, n_embd=48)),
+               gpt2_tp_plan(), TOKENS),
 }
 
 
@@ -67,13 +71,15 @@ def load_plain(name, path):
     return model
 
 
-@pytest.mark.parametrize("name", ["gpt2", "fused"])
+@pytest.mark.parametrize("name", list(SUBJECTS))
 def test_dcp_saves_at_world_2_and_loads_at_world_4_and_into_the_plain_model(pools, tmp_path,
                                                                               name):
     path = str(tmp_path / "world2")
     (full, placements), _ = pool_of(pools, 2).run(save, name, path)
     if name == "fused":  # handed to DCP re-laid as plain shards
         assert placements["layers.0.attention.qkv.weight"] == Shard(0)
+    elif name == "uneven":  # 67 rows: DTensor's uneven Shard, as torch.chunk deals them
+        assert placements["wte.weight"] == Shard(0)
     else:
         assert placements["lm_head.weight"] == Shard(0) and placements["h.0.ln_1.weight"].is_replicate()
     for loaded in pool_of(pools, 4).run(load, name, path):
@@ -81,7 +87,7 @@ def test_dcp_saves_at_world_2_and_loads_at_world_4_and_into_the_plain_model(pool
     assert_equal(load_plain(name, path).state_dict(), full)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "fused"])
+@pytest.mark.parametrize("name", list(SUBJECTS))
 def test_a_plain_models_dcp_checkpoint_loads_into_the_parallel_module(ranks, tmp_path, name):
     model = plain(name, seed=3)
     path = str(tmp_path / "plain")
@@ -105,7 +111,7 @@ def full_round_trip(rank, world, name, other):
     return fxtp.full_state_dict(gm)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "fused"])
+@pytest.mark.parametrize("name", list(SUBJECTS))
 def test_full_state_dicts_round_trip_through_the_plain_model(ranks, name):
     other = plain(name, seed=5).state_dict()
     for full in ranks.run(full_round_trip, name, other):

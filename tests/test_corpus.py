@@ -154,14 +154,26 @@ def test_corpus_fp32(ranks2, name, plan):
     check(ranks2, name, plan, torch.float32)
 
 
-def test_heads_not_dividing_the_world_size_are_reported(fake_group):
-    """6 heads on 4 ranks: q, k and v (48 features) shard evenly, 12 per rank, but a rank's
-    12 features are not whole heads of 8, so the head view cannot keep the shards and the
-    attention is gathered. That must not pass silently: for each layer ``gm.fxtp.fallbacks``
-    has an entry naming the attention module and the sizes that do not divide (6 heads,
-    world size 4). Shapes only (fake process group)."""
+def six_heads(rank, world):
+    return check_parity(rank, world, lambda: corpus.RopeLlama("hf_rotate_half", dim=48,
+                                                              n_heads=6, n_kv_heads=6),
+                        llama_tp_plan(), [TOKENS], dtype=torch.float64, strict=True,
+                        input_grads=False)
+
+
+def test_heads_not_dividing_the_world_size_are_dealt_whole(ranks4):
+    """6 heads on 4 ranks: q, k and v (48 features) would shard evenly, 12 per rank, but not
+    in whole heads of 8; they are dealt in whole heads instead (2, 2, 2, 0), and so are
+    the output projection's input features: no fallback, Megatron's counts."""
+    assert ranks4.run(six_heads)[0] == STANDARD["tp"]
+
+
+def test_kv_heads_that_cannot_be_dealt_are_reported(fake_group):
+    """3 KV heads on 4 ranks: fewer than the ranks and not dividing them, so the k and v
+    head views gather. That must not pass silently: for each layer ``gm.fxtp.fallbacks``
+    names the attention module and the sizes (3 heads, world size 4). Shapes only."""
     fake_group(4)
-    model = corpus.RopeLlama("hf_rotate_half", dim=48, n_heads=6, n_kv_heads=6)
+    model = corpus.RopeLlama("hf_rotate_half", dim=48, n_heads=6, n_kv_heads=3)
     with pytest.warns(UserWarning, match="fxtp"):
         gm = fxtp.parallelize(model, llama_tp_plan(), example_inputs=(TOKENS,))
     for layer in range(L):
@@ -169,5 +181,5 @@ def test_heads_not_dividing_the_world_size_are_reported(fake_group):
         reports = [m for m in gm.fxtp.fallbacks
                    if re.search(rf"'{re.escape(module)}(\.\w+)*'", m)]
         assert reports, f"no fallback names {module}: {gm.fxtp.fallbacks}"
-        assert any(re.search(r"\b6\b", m) and re.search(r"\b4\b", m) for m in reports), \
-            f"no report for {module} gives the head count 6 and world size 4: {reports}"
+        assert any(re.search(r"\b3\b", m) and re.search(r"\b4\b", m) for m in reports), \
+            f"no report for {module} gives the head count 3 and world size 4: {reports}"

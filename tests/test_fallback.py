@@ -95,11 +95,13 @@ def test_an_op_that_cannot_shard_its_dim_gathers_it_correctly_and_says_so(ranks)
                         "that dim sharded"]
 
 
-def test_a_head_count_that_does_not_divide_the_world_size_is_a_fallback(fake_group):
-    """6 heads on 4 ranks: the colwise projection's output cannot be viewed as head shards;
-    the gather is reported with the module and the sizes."""
+def test_a_head_count_that_cannot_be_dealt_whole_is_a_fallback(fake_group):
+    """3 heads on 4 ranks: fewer heads than ranks, and 3 does not divide 4, so no rank
+    group can hold a whole head (6 heads would be dealt 2, 2, 2, 0: ``tests/test_uneven.py``).
+    The colwise projection's output cannot be viewed as head shards; the gather is reported
+    with the module and the sizes."""
     fake_group(4)
-    model = models.Attention(dim=48, n_heads=6)
+    model = models.Attention(dim=48, n_heads=3)
     gm = fxtp.parallelize(model, {"wq": fxtp.ColwiseParallel(), "wk": fxtp.ColwiseParallel(),
                                   "wv": fxtp.ColwiseParallel(), "wo": fxtp.RowwiseParallel()},
                           example_inputs=(torch.randn(2, 4, 48),))
@@ -107,5 +109,5 @@ def test_a_head_count_that_does_not_divide_the_world_size_is_a_fallback(fake_gro
     for message in gm.fxtp.fallbacks:
         assert ("aten.view.default" in message or "aten.reshape.default" in message) and \
             "gathers input 0 (S(2), shape (2, 4, 48))" \
-            in message and "dim 2 of output 0 (size 6) does not divide by the world size 4" \
+            in message and "dim 2 of output 0 (size 3) does not divide by the world size 4" \
             in message

@@ -453,7 +453,8 @@ def _run(op, known: bool):
             try:
                 checked += len(check_strategies(case.node, case.values, world,
                                                 backward=op not in FORWARD_ONLY,
-                                                strided=True, seed=seed, errors=errors))
+                                                strided=True, units=True, seed=seed,
+                                                errors=errors))
             except Exception as e:  # noqa: BLE001 - no strategies or no reference result
                 errors.append(("(all)", f"{type(e).__name__}: {e}"))
             failures += [f"{case.source} world {world}: {strategy}: {why}"

@@ -79,10 +79,14 @@ def test_collective_bytes_are_the_megatron_formula(ranks):
     assert bwd_bytes == {"all_reduce": (2 * L + 1) * activation}
 
 
-def test_llama_with_fewer_kv_heads_than_ranks_gathers_keys_and_values(ranks4):
-    """2 KV heads on 4 ranks cannot shard by head: k and v are gathered (still correct)."""
-    fwd, bwd = ranks4.run(llama, torch.float64, "real", "expand", 2)[0]
-    assert fwd == {"all_reduce": 2 * L + 1, "all_gather": 1 + 2 * L}
+@pytest.mark.parametrize("repeat_mode", ["expand", "repeat_interleave"])
+def test_llama_with_fewer_kv_heads_than_ranks_gathers_no_keys_or_values(ranks4, repeat_mode):
+    """2 KV heads on 4 ranks: each rank computes the KV head its query heads use (the KV
+    weights stay whole; their gradients join one bucketed all-reduce): no k / v gathers,
+    whichever way the heads are repeated."""
+    fwd, bwd = ranks4.run(llama, torch.float64, "real", repeat_mode, 2)[0]
+    assert fwd == {"all_reduce": 2 * L + 1, "all_gather": 1}
+    assert bwd == {"all_reduce": 2 * L + 2}
 
 
 def torch_reference_plan(local_output_for_attn):

@@ -1,0 +1,157 @@
+"""Units pass: deal attention heads whole when their count does not divide by the world size.
+
+A colwise projection shards its output features into equal chunks. When the features are
+then viewed as ``(heads, head_dim)`` and the head count does not divide by the world size,
+the chunks split heads, so propagation gathers the projection at the view. Two cases are
+served without a gather by dealing whole heads, a :class:`~fxtp.passes.placement.UnitShard`
+of the head count:
+
+* more heads than ranks (6 heads at 4 ranks, any count at 3): ``torch.chunk``'s deal, 2,
+  2, 2 and 0 heads; the projection's parameters are stored so.
+* fewer heads than ranks, dividing the world size (2 KV heads at 4 ranks, as Megatron and
+  vLLM run grouped-query attention; 1 in multi-query attention): each head is computed by
+  the group of ranks whose query heads use it. Those parameters stay whole on every rank and each rank slices its
+  head's rows before the projection, so it computes exactly that head; their gradients
+  are partial (each rank's query heads' share) and join the replicated parameters'
+  all-reduce. Attention then slices each rank's query heads' copies out of its head.
+
+:func:`deal_sources` re-seeds, after a propagation, the parameters and colwise layouts
+behind every such gathered view (walking back as :mod:`fxtp.passes.strided` does);
+:func:`deal_consumers` then makes the rowwise layouts and weights that take the attention
+output (``o_proj``'s input features) follow the same deal. Each returns whether anything
+changed (propagation must then run again). Tied parameters are left as they are.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Replicate, Shard
+
+from .dimspec import label_base
+from .graph import BOUNDARY, INPUTS, PLACEMENT, layout, placement_of, tensor_inputs, val
+from .placement import UnitShard, is_replicate
+from .rules import rule_for
+from .strided import carried_from_params, tied_attrs
+
+aten = torch.ops.aten
+
+
+def deal_sources(gm: fx.GraphModule, world: int) -> bool:
+    tied = tied_attrs(gm)
+    changed = False
+    for node in list(gm.graph.nodes):
+        want = _gathered_heads(node, world) or _single_head(node)
+        if want is None:
+            continue
+        carriers: dict[fx.Node, int] = {}
+        if not carried_from_params(node.args[0], want.dim, carriers) or tied & set(carriers):
+            continue
+        for carrier, dim in carriers.items():
+            placement = UnitShard(dim if want.units > 1 else 0, want.units)
+            if carrier.op != "get_attr":
+                if carrier.target is layout:
+                    carrier.args = (carrier.args[0], placement)
+            elif want.units < world:
+                _slice_before_use(gm.graph, carrier, placement)
+            else:
+                carrier.meta[PLACEMENT] = placement
+        changed = True
+    return changed
+
+
+def deal_consumers(gm: fx.GraphModule, world: int) -> bool:
+    changed = False
+    tied = tied_attrs(gm)
+    for marker in list(gm.graph.nodes):
+        if marker.target is not layout:
+            continue
+        arriving, wanted = placement_of(marker.args[0]), marker.args[1]
+        if not (isinstance(arriving, UnitShard) and arriving.units >= world and
+                isinstance(wanted, (Shard, UnitShard)) and wanted.dim == arriving.dim and
+                wanted != arriving):
+            continue
+        weights = [_partner(user, marker, arriving.dim) for user in marker.users]
+        if not weights or None in weights or tied & {w for w, _ in weights}:
+            continue
+        marker.args = (marker.args[0], arriving)
+        for weight, dim in weights:
+            weight.meta[PLACEMENT] = UnitShard(dim, arriving.units)
+        changed = True
+    return changed
+
+
+def _gathered_heads(node: fx.Node, world: int):
+    """``UnitShard(d, heads)`` for a view of an input sharded on dim ``d`` that propagation
+    gathers because the dim's leading output dim (the head count) does not divide by the
+    world size, when whole heads can be dealt; else ``None``."""
+    rule = rule_for(node.target) if node.target in _VIEWS else None
+    if rule is None or node.meta.get(INPUTS) is None:
+        return None
+    source = node.args[0]
+    have = placement_of(source)
+    if not isinstance(have, (Shard, UnitShard)) or not is_replicate(node.meta[INPUTS][0]):
+        return None
+    spec = rule.spec(node)
+    label = spec.inputs[0][have.dim]
+    outs = [d for d, lab in enumerate(spec.outputs[0]) if label_base(lab) == label_base(label)]
+    size, out_shape = val(source).shape[have.dim], val(node).shape
+    if len(outs) != 1 or not isinstance(size, int) or not isinstance(out_shape[outs[0]], int):
+        return None
+    heads = out_shape[outs[0]]
+    if heads == size or heads % world == 0 or size % heads or \
+            (heads < world and world % heads):
+        return None
+    return UnitShard(have.dim, heads)
+
+
+def _single_head(node: fx.Node):
+    """``UnitShard(d, 1)`` for a view of an input sharded on dim ``d`` that only inserts a
+    size-1 dim before it (``(B, T, head_dim) -> (B, T, 1, head_dim)``: the one KV head of
+    multi-query attention); else ``None``."""
+    rule = rule_for(node.target) if node.target in _VIEWS else None
+    have = placement_of(node.args[0]) if rule is not None else None
+    if not isinstance(have, Shard):
+        return None
+    spec = rule.spec(node)
+    label = label_base(spec.inputs[0][have.dim])
+    outs = [d for d, lab in enumerate(spec.outputs[0]) if label_base(lab) == label]
+    shape, out_shape = val(node.args[0]).shape, val(node).shape
+    if len(outs) != 1 or len(out_shape) != len(shape) + 1 or outs[0] == 0 or \
+            out_shape[outs[0] - 1] != 1 or out_shape[outs[0]] != shape[have.dim]:
+        return None
+    return UnitShard(have.dim, 1)
+
+
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+          aten.unflatten.int}
+
+
+def _slice_before_use(graph: fx.Graph, param: fx.Node, placement) -> None:
+    """Keep ``param`` whole and feed its users this rank's ``placement`` rows of it."""
+    param.meta[PLACEMENT] = Replicate()
+    with graph.inserting_after(param):
+        marker = graph.call_function(layout, (param, placement))
+    marker.meta.update(val=val(param), nn_module_stack=dict(param.meta.get("nn_module_stack", {})))
+    marker.meta[BOUNDARY] = f"the heads of {param.target}"
+    param.replace_all_uses_with(marker, delete_user_cb=lambda u: u is not marker)
+
+
+def _partner(user: fx.Node, marker: fx.Node, dim: int):
+    """``(weight get_attr, its dim)`` carrying, in ``user``'s rule, the label of
+    ``marker``'s ``dim`` (a rowwise linear's input features), when it is a parameter
+    read only there; else ``None``."""
+    rule = rule_for(user.target) if user.op == "call_function" else None
+    if rule is None:
+        return None
+    inputs = tensor_inputs(user)
+    spec = rule.spec(user)
+    label = label_base(spec.inputs[inputs.index(marker)][dim])
+    for arg, labels in zip(inputs, spec.inputs):
+        if arg is marker or labels is None:
+            continue
+        dims = [d for d, lab in enumerate(labels) if label_base(lab) == label]
+        if dims:
+            if arg.op != "get_attr" or len(arg.users) != 1:
+                return None
+            return arg, dims[0]
+    return None

@@ -1,0 +1,60 @@
+"""Grouped-query attention with fewer KV heads than ranks (2 KV heads at 4 ranks; one in
+multi-query attention): each rank computes exactly the KV head its query heads use, as
+Megatron and vLLM do, with no gather of k or v. The KV projections stay whole on every rank
+(each rank slices its head's rows); their gradients, each rank's share, are summed in the
+one all-reduce of the replicated parameters' gradients."""
+import pytest
+import torch
+
+import fxtp
+from tests import corpus
+from tests.corpus import L, TOKENS
+from tests.parity import check_parity
+
+# forward: Megatron's (no k / v gathers); backward: Megatron's plus the one bucketed
+# all-reduce of the KV weights' partial gradients
+COUNTS = ({"all_reduce": 2 * L + 1, "all_gather": 1}, {"all_reduce": 2 * L + 2})
+
+
+def hf_llama(kv_heads):
+    return corpus._hf("LlamaConfig", "LlamaForCausalLM", num_key_value_heads=kv_heads)
+
+
+def gqa_parity(rank, world, kv_heads):
+    return check_parity(rank, world, lambda: hf_llama(kv_heads), "auto", [TOKENS],
+                        dtype=torch.float64, strict=True, input_grads=False,
+                        kwargs={"use_cache": False}, output=lambda out: out.logits)
+
+
+def test_two_kv_heads_at_four_ranks(ranks4):
+    assert ranks4.run(gqa_parity, 2)[0] == COUNTS
+
+
+def test_multi_query_attention(ranks):
+    assert ranks.run(gqa_parity, 1)[0] == COUNTS
+
+
+def rope_llama_parity(rank, world):
+    make = lambda: corpus.RopeLlama("hf_rotate_half", n_kv_heads=2)  # noqa: E731
+    return check_parity(rank, world, make, corpus.llama_tp_plan(), [TOKENS],
+                        dtype=torch.float64, strict=True, input_grads=False)
+
+
+def test_meta_style_repeat_kv(ranks4):
+    """Meta's layout: (B, T, heads, head_dim) views, rotary embedding, ``repeat_kv``."""
+    assert ranks4.run(rope_llama_parity)[0] == COUNTS
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_kv_weights_stay_whole_and_are_sliced_per_rank(fake_group, kv_heads):
+    fake_group(4, rank=3)
+    gm = fxtp.parallelize(hf_llama(kv_heads), "auto", example_inputs=(TOKENS,),
+                          example_kwargs={"use_cache": False}, strict=True)
+    assert gm.fxtp.param_placements["model.layers.0.self_attn.k_proj.weight"].is_replicate()
+    assert gm.fxtp.param_placements["model.layers.0.self_attn.q_proj.weight"].is_shard(0)
+    head_dim = 32 // 8
+    start = 3 * kv_heads // 4 * head_dim  # rank 3's KV head: its rows of wk and wv
+    rows = [n for n in gm.graph.nodes if n.target is torch.ops.aten.slice.Tensor and
+            n.args[1:] == (0, start, start + head_dim)]
+    assert len(rows) == 2 * L  # k and v, in every layer
+    assert gm.fxtp.fallbacks == []
