@@ -1,4 +1,4 @@
-"""The README's quick start runs exactly as written, under torchrun with 2 ranks."""
+"""The README's scripts run exactly as written, under torchrun with 2 ranks."""
 import os
 import re
 import subprocess
@@ -27,6 +27,22 @@ def test_quick_start_runs_as_written(tmp_path):
     assert lines[0][1] == lines[1][1]  # the same loss on both ranks
     assert all(line[2:] == ["(32,", "16)"] for line in lines)
     assert "fxtp_passes_collectives_all_reduce" in out[0]
+
+
+def test_plans_from_other_projects_run_as_written(tmp_path):
+    """The "Plans from other projects" script: torch's, torchtitan's, torchtune's and
+    Hugging Face's plans, each checked against the single-device model inside it."""
+    readme = (ROOT / "README.md").read_text()
+    code = re.search(r"```python\n(# save as plans\.py.*?)```", readme, re.S).group(1)
+    script = tmp_path / "plans.py"
+    script.write_text(code)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--standalone", str(script)], cwd=tmp_path,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("all four plans match the single-device model") == 2
+    assert "plan key 'output' matches no module of TunedLlama" in run.stderr
 
 
 def test_explain_output_shown_is_the_quick_starts(fake_group):
