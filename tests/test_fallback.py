@@ -102,9 +102,13 @@ def test_a_head_count_that_cannot_be_dealt_whole_is_a_fallback(fake_group):
     with the module and the sizes."""
     fake_group(4)
     model = models.Attention(dim=48, n_heads=3)
-    gm = fxtp.parallelize(model, {"wq": fxtp.ColwiseParallel(), "wk": fxtp.ColwiseParallel(),
-                                  "wv": fxtp.ColwiseParallel(), "wo": fxtp.RowwiseParallel()},
-                          example_inputs=(torch.randn(2, 4, 48),))
+    with pytest.warns(UserWarning, match="size 3") as caught:
+        gm = fxtp.parallelize(model, {"wq": fxtp.ColwiseParallel(),
+                                      "wk": fxtp.ColwiseParallel(),
+                                      "wv": fxtp.ColwiseParallel(),
+                                      "wo": fxtp.RowwiseParallel()},
+                              example_inputs=(torch.randn(2, 4, 48),))
+    assert [str(w.message) for w in caught] == ["fxtp: " + m for m in gm.fxtp.fallbacks]
     assert len(gm.fxtp.fallbacks) == 3  # q, k and v
     for message in gm.fxtp.fallbacks:
         assert ("aten.view.default" in message or "aten.reshape.default" in message) and \
