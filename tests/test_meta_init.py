@@ -18,7 +18,10 @@ from tests import transformer_models as tm
 
 TOKENS = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
 MODELS = {"llama": (lambda: tm.Llama(tm.LlamaConfig(n_heads=8, n_kv_heads=4)), tm.llama_sp_plan),
-          "gpt2": (tm.GPT2, tm.gpt2_sp_plan)}  # GPT-2's LM head is tied to its embedding
+          "gpt2": (tm.GPT2, tm.gpt2_sp_plan),  # GPT-2's LM head is tied to its embedding
+          # 67 vocabulary rows: dealt unevenly (UnitShard), initialized as DTensor's uneven
+          # Shard
+          "gpt2_vocab_67": (lambda: tm.GPT2(tm.GPT2Config(vocab_size=67)), tm.gpt2_sp_plan)}
 
 
 def on_meta(make):
@@ -42,13 +45,13 @@ def same_as_a_real_model_with_the_gathered_weights(rank, world, name):
     ref_out.square().sum().backward()
     for (n, p), (_, q) in zip(gm.named_parameters(), reference.named_parameters()):
         assert torch.equal(p.grad, q.grad), n
-    if name == "gpt2":  # the tied tensor was initialized once, as the embedding
+    if name.startswith("gpt2"):  # the tied tensor was initialized once, as the embedding
         assert gm.lm_head.weight is gm.wte.weight
         assert 0.9 < full["wte.weight"].std() < 1.1
     return full
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("name", list(MODELS))
 def test_a_meta_model_computes_as_a_real_one_holding_its_gathered_weights(ranks, name):
     """Buffers, ties and every shard land where the graph reads them: outputs and
     gradients equal, bit for bit, those of the model parallelized from real weights (which
