@@ -120,10 +120,9 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
         rewrite(gm, group.name, group.rank, group.world)
         dump.code("rewritten", gm)
         localize(gm, group)
-        placements = {n.target: n.meta[PLACEMENT] for n in gm.graph.nodes
-                      if n.op == "get_attr" and PLACEMENT in n.meta}
-        shapes = {n.target: tuple(n.meta["val"].shape) for n in gm.graph.nodes
-                  if n.op == "get_attr" and PLACEMENT in n.meta}
+        attrs = [n for n in gm.graph.nodes if n.op == "get_attr" and PLACEMENT in n.meta]
+        placements = {n.target: n.meta[PLACEMENT] for n in attrs}
+        shapes = {n.target: tuple(n.meta["val"].shape) for n in attrs}
         device_mesh = group.device_mesh()
         if meta and device.type != "meta":
             materialize(gm, model, meta, placements, group, device_mesh, device, init_fn,

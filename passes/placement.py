@@ -51,17 +51,6 @@ class UnitShard(Placement):
         return UnitShard, (self.dim, self.units)
 
 
-def unit_shard(dim: int, size, units: int, world: int):
-    """The placement holding whole units: ``Shard(dim)`` when ``units`` divides by
-    ``world`` (the same chunks), else :class:`UnitShard` (``size`` must be static)."""
-    if units % world == 0:
-        return Shard(dim)
-    if not isinstance(size, int) or size % units or (units < world and world % units):
-        raise ValueError(f"dim {dim} of size {size} cannot be dealt in {units} units over "
-                         f"{world} ranks")
-    return UnitShard(dim, units)
-
-
 def is_whole(p) -> bool:
     """A :class:`UnitShard` of a single unit: every rank holds the whole tensor."""
     return isinstance(p, UnitShard) and p.units == 1
@@ -86,8 +75,7 @@ def local_range(p, size: int, rank: int, world: int) -> tuple[int, int]:
     """``(start, length)`` of the elements of a dim of ``size`` that ``rank`` holds under
     ``Shard`` or :class:`UnitShard` ``p`` (for ``Shard``, ``torch.chunk``'s)."""
     units = p.units if isinstance(p, UnitShard) else size
-    start, stop = unit_range(units, rank, world) if isinstance(p, UnitShard) else \
-        unit_range(size, rank, world)
+    start, stop = unit_range(units, rank, world)
     per_unit = size // units
     return start * per_unit, (stop - start) * per_unit
 

@@ -66,7 +66,7 @@ def _deal_indivisible(node, world, what, sharding=None, uneven=True):
     """A ``Shard`` on a static dim that does not divide by ``world`` becomes a
     :class:`UnitShard` of that dim's elements (dealt as ``torch.chunk`` deals them; never on
     ``uneven=False`` values, which are passed in as shards); a dim with fewer elements than
-    ranks, a strided one or a symbolic one is a :class:`PlanError`."""
+    ranks, or a strided one, is a :class:`PlanError`. Symbolic dims are left as they are."""
     p, shape = node.meta[PLACEMENT], val(node).shape
     if not is_sharded(p) or not isinstance(shape[p.dim], int) or shape[p.dim] % world == 0:
         return

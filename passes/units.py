@@ -84,22 +84,13 @@ def _gathered_heads(node: fx.Node, world: int):
     """``UnitShard(d, heads)`` for a view of an input sharded on dim ``d`` that propagation
     gathers because the dim's leading output dim (the head count) does not divide by the
     world size, when whole heads can be dealt; else ``None``."""
-    rule = rule_for(node.target) if node.target in _VIEWS else None
-    if rule is None or node.meta.get(INPUTS) is None:
+    found = _sharded_view(node)
+    if found is None or not is_replicate(node.meta.get(INPUTS, (None,))[0]):
         return None
-    source = node.args[0]
-    have = placement_of(source)
-    if not isinstance(have, (Shard, UnitShard)) or not is_replicate(node.meta[INPUTS][0]):
-        return None
-    spec = rule.spec(node)
-    label = spec.inputs[0][have.dim]
-    outs = [d for d, lab in enumerate(spec.outputs[0]) if label_base(lab) == label_base(label)]
-    size, out_shape = val(source).shape[have.dim], val(node).shape
-    if len(outs) != 1 or not isinstance(size, int) or not isinstance(out_shape[outs[0]], int):
-        return None
-    heads = out_shape[outs[0]]
-    if heads == size or heads % world == 0 or size % heads or \
-            (heads < world and world % heads):
+    have, out = found
+    size, heads = val(node.args[0]).shape[have.dim], val(node).shape[out]
+    if not isinstance(size, int) or not isinstance(heads, int) or heads == size or \
+            heads % world == 0 or size % heads or (heads < world and world % heads):
         return None
     return UnitShard(have.dim, heads)
 
@@ -108,18 +99,28 @@ def _single_head(node: fx.Node):
     """``UnitShard(d, 1)`` for a view of an input sharded on dim ``d`` that only inserts a
     size-1 dim before it (``(B, T, head_dim) -> (B, T, 1, head_dim)``: the one KV head of
     multi-query attention); else ``None``."""
+    found = _sharded_view(node)
+    if found is None or not isinstance(found[0], Shard):
+        return None
+    have, out = found
+    shape, out_shape = val(node.args[0]).shape, val(node).shape
+    if len(out_shape) != len(shape) + 1 or out == 0 or out_shape[out - 1] != 1 or \
+            out_shape[out] != shape[have.dim]:
+        return None
+    return UnitShard(have.dim, 1)
+
+
+def _sharded_view(node: fx.Node):
+    """``(placement, output dim)`` for a view whose input is sharded on a dim whose label
+    lands on exactly one output dim; else ``None``."""
     rule = rule_for(node.target) if node.target in _VIEWS else None
     have = placement_of(node.args[0]) if rule is not None else None
-    if not isinstance(have, Shard):
+    if not isinstance(have, (Shard, UnitShard)):
         return None
     spec = rule.spec(node)
     label = label_base(spec.inputs[0][have.dim])
     outs = [d for d, lab in enumerate(spec.outputs[0]) if label_base(lab) == label]
-    shape, out_shape = val(node.args[0]).shape, val(node).shape
-    if len(outs) != 1 or len(out_shape) != len(shape) + 1 or outs[0] == 0 or \
-            out_shape[outs[0] - 1] != 1 or out_shape[outs[0]] != shape[have.dim]:
-        return None
-    return UnitShard(have.dim, 1)
+    return (have, outs[0]) if len(outs) == 1 else None
 
 
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
