@@ -28,9 +28,12 @@ from .parallelize import info_of
 
 
 def _tensors(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer of ``gm`` under all its names."""
-    return {**dict(gm.named_parameters(remove_duplicate=False)),
-            **dict(gm.named_buffers(remove_duplicate=False))}
+    """Every parameter and buffer of ``gm`` under all its names, as this rank's local
+    tensor (sharing memory with a ``DTensor`` parameter; ties stay one tensor)."""
+    named = {**dict(gm.named_parameters(remove_duplicate=False)),
+             **dict(gm.named_buffers(remove_duplicate=False))}
+    local = {id(t): t._local_tensor if isinstance(t, DTensor) else t for t in named.values()}
+    return {name: local[id(t)] for name, t in named.items()}
 
 
 def _dtensor(local: torch.Tensor, placement, mesh, world: int, shape) -> DTensor:

@@ -5,7 +5,8 @@ import math
 
 import torch
 import torch.fx as fx
-from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+from torch.distributed.tensor import DTensor
+from torch.nn.utils import get_total_norm
 
 from .passes.placement import is_sharded
 
@@ -17,15 +18,21 @@ from .parallelize import info_of
 def clip_grad_norm_(gm: fx.GraphModule, max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False, foreach=None) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for an fxtp module: the total norm is the one of
-    the single-device gradients, the same on every rank, and every rank scales its local
-    gradients by the same factor. Sharded gradients' partial norms are reduced across the
-    group in one all-reduce; replicated gradients (identical on every rank) count once."""
+    the single-device gradients, the same on every rank (a plain tensor), and every rank
+    scales its local gradients by the same factor. Sharded gradients' partial norms are
+    reduced across the group in one all-reduce; replicated gradients (identical on every
+    rank) count once. Parameters sharded further (FSDP2 on a 2-D mesh) are left to
+    ``torch.nn.utils.clip_grad_norm_``, which reduces their DTensor norms itself."""
     info = info_of(gm)
-    placements = info.param_placements
+    params = [(name, p) for name, p in gm.named_parameters() if p.grad is not None]
+    if any(isinstance(p, DTensor) and p.device_mesh != info.mesh for _, p in params):
+        total = torch.nn.utils.clip_grad_norm_([p for _, p in params], max_norm, norm_type,
+                                               error_if_nonfinite, foreach)
+        return total.full_tensor() if isinstance(total, DTensor) else total
     sharded, replicated = [], []
-    for name, p in gm.named_parameters():
-        if p.grad is not None:
-            (sharded if is_sharded(placements.get(name)) else replicated).append(p.grad)
+    for name, p in params:
+        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        (sharded if is_sharded(info.param_placements.get(name)) else replicated).append(grad)
     grads = sharded + replicated
     if not grads:
         return torch.tensor(0.0)
@@ -46,6 +53,5 @@ def clip_grad_norm_(gm: fx.GraphModule, max_norm: float, norm_type: float = 2.0,
                            f"`parameters` is non-finite, so it cannot be clipped. To disable "
                            f"this error and scale the gradients by the non-finite norm "
                            f"anyway, set `error_if_nonfinite=False`")
-    clip_grads_with_norm_([p for p in gm.parameters() if p.grad is not None], max_norm,
-                          total, foreach)
+    torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
     return total

@@ -35,12 +35,13 @@ from typing import Optional
 
 import torch
 import torch.fx as fx
+from torch.distributed.tensor import DTensor
 
 from .passes.gradients import gradient_carriers
 from .passes.graph import COLLECTIVE, FALLBACK, PLACEMENT, call_args, module_fqn, val
 from .passes.placement import (UnitShard, describe, is_sharded, local_range, size_hint,
                               split_factor)
-from .passes.recompute import inline_checkpoints
+from .passes.modules import inline_program
 
 from .passes.cross_entropy import forward_all_reduce_bytes, loss_parallel_cross_entropy
 from .report import Comm, Fallback, Layer, NodeInfo, Report, Summary, Totals
@@ -65,11 +66,11 @@ def explain(gm: fx.GraphModule, *, input_grads: bool = False) -> Report:
         raise TypeError("fxtp.explain takes the GraphModule fxtp.parallelize returned "
                         f"(it has a .fxtp attribute); got {type(gm).__name__}")
     rank, world = info.rank, info.world_size
-    graph = inline_checkpoints(gm)  # the whole program, checkpointed regions included
+    graph = inline_program(gm)  # the whole program: modules and checkpointed regions inlined
     grads = _carry_grad(gm, graph, input_grads)
     hints: dict[str, int] = {}
     nodes = [node_info(n, rank, world, hints, grads) for n in graph.nodes]
-    params = _param_bytes(gm)
+    params = _param_bytes(gm, info.param_shapes)
     forward, backward, layers = _rollup(nodes, params)
     fallbacks = [Fallback(n.name, row.op, row.module, n.meta[FALLBACK])
                  for n, row in zip(graph.nodes, nodes) if n.meta.get(FALLBACK)]
@@ -234,12 +235,11 @@ def _attr(gm: fx.GraphModule, target: str):
     return getattr(gm.get_submodule(owner), name)
 
 
-def _param_bytes(gm: fx.GraphModule) -> dict[str, tuple[int, int]]:
+def _param_bytes(gm: fx.GraphModule, shapes: dict) -> dict[str, tuple[int, int]]:
     """Parameter FQN -> (bytes on this rank, bytes unsharded); tied parameters once."""
-    full = {n.target: val(n) for n in gm.graph.nodes if n.op == "get_attr"}
     out = {}
     for fqn, p in gm.named_parameters():
-        local = p.numel() * p.element_size()
-        v = full.get(fqn)
-        out[fqn] = (local, v.numel() * v.element_size() if isinstance(v, torch.Tensor) else local)
+        local = p.to_local() if isinstance(p, DTensor) else p
+        size = local.element_size()
+        out[fqn] = (local.numel() * size, math.prod(shapes.get(fqn, local.shape)) * size)
     return out

@@ -13,6 +13,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .passes.localize import localize
+from .passes.modules import outline_modules, scope_of
 from .passes.graph import PLACEMENT
 from .passes.propagate import propagate
 from .passes.recompute import REGION, outline_checkpoints
@@ -22,6 +23,7 @@ from .passes.strided import stride_fused_splits
 from .passes.units import deal_consumers, deal_sources
 
 from .dump import Dumper
+from .dtensor_params import as_dtensors
 from .passes.errors import PlanError
 from .guards import check_fresh, check_same_on_every_rank, guard_inputs
 from .materialize import fake_tensors, materialize, meta_tensors, swapped
@@ -44,6 +46,7 @@ class ParallelInfo:
     param_shapes: dict = field(default_factory=dict)  # FQN -> global shape
     mesh: Optional[DeviceMesh] = None
     state_keys: tuple = ()  # the model's state_dict() keys, in order
+    inlined: tuple = ()  # FQNs of modules kept in their parent's graph, not as submodules
 
 
 def info_of(gm: nn.Module) -> ParallelInfo:
@@ -60,7 +63,9 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
                 strict: bool = False, init_fn: Optional[Callable[[nn.Module], None]] = None,
                 device: Union[str, torch.device, None] = None,
                 dump_dir: Optional[str] = None,
-                checkpoint: Sequence[str] = ()) -> fx.GraphModule:
+                checkpoint: Sequence[str] = (), modules: Sequence[str] = (),
+                dtensor_params: bool = True, param_dtype: Optional[torch.dtype] = None
+                ) -> fx.GraphModule:
     """Return this rank's tensor-parallel ``GraphModule`` for ``model`` under ``plan``: a
     style, a dict of FQN patterns to styles (or Hugging Face plan strings), or ``"auto"``
     (a Hugging Face model's own plan, :mod:`fxtp.hf_plans`).
@@ -90,17 +95,44 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
     regions are kept (:mod:`fxtp.passes.recompute`), and ``checkpoint`` names modules (plan
     key patterns, e.g. ``["layers.*"]``) whose every call is checkpointed as if wrapped,
     without editing the model.
+
+    The module tree survives (:mod:`fxtp.passes.modules`): every module the plan names,
+    every element of an ``nn.ModuleList`` / ``ModuleDict`` (a model's blocks), every module
+    ``checkpoint`` or ``modules`` (plan key patterns) names, and the modules calling them
+    are submodules of the result at their FQNs, each running its part of the program, so
+    ``fully_shard``, ``checkpoint_wrapper``, hooks and ``torch.compile`` apply per block.
+    Replicated parameters' gradient syncs (sequence-parallel norm weights) are bucketed
+    per block (and one bucket for the rest), so each block reads only its own parameters.
+
+    ``param_dtype``: the dtype floating parameters (and floating inputs) will have when the
+    program runs, where it differs from theirs: FSDP2's
+    ``MixedPrecisionPolicy(param_dtype=...)`` casts them before every forward. The model is
+    traced as if cast (a trace records the casts its dtypes call for, and drops those that
+    are no-ops), while the result keeps the model's parameters in their own dtype.
+
+    ``dtensor_params``: parameters are ``DTensor`` s on the mesh (global shape, this rank's
+    shard inside) that the graph reads locally (:mod:`fxtp.dtensor_params`), so
+    ``torch.nn.utils.clip_grad_norm_``, ``state_dict()`` with DCP and FSDP2 see the global
+    model. ``False`` keeps plain local tensors (``fxtp.state_dict`` / ``clip_grad_norm_``
+    still give global results; torch's own tools would see one rank's shard): whole-program
+    ``torch.compile`` of a graph with checkpointed regions needs it in torch 2.13.
     """
     check_fresh(model)
     shardings = resolve_plan(model, plan, strict)
     checkpointed = module_fqns(model, checkpoint, "checkpoint pattern")
+    blocks = [*_blocks(model), *checkpointed, *module_fqns(model, modules, "modules pattern")]
+    kept = [*shardings, *blocks]
     group = resolve_group(mesh)
     device = _device(device, group)
     meta = meta_tensors(model)
+    recast = _recast(model, param_dtype)
     with Dumper(dump_dir, group) as dump:
-        with swapped(model, fake_tensors(meta, device)):
-            gm, calls = trace(model, tuple(example_inputs), example_kwargs, shardings,
-                              dynamic_shapes, checkpointed)
+        with swapped(model, fake_tensors({**meta, **recast}, device)):
+            gm, calls = trace(model, _cast(example_inputs, param_dtype), example_kwargs,
+                              shardings, dynamic_shapes, checkpointed)
+        for fqn in recast.keys() - meta.keys():  # the model's own tensors, not the recast
+            owner, _, name = fqn.rpartition(".")
+            gm.get_submodule(owner)._parameters[name] = model.get_parameter(fqn)
         dump.code("traced", gm)
         draw = int(torch.randint(2 ** 62, (), device="cpu")) if meta else 0  # init seed
         init_seed = check_same_on_every_rank(group, _device(None, group), shardings, model,
@@ -117,7 +149,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
         dump.placements(gm)
         for message in fallbacks:
             warnings.warn("fxtp: " + message, stacklevel=2)
-        rewrite(gm, group.name, group.rank, group.world)
+        rewrite(gm, group.name, group.rank, group.world, lambda n: scope_of(n, blocks))
         dump.code("rewritten", gm)
         localize(gm, group)
         attrs = [n for n in gm.graph.nodes if n.op == "get_attr" and PLACEMENT in n.meta]
@@ -128,10 +160,15 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
             materialize(gm, model, meta, placements, group, device_mesh, device, init_fn,
                         init_seed)
         guard_inputs(gm, group.world)
-        outline_checkpoints(gm, gm.meta[REGION])
+        inlined = outline_modules(gm, kept, model)
+        if dtensor_params:
+            as_dtensors(gm, placements, shapes, device_mesh, group.world)
+        for module in [m for m in gm.modules() if isinstance(m, fx.GraphModule)]:
+            outline_checkpoints(module, gm.meta[REGION])
         dump.code("localized", gm)
         gm.fxtp = _info(gm, model, shardings, group, fallbacks, placements, shapes,
                         device_mesh)
+        gm.fxtp.inlined = tuple(inlined)
         dump.report(gm)
     return gm
 
@@ -144,6 +181,28 @@ def _info(gm, model, shardings, group, fallbacks, placements, shapes, device_mes
                         tuple(getattr(o, "meta", {}).get(PLACEMENT) for o in outputs),
                         placements, shapes, device_mesh,
                         tuple(model.state_dict(keep_vars=True)))
+
+
+def _recast(model: nn.Module, dtype: Optional[torch.dtype]) -> dict[str, torch.Tensor]:
+    """Meta stand-ins of ``dtype`` for the model's floating parameters (none if ``None``)."""
+    made: dict[int, nn.Parameter] = {}  # ties stay ties
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        if dtype is not None and p.is_floating_point() and p.dtype != dtype and id(p) not in made:
+            made[id(p)] = nn.Parameter(torch.empty_like(p, device="meta", dtype=dtype),
+                                       p.requires_grad)
+    return {fqn: made[id(p)] for fqn, p in model.named_parameters(remove_duplicate=False)
+            if id(p) in made}
+
+
+def _cast(inputs: Sequence, dtype: Optional[torch.dtype]) -> tuple:
+    return tuple(x.to(dtype) if dtype is not None and isinstance(x, torch.Tensor) and
+                 x.is_floating_point() else x for x in inputs)
+
+
+def _blocks(model: nn.Module) -> list[str]:
+    """FQNs of the elements of ``model``'s ``ModuleList`` s and ``ModuleDict`` s."""
+    return [f"{fqn}.{name}" if fqn else name for fqn, m in model.named_modules()
+            if isinstance(m, (nn.ModuleList, nn.ModuleDict)) for name in m._modules]
 
 
 def _device(device, group) -> torch.device:

@@ -81,6 +81,18 @@ def module_fqn(node: fx.Node) -> str:
     return fqns[-1] if fqns else ""
 
 
+def stack_upto(node: fx.Node, fqn: str) -> dict:
+    """``node``'s ``nn_module_stack`` cut after ``fqn`` (empty for the root)."""
+    stack = {}
+    for key, (path, kind) in (node.meta.get("nn_module_stack") or {}).items():
+        if not fqn:
+            break
+        stack[key] = (path, kind)
+        if path == fqn:
+            break
+    return stack
+
+
 def inside(node: fx.Node, fqn: str) -> bool:
     return fqn == "" or fqn in module_fqns(node)
 

@@ -14,8 +14,8 @@ saves the results of collectives and recomputes everything else, so recomputatio
 collective a second time. Values computed from parameters alone (hoisted before the
 gradient-sync bucket) stay outside the regions.
 
-:func:`inline_checkpoints` undoes the pass on a copy of the graph, for analyses that walk the
-whole program (:func:`fxtp.explain`).
+:func:`fxtp.passes.modules.inline_program` undoes the pass (and the module outlining) on a
+copy of the graph, for analyses that walk the whole program (:func:`fxtp.explain`).
 """
 from __future__ import annotations
 
@@ -93,7 +93,12 @@ def _spans(graph: fx.Graph, keep: set) -> list[tuple[int, list[fx.Node]]]:
 
 
 def _outline(gm: fx.GraphModule, span: list[fx.Node], options: dict, name: str) -> None:
+    """Parameters and buffers read in the span are passed in: the region holds none."""
     graph = gm.graph
+    for n in span:
+        if n.op == "get_attr":
+            span[0].prepend(n)
+    span = [n for n in span if n.op != "get_attr"]
     inside = set(span)
     inputs = list(dict.fromkeys(a for n in span for a in n.all_input_nodes if a not in inside))
     outputs = [n for n in span if any(u not in inside for u in n.users)]
@@ -120,31 +125,3 @@ def _outline(gm: fx.GraphModule, span: list[fx.Node], options: dict, name: str) 
         out.replace_all_uses_with(result)
     for n in reversed(span):
         graph.erase_node(n)
-
-
-def inline_checkpoints(gm: fx.GraphModule) -> fx.Graph:
-    """A copy of ``gm``'s graph with every checkpointed region inlined back (the node
-    objects of the regions, so their ``meta`` is the original's)."""
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for node in gm.graph.nodes:
-        if node.target is run_checkpointed:
-            region = getattr(gm, node.args[0].target)
-            inner = {}
-            placeholders = [n for n in region.graph.nodes if n.op == "placeholder"]
-            for p, a in zip(placeholders, node.args[1:]):
-                inner[p] = env[a]
-            for n in region.graph.nodes:
-                if n.op == "output":
-                    env[node] = tuple(inner[o] for o in n.args[0])
-                elif n.op != "placeholder":
-                    inner[n] = graph.node_copy(n, inner.__getitem__)
-        elif node.op == "call_function" and node.target is operator.getitem and \
-                isinstance(env.get(node.args[0]), tuple):
-            env[node] = env[node.args[0]][node.args[1]]
-        elif node.op == "get_attr" and node.target.startswith(PREFIX) and \
-                isinstance(getattr(gm, node.target, None), fx.GraphModule):
-            continue
-        else:
-            env[node] = graph.node_copy(node, env.__getitem__)
-    return graph

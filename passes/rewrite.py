@@ -13,6 +13,7 @@ are all such ops reduce-scatters its gradient instead.
 from __future__ import annotations
 
 import inspect
+from typing import Callable, Optional
 import operator
 
 import torch
@@ -22,7 +23,7 @@ from torch.distributed.tensor import Replicate
 from . import collectives
 from .gradients import gradient_carriers
 from .graph import (AUTOCAST, COLLECTIVE, INPUTS, PLACEMENT, branches, layout, placement_of,
-                    tensor_inputs, val)
+                    stack_upto, tensor_inputs, val)
 from .placement import (UnitShard, describe, is_replicate, is_sharded, local_range,
                         split_factor, transition_steps)
 from .rules import writes_first_input
@@ -30,7 +31,13 @@ from .rules import writes_first_input
 aten = torch.ops.aten
 
 
-def rewrite(gm: fx.GraphModule, group: str, rank: int, world: int) -> None:
+def rewrite(gm: fx.GraphModule, group: str, rank: int, world: int,
+            scope: Optional[Callable[[fx.Node], str]] = None) -> None:
+    """Insert the collectives every node's needed input placements call for, then the
+    gradient syncs of replicated values given partial gradients. ``scope(node)``: the FQN
+    of the outermost module the program keeps as a submodule around ``node``
+    (:mod:`fxtp.passes.modules`); parameters' gradient syncs are bucketed per scope, at its
+    start, so each such module reads only its own parameters."""
     graph = gm.graph
     made: dict[tuple[fx.Node, str], fx.Node] = {}
 
@@ -63,7 +70,7 @@ def rewrite(gm: fx.GraphModule, group: str, rank: int, world: int) -> None:
             graph.erase_node(node)
         for branch in branches(gm, node):  # torch.cond: each branch is rewritten alike
             rewrite(branch, group, rank, world)
-    _sync_partial_grads(graph, group)
+    _sync_partial_grads(graph, group, scope or (lambda node: ""))
     graph.lint()
     gm.recompile()
 
@@ -130,7 +137,7 @@ def _forwards_partial(node: fx.Node) -> bool:
         all(_contributes_partial_grad(u) for u in node.users)
 
 
-def _sync_partial_grads(graph: fx.Graph, group: str) -> None:
+def _sync_partial_grads(graph: fx.Graph, group: str, scope) -> None:
     params = {}  # replicated parameter (or value of parameters) -> users giving partial grads
     needs_grad = gradient_carriers(  # an input may be given requires_grad at run time
         graph, lambda n, v: n.op == "placeholder" or getattr(v, "requires_grad", False))
@@ -156,8 +163,11 @@ def _sync_partial_grads(graph: fx.Graph, group: str) -> None:
         _annotate(sync, node, partial_users[0], "grad_sync")
         for user in partial_users:
             user.replace_input_with(node, sync)
-    if params:
-        _bucket_param_grad_syncs(graph, params, group)
+    scoped: dict[str, dict] = {}
+    for param, users in params.items():
+        scoped.setdefault(scope(users[0]), {})[param] = users
+    for where, members in scoped.items():
+        _bucket_param_grad_syncs(graph, members, group, where, scope)
 
 
 def computed_from_parameters(graph: fx.Graph) -> set:
@@ -180,11 +190,12 @@ def _pure(target) -> bool:
         not writes_first_input(target)
 
 
-def _bucket_param_grad_syncs(graph: fx.Graph, params: dict, group: str) -> None:
-    """One ``grad_sync_bucket`` for all replicated parameters (and values computed from
-    parameters alone) read by sharded ops (sequence-parallel norm weights, rowwise biases
-    added to sequence shards): they are computed first, and their partial users read the
-    bucket's outputs."""
+def _bucket_param_grad_syncs(graph: fx.Graph, params: dict, group: str, where: str,
+                             scope) -> None:
+    """One ``grad_sync_bucket`` for the replicated parameters (and values computed from
+    parameters alone) read by sharded ops in scope ``where`` (sequence-parallel norm
+    weights, rowwise biases added to sequence shards): they are computed at the scope's
+    start, and their partial users read the bucket's outputs."""
     position = {n: i for i, n in enumerate(graph.nodes)}
     hoisted: set[fx.Node] = set()
     todo = list(params)
@@ -194,15 +205,20 @@ def _bucket_param_grad_syncs(graph: fx.Graph, params: dict, group: str) -> None:
             hoisted.add(node)
             todo += node.all_input_nodes
     first = next(n for n in graph.nodes if n.op not in ("placeholder", "get_attr") and
-                 n not in hoisted)
+                 n not in hoisted and (not where or scope(n) == where))
+    stack = stack_upto(next(iter(params.values()))[0], where)
     for node in sorted(hoisted, key=position.__getitem__):
         first.prepend(node)
+        if node.op == "call_function":
+            node.meta["nn_module_stack"] = dict(stack)
     with graph.inserting_before(first):
         bucket = graph.call_function(collectives.grad_sync_bucket, (list(params), group))
         bucket.meta[COLLECTIVE] = "grad_sync_bucket"
+        bucket.meta["nn_module_stack"] = dict(stack)
         for i, (param, users) in enumerate(params.items()):
             out = graph.call_function(operator.getitem, (bucket, i))
             _annotate(out, param, users[0], None)
+            out.meta["nn_module_stack"] = dict(stack)
             for user in users:
                 user.replace_input_with(param, out)
 

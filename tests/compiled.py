@@ -10,7 +10,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 import fxtp
-from tests.parity import LR, example, local_part, noise_floor, tolerance
+from tests.parity import LR, example, local_of, local_part, noise_floor, tolerance
 
 _KINDS = {"all_reduce_": "all_reduce", "all_reduce": "all_reduce",
           "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_out": "all_gather",
@@ -47,7 +47,8 @@ def train_step(module, inputs, placements, rank, world, step, counts=None):
 
 
 def check_compiled(rank, world, make_model, plan, inputs, *, backend="inductor",
-                   dtype=torch.float32, steps=2, input_placements=None, device="cpu"):
+                   dtype=torch.float32, steps=2, input_placements=None, device="cpu",
+                   **parallelize_kwargs):
     """Train ``torch.compile(gm, backend=backend, fullgraph=True)`` and the eager ``gm``
     side by side for ``steps`` AdamW steps from the same parameters; assert outputs, every
     parameter and input gradient and the parameters after the steps match, and that dynamo
@@ -59,13 +60,14 @@ def check_compiled(rank, world, make_model, plan, inputs, *, backend="inductor",
     xs = [x.to(device=device, dtype=dtype if x.is_floating_point() else x.dtype)
           for x in inputs]
     placements = input_placements or [None] * len(xs)
-    eager = fxtp.parallelize(model, plan, example_inputs=xs)
-    gm = fxtp.parallelize(model, plan, example_inputs=xs)
+    eager = fxtp.parallelize(model, plan, example_inputs=xs, **parallelize_kwargs)
+    gm = fxtp.parallelize(model, plan, example_inputs=xs, **parallelize_kwargs)
     compiled = torch.compile(gm, backend=backend, fullgraph=True)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=LR) for m in (eager, gm)]
     counters.clear()
     result = {}
-    noise = {name: torch.zeros_like(p, dtype=torch.bool) for name, p in gm.named_parameters()}
+    noise = {name: torch.zeros_like(local_of(p), dtype=torch.bool)
+             for name, p in gm.named_parameters()}
     for step in range(steps):
         counts = (fxtp.count_collectives(), fxtp.count_collectives()) if step == 0 else None
         ref, ref_inputs = train_step(eager, xs, placements, rank, world, step, counts)
@@ -79,11 +81,13 @@ def check_compiled(rank, world, make_model, plan, inputs, *, backend="inductor",
             out, got_inputs = train_step(compiled, xs, placements, rank, world, step)
         torch.testing.assert_close(out, ref, **tolerance(dtype, ref, step),
                                    msg=lambda m: f"step {step} output: {m}")
-        floor = noise_floor([q.grad for q in eager.parameters()], dtype)
+        floor = noise_floor([local_of(q.grad) for q in eager.parameters()], dtype)
         for (name, p), q in zip(gm.named_parameters(), eager.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, **tolerance(dtype, q.grad, step),
+            expected = local_of(q.grad)
+            torch.testing.assert_close(local_of(p.grad), expected,
+                                       **tolerance(dtype, expected, step),
                                        msg=lambda m: f"step {step} grad of {name}: {m}")
-            noise[name] |= q.grad.abs() <= floor
+            noise[name] |= expected.abs() <= floor
         for i, (a, b) in enumerate(zip(got_inputs, ref_inputs)):
             if b.grad is not None:
                 torch.testing.assert_close(a.grad, b.grad, **tolerance(dtype, b.grad, step),
@@ -93,7 +97,7 @@ def check_compiled(rank, world, make_model, plan, inputs, *, backend="inductor",
             opt.zero_grad()
     for (name, p), q in zip(gm.named_parameters(), eager.parameters()):
         keep = ~noise[name]  # see tests.parity.noise_floor
-        torch.testing.assert_close(p[keep], q[keep], **tolerance(dtype, steps=steps),
+        torch.testing.assert_close(local_of(p)[keep], local_of(q)[keep], **tolerance(dtype, steps=steps),
                                    msg=lambda m: f"{name} after {steps} AdamW steps: {m}")
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import fxtp
@@ -74,6 +74,11 @@ def local_part(full: torch.Tensor, placement, rank: int, world: int) -> torch.Te
     return full
 
 
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor parameter's (or gradient's) local tensor; a plain tensor as is."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def check_parity(rank, world, make_model, plan, inputs, *, dtype, steps=3,
                  input_placements=None, input_grads=True, inputs_per_step=None,
                  kwargs=None, output=lambda out: out, with_bytes=False, post=None,
@@ -112,7 +117,7 @@ def check_parity(rank, world, make_model, plan, inputs, *, dtype, steps=3,
     # has an exactly-zero true gradient) into +-lr steps of random sign, in any correct
     # implementation. Such elements are compared as gradients every step, but not after
     # the steps: ``noise[name]`` marks them.
-    noise = {name: torch.zeros_like(p, dtype=torch.bool) for name, p in params.items()}
+    noise = {name: torch.zeros_like(local_of(p), dtype=torch.bool) for name, p in params.items()}
     for step in range(steps):
         step_inputs = cast(inputs_per_step[step]) if inputs_per_step else full_inputs
         xs = [x.clone().requires_grad_(input_grads) for x in step_inputs]
@@ -136,7 +141,7 @@ def check_parity(rank, world, make_model, plan, inputs, *, dtype, steps=3,
         for name, p in params.items():
             ref_grad = local_part(ref.get_parameter(name).grad, gm.fxtp.param_placements[name],
                                   rank, world)
-            torch.testing.assert_close(p.grad, ref_grad,
+            torch.testing.assert_close(local_of(p.grad), ref_grad,
                                        **tolerance(tol_dtype, ref_grad, step),
                                        msg=lambda m: f"step {step} grad of {name}: {m}")
             noise[name] |= ref_grad.abs() <= floor
@@ -154,7 +159,7 @@ def check_parity(rank, world, make_model, plan, inputs, *, dtype, steps=3,
         expected = local_part(ref.get_parameter(name).detach(), gm.fxtp.param_placements[name],
                               rank, world)
         torch.testing.assert_close(
-            p.detach()[~noise[name]], expected[~noise[name]], **tolerance(tol_dtype, steps=steps),
+            local_of(p.detach())[~noise[name]], expected[~noise[name]], **tolerance(tol_dtype, steps=steps),
             msg=lambda m: f"{name} after {steps} AdamW steps: {m}")
     for name, t in model.state_dict().items():
         assert torch.equal(t, before[name]), f"parallelize modified the user's {name}"

@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -17,7 +18,7 @@ from tests import models
 from tests import transformer_models as tm
 from tests.conftest import pool_of
 from tests.corpus import gpt2_tp_plan
-from tests.parity import local_part
+from tests.parity import local_of, local_part
 
 TOKENS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
 SUBJECTS = {
@@ -39,19 +40,24 @@ def plain(name, seed):
     return SUBJECTS[name][0]()
 
 
-def save(rank, world, name, path):
+def save(rank, world, name, path, api="fxtp"):
     gm = build(name, seed=0)
-    sd = fxtp.state_dict(gm)
+    sd = fxtp.state_dict(gm) if api == "fxtp" else gm.state_dict()
     placements = {k: v.placements[0] for k, v in sd.items()}
     dcp.save(sd, checkpoint_id=path)
     return fxtp.full_state_dict(gm), placements
 
 
-def load(rank, world, name, path):
+def load(rank, world, name, path, api="fxtp"):
     gm = build(name, seed=1)  # other weights, overwritten by the load
-    sd = fxtp.state_dict(gm)
-    dcp.load(sd, checkpoint_id=path)
-    fxtp.load_state_dict(gm, sd)
+    if api == "fxtp":
+        sd = fxtp.state_dict(gm)
+        dcp.load(sd, checkpoint_id=path)
+        fxtp.load_state_dict(gm, sd)
+    else:  # the parameters are DTensors: torch's own state-dict API sees the global model
+        sd = get_model_state_dict(gm)
+        dcp.load(sd, checkpoint_id=path)
+        set_model_state_dict(gm, sd)
     return fxtp.full_state_dict(gm)
 
 
@@ -71,18 +77,21 @@ def load_plain(name, path):
     return model
 
 
+@pytest.mark.parametrize("api", ["fxtp", "torch"])
 @pytest.mark.parametrize("name", list(SUBJECTS))
 def test_dcp_saves_at_world_2_and_loads_at_world_4_and_into_the_plain_model(pools, tmp_path,
-                                                                              name):
+                                                                              name, api):
+    """``api="torch"``: ``dcp.save(gm.state_dict())``, then ``get_model_state_dict`` /
+    ``set_model_state_dict`` around ``dcp.load``: no shard is lost."""
     path = str(tmp_path / "world2")
-    (full, placements), _ = pool_of(pools, 2).run(save, name, path)
+    (full, placements), _ = pool_of(pools, 2).run(save, name, path, api)
     if name == "fused":  # handed to DCP re-laid as plain shards
         assert placements["layers.0.attention.qkv.weight"] == Shard(0)
     elif name == "uneven":  # 67 rows: DTensor's uneven Shard, as torch.chunk deals them
         assert placements["wte.weight"] == Shard(0)
     else:
         assert placements["lm_head.weight"] == Shard(0) and placements["h.0.ln_1.weight"].is_replicate()
-    for loaded in pool_of(pools, 4).run(load, name, path):
+    for loaded in pool_of(pools, 4).run(load, name, path, api):
         assert_equal(loaded, full)
     assert_equal(load_plain(name, path).state_dict(), full)
 
@@ -105,9 +114,10 @@ def full_round_trip(rank, world, name, other):
     model.load_state_dict(full)
     assert_equal(model.state_dict(), full)
     fxtp.load_full_state_dict(gm, other)
-    for key, t in gm.state_dict().items():  # each rank kept its own part
+    tensors = {**dict(gm.named_parameters()), **dict(gm.named_buffers())}
+    for key, t in tensors.items():  # each rank kept its own part
         placement = gm.fxtp.param_placements.get(key)
-        assert torch.equal(t, local_part(other[key], placement, rank, world)), key
+        assert torch.equal(local_of(t), local_part(other[key], placement, rank, world)), key
     return fxtp.full_state_dict(gm)
 
 
@@ -125,7 +135,7 @@ def strided_layout(rank, world):
     sd = fxtp.state_dict(gm)
     assert isinstance(sd[key], DTensor) and sd[key].placements == (Shard(0),)
     assert sd["layers.0.attention.wo.weight"].to_local().data_ptr() == \
-        gm.get_parameter("layers.0.attention.wo.weight").data_ptr()  # shared, loads in place
+        local_of(gm.get_parameter("layers.0.attention.wo.weight")).data_ptr()  # shared, loads in place
     with pytest.raises(fxtp.PlanError, match=r"missing \['norm\.bias'\]"):
         fxtp.load_state_dict(gm, {k: v for k, v in sd.items() if k != "norm.bias"})
     with pytest.raises(fxtp.PlanError, match=r"state_dict\['norm\.bias'\] is a Tensor, not "

@@ -9,7 +9,7 @@ import torch
 
 import fxtp
 from tests import transformer_models as tm
-from tests.parity import TIGHT, local_part
+from tests.parity import TIGHT, local_of, local_part
 
 TOKENS = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
 SUBJECTS = {  # GPT-2: tied embedding, rowwise biases and LayerNorms replicated
@@ -18,7 +18,7 @@ SUBJECTS = {  # GPT-2: tied embedding, rowwise biases and LayerNorms replicated
 }
 
 
-def clip(rank, world, name, norm_type, ratio):
+def clip(rank, world, name, norm_type, ratio, clip_grad_norm_=fxtp.clip_grad_norm_):
     make, plan = SUBJECTS[name]
     torch.manual_seed(0)
     model = make().double()
@@ -29,12 +29,12 @@ def clip(rank, world, name, norm_type, ratio):
     norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()], norm_type)
     max_norm = ratio * norm.item()
     with fxtp.count_collectives() as counted:
-        total = fxtp.clip_grad_norm_(gm, max_norm, norm_type)
+        total = clip_grad_norm_(gm, max_norm, norm_type)
     ref_total = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm, norm_type)
     torch.testing.assert_close(total, ref_total, rtol=1e-12, atol=0)
     for n, p in gm.named_parameters():
         expected = local_part(ref.get_parameter(n).grad, gm.fxtp.param_placements[n], rank, world)
-        torch.testing.assert_close(p.grad, expected, **TIGHT, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(local_of(p.grad), expected, **TIGHT, msg=lambda m: f"{n}: {m}")
     return dict(counted.counts), total.item(), norm.item()
 
 
@@ -49,3 +49,14 @@ def test_clip_grad_norm_matches_torch_on_the_single_device_model(ranks, name, no
 def test_gradients_under_max_norm_are_left_as_they_are(ranks):
     for counts, total, norm in ranks.run(clip, "gpt2", 2.0, 10.0):
         assert counts == {"all_reduce": 1} and total == pytest.approx(norm, rel=1e-12)
+
+
+def torch_clip(gm, max_norm, norm_type):
+    return torch.nn.utils.clip_grad_norm_(gm.parameters(), max_norm, norm_type).full_tensor()
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf], ids=["l2", "inf"])
+def test_torch_clip_grad_norm_on_the_result_is_the_single_device_norm(ranks, norm_type):
+    """Parameters are DTensors: torch's own clipping reduces the sharded norms."""
+    for _, total, norm in ranks.run(clip, "llama", norm_type, 0.3, torch_clip):
+        assert total == pytest.approx(norm, rel=1e-12)

@@ -8,7 +8,7 @@ from torch.distributed.tensor import Shard
 
 import fxtp
 from tests.compiled import check_compiled
-from tests.parity import local_part
+from tests.parity import local_of, local_part
 from tests.test_compile import CASES
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -61,6 +61,7 @@ def fake_training(case, backend, device="cuda", world=4, steps=2):
     for name, p in gm.named_parameters():
         full, placement = model.get_parameter(name), gm.fxtp.param_placements[name]
         shard = full.chunk(world, placement.dim)[0] if isinstance(placement, Shard) else full
+        p = local_of(p)
         assert (p.shape, p.dtype, p.device.type) == (shard.shape, torch.bfloat16, device), name
 
 

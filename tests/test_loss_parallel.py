@@ -17,7 +17,7 @@ import fxtp
 from fxtp import Replicate, Shard
 from fxtp.passes.cross_entropy import loss_parallel_cross_entropy
 from tests import transformer_models as tm
-from tests.parity import LR, TIGHT, check_parity, local_part, tolerance
+from tests.parity import LR, TIGHT, check_parity, local_of, local_part, tolerance
 
 C = 16  # classes: 8 or 4 per rank
 
@@ -278,7 +278,7 @@ def loss_outside(rank, world, flatten, plan=None, steps=3):
         for name, p in gm.named_parameters():
             expected = local_part(ref.get_parameter(name).grad, gm.fxtp.param_placements[name],
                                   rank, world)
-            torch.testing.assert_close(p.grad, expected, **tolerance(torch.float64, expected,
+            torch.testing.assert_close(local_of(p.grad), expected, **tolerance(torch.float64, expected,
                                                                       step),
                                        msg=lambda m: f"step {step} grad of {name}: {m}")
         for o in (opt, ref_opt):

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fxtp
+from tests.parity import local_of
 from tests import transformer_models as tm
 
 TOKENS = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -79,7 +80,7 @@ LAYERS_PLAN = {"embed": fxtp.RowwiseParallel(), "up": fxtp.ColwiseParallel(),
 def initialize(rank, world, seed):
     torch.manual_seed(seed)
     gm = fxtp.parallelize(on_meta(Layers), LAYERS_PLAN, example_inputs=(TOKENS,))
-    local = {n: t.detach().clone() for n, t in gm.state_dict().items()}
+    local = {n: local_of(t).detach().clone() for n, t in gm.state_dict().items()}
     return local, fxtp.full_state_dict(gm)
 
 
@@ -149,10 +150,11 @@ def parallelize_8b_and_measure(world=8, rank=3):
     print(json.dumps({
         "seconds": time.perf_counter() - start,
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "local_bytes": sum(t.numel() * t.element_size() for t in gm.state_dict().values()),
+        "local_bytes": sum(local_of(t).numel() * t.element_size()
+                           for t in gm.state_dict().values()),
         "full_bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values()),
-        "w1": list(gm.get_parameter("layers.0.feed_forward.w1.weight").shape),
-        "unwritten": sum(int(t.isnan().sum()) for t in gm.state_dict().values()),
+        "w1": list(local_of(gm.get_parameter("layers.0.feed_forward.w1.weight")).shape),
+        "unwritten": sum(int(local_of(t).isnan().sum()) for t in gm.state_dict().values()),
     }))
 
 

@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fxtp
 from tests import models
-from tests.parity import check_parity, example
+from tests.parity import check_parity, example, local_of
 
 B, T = 2, 8
 
@@ -46,7 +46,7 @@ def test_world_size_8_local_shapes_and_parameter_memory(fake_group):
         layer.attention.n_heads = 8
     snapshot = copy.deepcopy(model.state_dict())
     gm = fxtp.parallelize(model, models.STACK_PLAN, example_inputs=(torch.randn(B, T, dim),))
-    local = dict(gm.named_parameters())
+    local = {n: local_of(p) for n, p in gm.named_parameters()}
     assert list(local) == [n for n, _ in model.named_parameters()]
     assert local["layers.0.attention.wq.weight"].shape == (dim // world, dim)
     assert local["layers.0.attention.wo.weight"].shape == (dim, dim // world)
@@ -59,7 +59,7 @@ def test_world_size_8_local_shapes_and_parameter_memory(fake_group):
     sharded = sum(p.numel() for n, p in model.named_parameters()
                   if not isinstance(gm.fxtp.param_placements[n], fxtp.Replicate))
     replicated = sum(p.numel() for n, p in model.named_parameters()) - sharded
-    assert sum(t.numel() for t in gm.state_dict().values()) == sharded // world + replicated
+    assert sum(local_of(t).numel() for t in gm.state_dict().values()) == sharded // world + replicated
     assert gm(torch.randn(B, T, dim)).shape == (B, T, dim)
     for name, t in model.state_dict().items():
         assert torch.equal(t, snapshot[name])
@@ -69,5 +69,5 @@ def test_a_single_style_applies_to_the_root(fake_group):
     fake_group(2)
     gm = fxtp.parallelize(nn.Linear(4, 6), fxtp.ColwiseParallel(),
                           example_inputs=(torch.randn(3, 4),))
-    assert gm.weight.shape == (3, 4)
+    assert gm.weight.to_local().shape == (3, 4) and gm.weight.shape == (6, 4)
     assert gm.fxtp.output_placements == (fxtp.Shard(1),)

