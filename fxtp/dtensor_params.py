@@ -83,6 +83,9 @@ def _read_locally(gm: fx.GraphModule) -> None:
             with graph.inserting_before(top):
                 local = graph.call_function(local_tensor, (node,))
             local.meta = {k: v for k, v in node.meta.items() if k != "custom"}
+            users = [u for u in node.users if u is not local]
+            if users:  # reported in the module that reads it
+                local.meta["nn_module_stack"] = dict(users[0].meta.get("nn_module_stack", {}))
             node.replace_all_uses_with(local, delete_user_cb=lambda u: u is not local)
     graph.lint()
     gm.recompile()
@@ -94,6 +97,11 @@ def _attr(gm, target: str):
         return getattr(gm.get_submodule(owner), name)
     except AttributeError:
         return None
+
+
+def _on_tp_mesh(p) -> bool:
+    """Is ``p`` as fxtp made it (not sharded further, by FSDP2 on a 2-D mesh)?"""
+    return isinstance(p, DTensor) and p.device_mesh.ndim == 1
 
 
 def _relay_for_checkpoint(module, state_dict, prefix, local_metadata):
@@ -108,7 +116,7 @@ def _relay_for_checkpoint(module, state_dict, prefix, local_metadata):
                                  shape[placement.dim], mesh.size(),
                                  mesh.get_group().group_name)
             state_dict[key] = DTensor.from_local(full, mesh, [Replicate()], run_check=False)
-        elif isinstance(p, DTensor) and isinstance(p.placements[0], _StridedShard):
+        elif _on_tp_mesh(p) and isinstance(p.placements[0], _StridedShard):
             state_dict[key] = p.detach().redistribute(p.device_mesh,
                                                       [Shard(p.placements[0].dim)])
     return state_dict
@@ -125,7 +133,7 @@ def _lay_back(module, state_dict, prefix, local_metadata, strict, missing, unexp
             continue
         if name in module._fxtp_heads:
             placement, _, mesh = module._fxtp_heads[name]
-        elif isinstance(p, DTensor):
+        elif _on_tp_mesh(p):
             placement, mesh = p.placements[0], p.device_mesh
             if isinstance(value, DTensor) and value.placements == p.placements:
                 continue

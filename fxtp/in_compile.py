@@ -26,6 +26,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import Replicate
 
 from .passes.graph import PLACEMENT
+from .passes.modules import inline_program
 from .passes.placement import UnitShard, is_sharded, split_factor
 
 from .passes import collectives
@@ -40,7 +41,8 @@ def parallelize_dynamo_graph(gm: fx.GraphModule, example_inputs, plan, mesh) -> 
     if any(not isinstance(x, torch.Tensor) for x in example_inputs):
         raise FxtpError("backend='fxtp' with a plan needs static shapes: pass dynamic=False "
                         "to torch.compile (each new input shape then compiles anew)")
-    tp = parallelize(model, plan, mesh, example_inputs=args, example_kwargs=kwargs)
+    tp = parallelize(model, plan, mesh, example_inputs=args, example_kwargs=kwargs,
+                     dtensor_params=False)  # dynamo passes the full parameters in
     if any(p is not None and p != Replicate() for p in tp.fxtp.output_placements):
         raise FxtpError(f"backend='fxtp' with a plan returns full outputs, but the plan leaves "
                         f"them {tp.fxtp.output_placements}: give the last planned module "
@@ -53,7 +55,7 @@ def parallelize_dynamo_graph(gm: fx.GraphModule, example_inputs, plan, mesh) -> 
     leaves = iter(pytree.tree_leaves((args, kwargs)))
     env: dict[fx.Node, object] = {}
     info = tp.fxtp
-    for node in tp.graph.nodes:
+    for node in inline_program(tp).nodes:  # one graph: modules and regions inlined
         if node.op == "placeholder":
             leaf = next(leaves)
             env[node] = inputs[id(leaf)] if isinstance(leaf, torch.Tensor) else leaf

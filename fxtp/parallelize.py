@@ -163,8 +163,11 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
         inlined = outline_modules(gm, kept, model)
         if dtensor_params:
             as_dtensors(gm, placements, shapes, device_mesh, group.world)
+        recomputed: set[int] = set()  # modules a region of their caller recomputes whole
         for module in [m for m in gm.modules() if isinstance(m, fx.GraphModule)]:
-            outline_checkpoints(module, gm.meta[REGION])
+            if id(module) not in recomputed:
+                for called in outline_checkpoints(module, gm.meta[REGION]):
+                    recomputed.update(id(m) for m in called.modules())
         dump.code("localized", gm)
         gm.fxtp = _info(gm, model, shardings, group, fallbacks, placements, shapes,
                         device_mesh)

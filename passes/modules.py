@@ -23,7 +23,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .graph import COLLECTIVE
-from .recompute import run_checkpointed
+from .recompute import call_submodule, run_checkpointed
 
 
 def called_modules(graph: fx.Graph) -> dict[str, int]:
@@ -96,14 +96,15 @@ def _outline(gm: fx.GraphModule, base: str, outlined: set, names: dict, model) -
 
 
 def _owners(graph: fx.Graph, children: set) -> dict[fx.Node, Optional[str]]:
-    """Which child each node goes to (``None``: it stays). A node traced outside every
-    module (a size computation, a guard), reading a tensor or a collective (which one
-    module's input needed, and others may share) goes where all its users go."""
+    """Which child each node goes to (``None``: it stays). A node without a traced module
+    stack (a pass made it: a size computation, a guard), reading a tensor, or a collective
+    (which one module's input needed, and others may share) goes where all its users go."""
     owner: dict[fx.Node, Optional[str]] = {}
     for node in reversed(graph.nodes):
         if node.op in ("placeholder", "output"):
             owner[node] = None
-        elif node.op == "call_function" and _paths(node) and COLLECTIVE not in node.meta:
+        elif node.op == "call_function" and node.meta.get("nn_module_stack") and \
+                COLLECTIVE not in node.meta:
             owner[node] = next((p for p in _paths(node) if p in children), None)
         else:
             users = {owner.get(u) for u in node.users}
@@ -148,12 +149,10 @@ def _extract(gm: fx.GraphModule, part: list, base: str, fqn: str, names: dict, c
     for n in part:
         if n in env:
             continue
+        env[n] = body.node_copy(n, env.__getitem__)  # names kept: reports name nodes
         if n.op == "get_attr":
             attrs[held[n]] = _attr(gm, n.target)
-            env[n] = body.get_attr(held[n])
-            env[n].meta = dict(n.meta)
-        else:
-            env[n] = body.node_copy(n, env.__getitem__)
+            env[n].target = held[n]
     body.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[o] for o in outputs))
     sub = fx.GraphModule(attrs, body, class_name=cls.__name__)
     relative = fqn[len(base) + 1:] if base else fqn
@@ -303,8 +302,12 @@ def _inline(gm: fx.GraphModule, prefix: str, graph: fx.Graph, env: dict, args) -
         elif node.op == "call_function" and node.target is operator.getitem and \
                 isinstance(env.get(node.args[0]), tuple):
             env[node] = env[node.args[0]][node.args[1]]
+        elif node.target is call_submodule:
+            module, prefix_ = env[node.args[0]]
+            env[node] = _inline(module, prefix_, graph, env,
+                                fx.node.map_arg(node.args[1:], env.__getitem__))
         elif node.op == "get_attr" and isinstance(_attr(gm, node.target), fx.GraphModule):
-            continue
+            env[node] = (_attr(gm, node.target), prefix + node.target + ".")
         else:
             env[node] = graph.node_copy(node, env.__getitem__)
             if node.op == "get_attr":

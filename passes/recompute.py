@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 import torch.fx as fx
+import torch.nn as nn
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts, noop_context_fn)
 
@@ -59,16 +60,23 @@ def region_of(node: fx.Node) -> Optional[int]:
     return (node.meta.get("custom") or {}).get(REGION)
 
 
-def outline_checkpoints(gm: fx.GraphModule, options: dict[int, dict]) -> int:
+def outline_checkpoints(gm: fx.GraphModule, options: dict[int, dict]) -> list[nn.Module]:
     """Move each marked region into a checkpointed submodule; ``options``: region number ->
-    ``checkpoint`` keyword options. Returns the number of regions."""
+    ``checkpoint`` keyword options. Returns the submodules the regions call (recomputed
+    whole with them: their own marks are to be left alone)."""
     spans = _spans(gm.graph, computed_from_parameters(gm.graph))
+    called: list[nn.Module] = []
     for i, (region, span) in enumerate(spans):
-        _outline(gm, span, options.get(region, {}), f"{PREFIX}{i}")
+        called += _outline(gm, span, options.get(region, {}), f"{PREFIX}{i}")
     if spans:
         gm.graph.lint()
         gm.recompile()
-    return len(spans)
+    return called
+
+
+def call_submodule(module: nn.Module, *args, **kwargs):
+    """``module(*args, **kwargs)``: a region calls the submodules it does not hold."""
+    return module(*args, **kwargs)
 
 
 def _spans(graph: fx.Graph, keep: set) -> list[tuple[int, list[fx.Node]]]:
@@ -93,11 +101,18 @@ def _spans(graph: fx.Graph, keep: set) -> list[tuple[int, list[fx.Node]]]:
 
 
 def _outline(gm: fx.GraphModule, span: list[fx.Node], options: dict, name: str) -> None:
-    """Parameters and buffers read in the span are passed in: the region holds none."""
+    """Parameters, buffers and the submodules called in the span are passed in: the region
+    holds none (their owners stay theirs). Returns those submodules."""
     graph = gm.graph
+    called = []
     for n in span:
         if n.op == "get_attr":
             span[0].prepend(n)
+        elif n.op == "call_module":
+            called.append(gm.get_submodule(n.target))
+            with graph.inserting_before(span[0]):
+                module = graph.get_attr(n.target)
+            n.op, n.target, n.args = "call_function", call_submodule, (module, *n.args)
     span = [n for n in span if n.op != "get_attr"]
     inside = set(span)
     inputs = list(dict.fromkeys(a for n in span for a in n.all_input_nodes if a not in inside))
@@ -125,3 +140,4 @@ def _outline(gm: fx.GraphModule, span: list[fx.Node], options: dict, name: str) 
         out.replace_all_uses_with(result)
     for n in reversed(span):
         graph.erase_node(n)
+    return called

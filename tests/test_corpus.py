@@ -39,17 +39,19 @@ def tp_counts(bwd_all_reduce=2 * L + 1, fwd_all_reduce=2 * L + 1):
     return ({"all_reduce": fwd_all_reduce, "all_gather": 1}, {"all_reduce": bwd_all_reduce})
 
 
-def sp_counts(fwd_all_gather=2 * L + 2, bwd_all_gather=2 * L + 1, bwd_reduce_scatter=2 * L + 1):
+def sp_counts(fwd_all_gather=2 * L + 2, bwd_all_gather=2 * L + 1, bwd_reduce_scatter=2 * L + 1,
+              bwd_all_reduce=L + 1):
     """torchtitan's SP of an L-layer LM. Forward: an all-gather of the sequence shards on
     entry to each attention and MLP (2L), one of the final norm's output into the head,
     one of the logits; a reduce-scatter of each rowwise output (2L) and of the embedding's
     partial sum. Backward: the conjugates (each all-gather's is a reduce-scatter, each
-    reduce-scatter's an all-gather; the logits gather's is a local chunk) and **one**
-    all-reduce for the gradients of every replicated parameter used on sequence shards
-    (norm weights, rowwise biases), bucketed."""
+    reduce-scatter's an all-gather; the logits gather's is a local chunk) and one
+    all-reduce per block (and one for the final norm) for the gradients of the replicated
+    parameters used on sequence shards (norm weights, rowwise biases), bucketed: each
+    block reads only its own parameters, as per-block FSDP needs."""
     return ({"all_gather": fwd_all_gather, "reduce_scatter": 2 * L + 1},
             {"all_gather": bwd_all_gather, "reduce_scatter": bwd_reduce_scatter,
-             "all_reduce": 1})
+             "all_reduce": bwd_all_reduce})
 
 
 STANDARD = {"tp": tp_counts(), "sp": sp_counts()}
@@ -82,13 +84,13 @@ EXPECTED = {
     # Measured today (the sum of squares gathered instead: a (B, T, H * D) all-gather per
     # norm): TP forward {all_reduce 2L+1, all_gather 2L+1}, backward {all_reduce 4L+1,
     # all_gather 2L}; SP forward {all_gather 4L+2, reduce_scatter 2L+1}, backward
-    # {all_gather 4L+1, reduce_scatter 2L+1, all_reduce 2L+1}.
+    # {all_gather 4L+1, reduce_scatter 2L+1, all_reduce 3L+1}.
     "hf_olmo2": {"tp": ({"all_reduce": 4 * L + 1, "all_gather": 1},
                         {"all_reduce": 4 * L + 1, "all_gather": 2 * L}),
                  "sp": ({"all_gather": 2 * L + 2, "reduce_scatter": 2 * L + 1,
                          "all_reduce": 2 * L},
                         {"all_gather": 4 * L + 1, "reduce_scatter": 2 * L + 1,
-                         "all_reduce": 2 * L + 1})},
+                         "all_reduce": 2 * L + L + 1})},  # + one norm-weight bucket per block
     # parallel block: one input_layernorm feeds both attention and MLP, so backward has
     # one all-reduce per layer (TP), and SP gathers that norm's output once per layer
     # (its conjugate: one reduce-scatter per layer). The two rowwise outputs are still

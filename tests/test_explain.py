@@ -130,10 +130,13 @@ def test_sequence_parallel_report_lists_each_gather_and_scatter():
     report = explained(world, "llama_sp")
     kinds = [n.collective for n in report.nodes if n.collective]
     assert sorted(kinds) == sorted(["all_gather"] * (2 * L + 2) +
-                                   ["reduce_scatter"] * (2 * L + 1) + ["grad_sync_bucket"])
-    bucket = next(n for n in report.nodes if n.collective == "grad_sync_bucket")
-    assert bucket.forward == [] and \
-        bucket.backward == [fxtp.report.Comm("all_reduce", (2 * L + 1) * CFG.dim * 4)]
+                                   ["reduce_scatter"] * (2 * L + 1) +
+                                   ["grad_sync_bucket"] * (L + 1))  # per block, + the rest
+    buckets = [n for n in report.nodes if n.collective == "grad_sync_bucket"]
+    assert all(b.forward == [] for b in buckets)
+    assert {b.module: b.backward for b in buckets} == {  # 2 norms per block, the final one
+        **{f"layers.{i}": [fxtp.report.Comm("all_reduce", 2 * CFG.dim * 4)] for i in range(L)},
+        "": [fxtp.report.Comm("all_reduce", CFG.dim * 4)]}
     scatter = next(n for n in report.nodes if n.collective == "reduce_scatter")
     assert (scatter.module, scatter.global_shape, scatter.local_shape, scatter.placement) == \
         ("tok_embeddings", [2, 16, 32], [2, 8, 32], "S(1)")

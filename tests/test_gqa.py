@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import fxtp
+from fxtp.passes.modules import inline_program
 from tests import corpus
 from tests.corpus import L, TOKENS
 from tests.parity import check_parity
@@ -54,7 +55,7 @@ def test_kv_weights_stay_whole_and_are_sliced_per_rank(fake_group, kv_heads):
     assert gm.fxtp.param_placements["model.layers.0.self_attn.q_proj.weight"].is_shard(0)
     head_dim = 32 // 8
     start = 3 * kv_heads // 4 * head_dim  # rank 3's KV head: its rows of wk and wv
-    rows = [n for n in gm.graph.nodes if n.target is torch.ops.aten.slice.Tensor and
+    rows = [n for n in inline_program(gm).nodes if n.target is torch.ops.aten.slice.Tensor and
             n.args[1:] == (0, start, start + head_dim)]
     assert len(rows) == 2 * L  # k and v, in every layer
     assert gm.fxtp.fallbacks == []

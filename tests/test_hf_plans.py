@@ -33,8 +33,9 @@ AUTO = {
     "hf_gemma2_tied": MEGATRON_TP,
     "hf_starcoder2": MEGATRON_TP,
     # q_norm / k_norm weights (per head, replicated) used on head shards: their gradients
-    # are partial, one bucketed all-reduce (Hugging Face's replicated_with_grad_allreduce)
-    "hf_qwen3": (MEGATRON_TP[0], {"all_reduce": 2 * L + 2}),
+    # are partial, one bucketed all-reduce per block (Hugging Face's
+    # replicated_with_grad_allreduce)
+    "hf_qwen3": (MEGATRON_TP[0], {"all_reduce": 2 * L + 1 + L}),
     # parallel block: one norm output feeds attention and MLP, one backward all-reduce per
     # layer for it
     "hf_cohere_tied": (MEGATRON_TP[0], {"all_reduce": L + 1}),

@@ -151,7 +151,7 @@ def parallelize_8b_and_measure(world=8, rank=3):
         "seconds": time.perf_counter() - start,
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "local_bytes": sum(local_of(t).numel() * t.element_size()
-                           for t in gm.state_dict().values()),
+                           for t in [*gm.parameters(), *gm.buffers()]),
         "full_bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values()),
         "w1": list(local_of(gm.get_parameter("layers.0.feed_forward.w1.weight")).shape),
         "unwritten": sum(int(local_of(t).isnan().sum()) for t in gm.state_dict().values()),

@@ -1,4 +1,5 @@
-"""The README's scripts run exactly as written, under torchrun with 2 ranks."""
+"""The README's scripts run exactly as written, under torchrun with 2 ranks (4 for the
+scaling-out recipe)."""
 import os
 import re
 import subprocess
@@ -43,6 +44,22 @@ def test_plans_from_other_projects_run_as_written(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.count("all four plans match the single-device model") == 2
     assert "plan key 'output' matches no module of TunedLlama" in run.stderr
+
+
+def test_scaling_out_recipe_runs_as_written(tmp_path):
+    """The "Scaling out" script under torchrun with 4 ranks: TP x FSDP2 per block with
+    regional compile, torch's clipping and DCP through get/set_model_state_dict."""
+    readme = (ROOT / "README.md").read_text()
+    code = re.search(r"```python\n(# save as scale_out\.py.*?)```", readme, re.S).group(1)
+    script = tmp_path / "scale_out.py"
+    script.write_text(code.replace('tempfile.gettempdir() + "/fxtp_scale_out"',
+                                   repr(str(tmp_path / "checkpoint"))))
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+                          "--standalone", str(script)], cwd=tmp_path,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert re.search(r"^loss [\d.]+ norm [\d.]+$", run.stdout, re.M), run.stdout
 
 
 def test_explain_output_shown_is_the_quick_starts(fake_group):

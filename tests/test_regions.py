@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 import fxtp
+from fxtp.passes.modules import inline_program
 from tests import models
 from tests.compiled import check_compiled
 from tests.parity import check_parity, example
@@ -55,7 +56,7 @@ def test_autocast_keeps_its_dtypes(fake_group):
     fp32."""
     fake_group(2)
     gm = fxtp.parallelize(Mixed(), PLAN, example_inputs=(torch.randn(2, 8, models.DIM),))
-    linears = [n for n in gm.graph.nodes if n.target is torch.ops.aten.linear.default]
+    linears = [n for n in inline_program(gm).nodes if n.target is torch.ops.aten.linear.default]
     dtypes = {n.meta["val"].dtype for n in linears}
     assert dtypes == {torch.bfloat16, torch.float32}
     assert "_enter_autocast" in gm.code and "_exit_autocast" in gm.code

@@ -99,7 +99,7 @@ def test_page_renders_the_summary_and_every_node_in_chromium(chromium, tmp_path)
     collectives = {n.name for n in report.nodes if n.collective}
     assert {name for name, classes in dom.rows.items() if "collective" in classes} == \
         collectives
-    assert len(collectives) == 12  # 6 gathers, 5 scatters, the norm weights' bucket
+    assert len(collectives) == 14  # 6 gathers, 5 scatters, a norm-weight bucket per block + 1
     assert "p-S" in dom.rows["layers_0_attention_wq_weight"]
     assert "p-P" in dom.rows["linear_3"]  # the rowwise wo's partial sums
     assert "p-R" in dom.rows["tokens"]
@@ -107,7 +107,7 @@ def test_page_renders_the_summary_and_every_node_in_chromium(chromium, tmp_path)
     assert dom.tables["collectives"] == [
         ["collective", "forward", "fwd bytes", "backward", "bwd bytes"],
         ["all_gather", "6", "3.5 KiB", "5", "2.5 KiB"],
-        ["all_reduce", "0", "0 B", "1", "640 B"],
+        ["all_reduce", "0", "0 B", "3", "640 B"],
         ["reduce_scatter", "5", "20.0 KiB", "5", "20.0 KiB"]]
     assert [row[:5] for row in dom.tables["layers"][1:]] == [
         ["tok_embeddings", "1 RS", "4.0 KiB", "1 AG", "512 B"],

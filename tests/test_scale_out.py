@@ -24,20 +24,20 @@ L = 2
 TOKENS = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
 
 
-def llama():
-    torch.manual_seed(0)
-    return tm.Llama(tm.LlamaConfig(n_layers=L, n_heads=4, n_kv_heads=2))
+def llama(seed=0, rope="real"):
+    torch.manual_seed(seed)
+    return tm.Llama(tm.LlamaConfig(n_layers=L, n_heads=4, n_kv_heads=2, rope=rope))
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def build(dp: int, tp: int, wrap: str, mp=None):
+def build(dp: int, tp: int, wrap: str, mp=None, seed=0, dtype=torch.float64, rope="real"):
     """This rank's model on a (dp, tp) mesh and its slice of the global batch."""
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     tokens = TOKENS.chunk(dp)[mesh["dp"].get_local_rank()]
-    gm = fxtp.parallelize(llama().double(), tm.llama_sp_plan(), mesh["tp"],
+    gm = fxtp.parallelize(llama(seed, rope).to(dtype), tm.llama_sp_plan(), mesh["tp"],
                           example_inputs=(tokens,),
                           param_dtype=None if mp is None else mp.param_dtype)
     if wrap == "fsdp":
@@ -117,3 +117,82 @@ def test_fsdp2_per_block_on_a_2x2_mesh_trains_as_single_device(ranks4):
 
 def test_ddp_on_a_2x2_mesh_trains_as_single_device(ranks4):
     ranks4.run(train, "ddp")
+
+
+def save_2d(rank, world, path):
+    gm, _, _ = build(2, 2, "fsdp")
+    sd = get_model_state_dict(gm)
+    dcp.save(sd, checkpoint_id=path)
+    return {k: full(v) for k, v in sd.items()}
+
+
+def load_at(rank, world, dp, tp, path):
+    gm, _, _ = build(dp, tp, "fsdp" if dp > 1 else "tp", seed=1)  # other weights
+    sd = get_model_state_dict(gm)
+    dcp.load(sd, checkpoint_id=path)
+    set_model_state_dict(gm, sd)
+    return {k: full(v) for k, v in get_model_state_dict(gm).items()}
+
+
+def test_dcp_saved_at_dp2_tp2_loads_at_tp4_dp4_and_single_device(ranks4, tmp_path):
+    path = str(tmp_path / "dp2tp2")
+    saved = ranks4.run(save_2d, path)[0]
+    assert set(saved) == set(llama().state_dict())
+    for dp, tp in [(1, 4), (4, 1)]:
+        for loaded in ranks4.run(load_at, dp, tp, path):
+            assert list(loaded) == list(saved)
+            assert all(torch.equal(loaded[k], saved[k]) for k in saved), (dp, tp)
+    model = llama(seed=2).double()
+    sd = model.state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
+        dcp.load(sd, checkpoint_id=path)
+    assert all(torch.equal(sd[k], saved[k]) for k in saved)
+
+
+def mixed_precision(rank, world):
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # torchtitan's rotary embedding computes in fp32 and casts back: bf16-safe
+    gm, tokens, mesh = build(2, 2, "fsdp", mp=mp, dtype=torch.float32, rope="complex")
+    ref_out = llama(rope="complex")(TOKENS).chunk(2)[mesh["dp"].get_local_rank()]
+    opt = torch.optim.AdamW(gm.parameters(), lr=LR)
+    for step in range(2):
+        out = gm(tokens)
+        assert out.dtype == torch.bfloat16
+        if step == 0:
+            relative = ((out.float() - ref_out).norm() / ref_out.norm()).item()
+        out.float().square().mean().backward()
+        assert all(torch.isfinite(full(p.grad)).all() for p in gm.parameters())
+        opt.step()
+        opt.zero_grad()
+    dtypes = {full(p).dtype for p in gm.parameters()}
+    return relative, dtypes
+
+
+def test_fsdp2_mixed_precision_bf16_params_fp32_reduce(ranks4):
+    """``param_dtype=torch.bfloat16`` traces the model as FSDP will run it; parameters stay
+    fp32 (the optimizer's), compute is bf16: the output is the fp32 model's within bf16
+    rounding, and training steps run."""
+    for relative, dtypes in ranks4.run(mixed_precision):
+        assert dtypes == {torch.float32}
+        assert relative < 0.05
+
+
+def test_hsdp_on_a_2x2x2_fake_mesh_shards_each_block_and_gathers_it_once(fake_group):
+    """HSDP x TP at 8 ranks (replicate 2, shard 2, tp 2), shapes and counts only: a block's
+    weight is its TP shard sharded again over "shard"; each forward gathers each block and
+    the root once on the "shard" group."""
+    fake_group(8, rank=5)
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
+    model = llama()
+    gm = fxtp.parallelize(model, tm.llama_sp_plan(), mesh["tp"], example_inputs=(TOKENS,))
+    for block in gm.layers:
+        fully_shard(block, mesh=mesh["replicate", "shard"])
+    fully_shard(gm, mesh=mesh["replicate", "shard"])
+    wq = gm.layers[0].attention.wq.weight
+    full_shape = model.layers[0].attention.wq.weight.shape
+    assert wq.shape == full_shape and wq.device_mesh.ndim == 3
+    assert wq.to_local().shape == (full_shape[0] // 4, full_shape[1])
+    with _CountAllGathers(mesh["shard"].get_group()) as counted:
+        out = gm(TOKENS)
+    assert out.shape == (*TOKENS.shape, 64) and counted.count == L + 1

@@ -8,6 +8,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import fxtp
+from fxtp.passes.modules import inline_program
 from tests import models
 from tests.parity import check_parity, example, local_of
 
@@ -52,7 +53,7 @@ def test_world_size_8_local_shapes_and_parameter_memory(fake_group):
     assert local["layers.0.attention.wo.weight"].shape == (dim, dim // world)
     assert local["layers.1.feed_forward.net1.bias"].shape == (4 * dim // world,)
     assert local["layers.1.feed_forward.net2.bias"].shape == (dim,)
-    views = [n for n in gm.graph.nodes if n.target in (torch.ops.aten.view.default,
+    views = [n for n in inline_program(gm).nodes if n.target in (torch.ops.aten.view.default,
                                                        torch.ops.aten.reshape.default)]
     assert [list(n.args[1]) for n in views[:4]] == [
         [B, T, 1, dim // 8], [B, T, 1, -1], [B, T, 1, dim // 8], [B, T, dim // world]]

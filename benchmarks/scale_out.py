@@ -1,0 +1,188 @@
+"""TP inside, FSDP2 across: fxtp against torchtitan's recipe on a ("dp", "tp") mesh.
+
+4 gloo CPU ranks (one thread each), mesh 2 x 2. Both variants shard
+:class:`fxtp.llama.Llama` with torchtitan's TP + SP plan on ``mesh["tp"]`` and then
+``fully_shard`` every block and the root on ``mesh["dp"]``; "compiled" compiles each block
+first (regional compilation, as torchtitan does). The DTensor recipe is torch's
+``parallelize_module`` (with the benchmark's local head counts, see
+:data:`benchmarks.dtensor_tp.WHY_DTENSOR_PATCHED`); fxtp's is ``fxtp.parallelize``. Each
+(variant, size) runs in fresh processes: step time (forward, backward, AdamW) as the median
+of ``--repeats`` runs of ``--steps`` steps after warm-up, and peak RSS per rank above the
+process's RSS before the model was built. Results: ``benchmarks/results/scale_out.json``.
+
+    python -m benchmarks.scale_out [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import resource
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+VARIANTS = ("dtensor_eager", "fxtp_eager", "dtensor_compiled", "fxtp_compiled")
+
+
+def sizes(quick: bool) -> dict:
+    from fxtp.llama import LlamaConfig
+    small = (LlamaConfig(dim=128, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=1024,
+                         multiple_of=32, max_seq_len=64), 4, 64)
+    if quick:
+        return {"small": small}
+    return {"small": small,
+            "medium": (LlamaConfig(dim=512, n_layers=4, n_heads=8, n_kv_heads=4,
+                                   vocab_size=4096, multiple_of=64, max_seq_len=128), 4, 128)}
+
+
+def torchtitan_plan():
+    """torchtitan's Llama TP + SP plan, in torch's own styles."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                                   RowwiseParallel, SequenceParallel)
+    return {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        "layers.*.attention_norm": SequenceParallel(),
+        "layers.*.attention": PrepareModuleInput(input_layouts=(Shard(1), None),
+                                                 desired_input_layouts=(Replicate(), None)),
+        "layers.*.attention.wq": ColwiseParallel(),
+        "layers.*.attention.wk": ColwiseParallel(),
+        "layers.*.attention.wv": ColwiseParallel(),
+        "layers.*.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "layers.*.ffn_norm": SequenceParallel(),
+        "layers.*.feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                                    desired_input_layouts=(Replicate(),)),
+        "layers.*.feed_forward.w1": ColwiseParallel(),
+        "layers.*.feed_forward.w3": ColwiseParallel(),
+        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def build(variant: str, model, tokens, mesh):
+    import fxtp
+    from fxtp.llama import llama_sp_plan
+    from torch.distributed.fsdp import fully_shard
+    if variant.startswith("dtensor"):
+        from torch.distributed.tensor.parallel import parallelize_module
+        for layer in model.layers:  # see benchmarks.dtensor_tp.WHY_DTENSOR_PATCHED
+            layer.attention.n_heads //= mesh["tp"].size()
+            layer.attention.n_kv_heads //= mesh["tp"].size()
+        module = parallelize_module(model, mesh["tp"], torchtitan_plan())
+    else:
+        module = fxtp.parallelize(model, llama_sp_plan(), mesh["tp"], example_inputs=(tokens,))
+    for i, block in list(module.layers.named_children()):
+        if variant.endswith("compiled"):
+            block = torch.compile(block)
+            module.layers.register_module(i, block)
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(module, mesh=mesh["dp"])
+    return module
+
+
+def train_step(module, opt, tokens, targets) -> torch.Tensor:
+    logits = module(tokens)
+    logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def _rank(rank, world, port, variant, size, args, out):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", "/tmp/fxtp_inductor_bench")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=600))
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from fxtp.llama import Llama
+        cfg, batch, seq = sizes(args.quick)[size]
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        g = torch.Generator().manual_seed(1 + mesh["dp"].get_local_rank())
+        tokens = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+        targets = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        torch.manual_seed(0)
+        module = build(variant, Llama(cfg), tokens, mesh)
+        opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
+        start = time.perf_counter()
+        loss0 = train_step(module, opt, tokens, targets).item()
+        for _ in range(args.warmup - 1):
+            train_step(module, opt, tokens, targets)
+        warmup = time.perf_counter() - start
+        per_step = []
+        for _ in range(args.repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                train_step(module, opt, tokens, targets)
+            per_step.append((time.perf_counter() - start) / args.steps)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base
+        out.put((rank, {"loss0": loss0, "warmup_s": warmup, "median_s": statistics.median(per_step),
+                        "min_s": min(per_step), "peak_rss_mib": peak / 1024}))
+    except Exception as e:  # noqa: BLE001 - reported in the results
+        out.put((rank, {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_one(variant, size, args) -> dict:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_rank, args=(r, 4, port, variant, size, args, out))
+             for r in range(4)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=1800) for _ in procs)
+    for p in procs:
+        p.join()
+    errors = [r["error"] for r in results.values() if "error" in r]
+    if errors:
+        return {"error": errors[0]}
+    return {"median_ms": 1e3 * max(r["median_s"] for r in results.values()),
+            "min_ms": 1e3 * max(r["min_s"] for r in results.values()),
+            "peak_rss_mib": max(r["peak_rss_mib"] for r in results.values()),
+            "warmup_s": max(r["warmup_s"] for r in results.values()),
+            "loss0": results[0]["loss0"]}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    report = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
+              "mesh": "dp 2 x tp 2, gloo, 1 thread per rank", "sizes": {}}
+    for size in sizes(args.quick):
+        rows = report["sizes"][size] = {v: run_one(v, size, args) for v in VARIANTS}
+        for mode in ("eager", "compiled"):
+            fx_, dt = rows[f"fxtp_{mode}"], rows[f"dtensor_{mode}"]
+            if "median_ms" in fx_ and "median_ms" in dt:
+                rows[f"ratio_{mode}"] = {"time": fx_["median_ms"] / dt["median_ms"],
+                                         "peak_rss": fx_["peak_rss_mib"] / dt["peak_rss_mib"]}
+        print(size, json.dumps(rows, indent=1))
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "scale_out.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
