@@ -111,11 +111,12 @@ def test_page_renders_the_summary_and_every_node_in_chromium(chromium, tmp_path)
         ["reduce_scatter", "5", "20.0 KiB", "5", "20.0 KiB"]]
     assert [row[:5] for row in dom.tables["layers"][1:]] == [
         ["tok_embeddings", "1 RS", "4.0 KiB", "1 AG", "512 B"],
-        ["layers.0", "2 AG, 2 RS", "9.0 KiB", "2 AG, 2 RS", "9.0 KiB"],
-        ["layers.1", "2 AG, 2 RS", "9.0 KiB", "2 AG, 2 RS", "9.0 KiB"],
+        # each block's norm weights' gradient bucket (256 B), the final norm's at the root
+        ["layers.0", "2 AG, 2 RS", "9.0 KiB", "2 AG, 1 AR, 2 RS", "9.3 KiB"],
+        ["layers.1", "2 AG, 2 RS", "9.0 KiB", "2 AG, 1 AR, 2 RS", "9.3 KiB"],
         ["norm", "-", "0 B", "-", "0 B"],
         ["output", "2 AG", "1.5 KiB", "1 RS", "4.0 KiB"],
-        ["<root>", "-", "0 B", "1 AR", "640 B"]]
+        ["<root>", "-", "0 B", "1 AR", "128 B"]]
     assert dom.fallbacks == ["none"]
     shot = tmp_path / "graph.png"
     browse(chromium, page, tmp_path, f"--screenshot={shot}", "--window-size=1400,1000")
