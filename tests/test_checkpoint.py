@@ -77,8 +77,10 @@ def load_plain(name, path):
     return model
 
 
-@pytest.mark.parametrize("api", ["fxtp", "torch"])
-@pytest.mark.parametrize("name", list(SUBJECTS))
+API_SUBJECTS = [(n, "fxtp") for n in SUBJECTS] + [("fused", "torch"), ("uneven", "torch")]
+
+
+@pytest.mark.parametrize("name,api", API_SUBJECTS, ids=[f"{n}-{a}" for n, a in API_SUBJECTS])
 def test_dcp_saves_at_world_2_and_loads_at_world_4_and_into_the_plain_model(pools, tmp_path,
                                                                               name, api):
     """``api="torch"``: ``dcp.save(gm.state_dict())``, then ``get_model_state_dict`` /

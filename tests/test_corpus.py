@@ -1,6 +1,6 @@
 """A corpus of models written as other projects write them (``tests/corpus.py``), each
 under Megatron's tensor-parallel plan ("tp") and torchtitan's sequence-parallel plan ("sp"),
-on 2 and 4 gloo ranks. For every model and plan:
+on 2 gloo ranks (and 4 for the sequence-parallel plan). For every model and plan:
 
 1. no op is gathered for want of a sharding rule (``gm.fxtp.fallbacks == []``): ordinary
    model code must not need a fallback;
@@ -22,6 +22,7 @@ import torch
 import fxtp
 from fxtp.llama import llama_tp_plan
 from tests import corpus
+from tests.conftest import pool_of
 from tests.corpus import CORPUS, L, TOKENS
 from tests.parity import check_parity
 
@@ -103,7 +104,8 @@ EXPECTED = {
     "hf_gpt_neox": STANDARD,
 }
 
-PLANS = ["tp", "sp"]
+# world 4 under the SP plan only (it redistributes the most), to keep the suite's time
+WORLD_PLANS = [(2, "tp"), (2, "sp"), (4, "sp")]
 # fp32 (besides the fp32-inside models above), kept to a few for time: world 2, one plan
 FP32 = [("llama_rope_torchtune", "sp"), ("hf_phi3", "tp"), ("hf_gpt_neox", "sp")]
 
@@ -132,10 +134,10 @@ def check(ranks, name, plan, dtype):
     assert counts == (fwd, bwd), f"(forward, backward) collectives {counts}, expected {(fwd, bwd)}"
 
 
-@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("world,plan", WORLD_PLANS, ids=[f"world{w}-{p}" for w, p in WORLD_PLANS])
 @pytest.mark.parametrize("name", list(CORPUS),
                          ids=[n + ("-fp32" if e.fp32_inside else "") for n, e in CORPUS.items()])
-def test_corpus(ranks, name, plan):
+def test_corpus(pools, world, name, plan):
     """No fallback, the plan's exact collectives and single-device parity in fp64; in fp32
     for the models whose norms compute in fp32 whatever the model's dtype (``-fp32`` ids:
     Gemma2, OLMo2, Cohere). Their fp32 sums over a dim the plan shards (norm weights'
@@ -145,7 +147,8 @@ def test_corpus(ranks, name, plan):
     entry = CORPUS[name]
     if entry.hf:
         pytest.importorskip("transformers")
-    check(ranks, name, plan, torch.float32 if entry.fp32_inside else torch.float64)
+    check(pool_of(pools, world), name, plan,
+          torch.float32 if entry.fp32_inside else torch.float64)
 
 
 @pytest.mark.parametrize("name,plan", FP32, ids=[f"{n}-{p}" for n, p in FP32])

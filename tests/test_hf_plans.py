@@ -7,6 +7,7 @@ import torch
 import fxtp
 from fxtp.hf_plans import NO_STYLE, STYLES, model_plan
 from tests import corpus
+from tests.conftest import pool_of
 from tests.corpus import L, TOKENS
 from tests.parity import check_parity
 
@@ -50,11 +51,16 @@ AUTO = {
 }
 
 
-@pytest.mark.parametrize("name", list(AUTO))
-def test_auto_uses_the_models_own_plan(ranks, name):
+# every family at world 2; at world 4 those whose plans differ most (to keep the time)
+WORLDS = [(2, name) for name in AUTO] + \
+    [(4, name) for name in ("hf_llama", "hf_qwen3", "hf_phi3", "hf_olmo2", "hf_cohere_tied")]
+
+
+@pytest.mark.parametrize("world,name", WORLDS, ids=[f"world{w}-{n}" for w, n in WORLDS])
+def test_auto_uses_the_models_own_plan(pools, world, name):
     """Each family under the plan it carries: parity in fp64 (forward, every gradient, 3
     AdamW steps), no fallback (strict) and the collectives that plan implies."""
-    assert ranks.run(hf_parity, getattr(corpus, name), "auto")[0] == AUTO[name]
+    assert pool_of(pools, world).run(hf_parity, getattr(corpus, name), "auto")[0] == AUTO[name]
 
 
 def test_the_auto_plan_is_the_base_model_plan_under_its_prefix_plus_the_heads():
