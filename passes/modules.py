@@ -96,19 +96,29 @@ def _outline(gm: fx.GraphModule, base: str, outlined: set, names: dict, model) -
 
 
 def _owners(graph: fx.Graph, children: set) -> dict[fx.Node, Optional[str]]:
-    """Which child each node goes to (``None``: it stays). A node without a traced module
-    stack (a pass made it: a size computation, a guard), reading a tensor, or a collective
-    (which one module's input needed, and others may share) goes where all its users go."""
+    """Which child each node goes to (``None``: it stays). A traced node goes to the child
+    in its module stack. A collective goes to the child that computed its input and reads
+    its result, if one does both (so a block receives its input as the plan lays it out:
+    the embedding's reduce-scatter stays outside the first block). A node without a traced
+    module stack (a pass made it: a size computation, a guard) or reading a tensor goes
+    where all its users go."""
+    def traced(node):
+        return node.op == "call_function" and bool(node.meta.get("nn_module_stack")) and \
+            COLLECTIVE not in node.meta
+
+    def child_of(node):
+        return next((p for p in _paths(node) if p in children), None)
     owner: dict[fx.Node, Optional[str]] = {}
     for node in reversed(graph.nodes):
         if node.op in ("placeholder", "output"):
             owner[node] = None
-        elif node.op == "call_function" and node.meta.get("nn_module_stack") and \
-                COLLECTIVE not in node.meta:
-            owner[node] = next((p for p in _paths(node) if p in children), None)
+        elif traced(node):
+            owner[node] = child_of(node)
         else:
-            users = {owner.get(u) for u in node.users}
-            owner[node] = users.pop() if len(users) == 1 else None
+            places = {owner.get(u) for u in node.users}
+            if COLLECTIVE in node.meta:
+                places |= {child_of(a) for a in node.all_input_nodes if traced(a)}
+            owner[node] = places.pop() if len(places) == 1 else None
     return owner
 
 

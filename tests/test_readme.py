@@ -47,8 +47,9 @@ def test_plans_from_other_projects_run_as_written(tmp_path):
 
 
 def test_scaling_out_recipe_runs_as_written(tmp_path):
-    """The "Scaling out" script under torchrun with 4 ranks: TP x FSDP2 per block with
-    regional compile, torch's clipping and DCP through get/set_model_state_dict."""
+    """The "Scaling out" script under torchrun with 4 ranks: TP x FSDP2 per block, torch's
+    clipping and DCP through get/set_model_state_dict. Dynamo is disabled here (the
+    regional compiles cost a minute on 2 cores); ``benchmarks/scale_out.py`` compiles."""
     readme = (ROOT / "README.md").read_text()
     code = re.search(r"```python\n(# save as scale_out\.py.*?)```", readme, re.S).group(1)
     script = tmp_path / "scale_out.py"
@@ -56,8 +57,8 @@ def test_scaling_out_recipe_runs_as_written(tmp_path):
                                    repr(str(tmp_path / "checkpoint"))))
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
                           "--standalone", str(script)], cwd=tmp_path,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
-                         text=True, timeout=600)
+                         env=dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1"),
+                         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert re.search(r"^loss [\d.]+ norm [\d.]+$", run.stdout, re.M), run.stdout
 
