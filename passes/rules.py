@@ -1087,12 +1087,3 @@ def local_size(placement, size: int, group) -> int:
     if isinstance(placement, UnitShard):
         return local_range(placement, size, group.rank, group.world)[1]
     return size // group.world
-    shape = list(shape)
-    d = placement.dim
-    entry = shape[d]
-    if isinstance(entry, int):
-        shape[d] = entry if entry == -1 else entry // world
-    else:
-        with graph.inserting_before(before):
-            shape[d] = graph.call_function(operator.floordiv, (entry, world))
-    return shape

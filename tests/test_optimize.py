@@ -8,6 +8,7 @@ import torch.fx as fx
 
 import fxtp
 from fxtp.passes import collectives as C
+from fxtp.passes.modules import inline_program
 from fxtp.passes.optimize import optimize
 from tests import models
 from tests.parity import TIGHT, check_parity, example as _x
@@ -15,11 +16,13 @@ from tests.parity import TIGHT, check_parity, example as _x
 B, T, D = models.BATCH, models.SEQ, models.DIM
 
 
-def optimize_tree(gm: fx.GraphModule) -> None:
-    """The passes on every graph of the module tree (each module's own collectives)."""
-    for module in list(gm.modules()):
-        if isinstance(module, fx.GraphModule):
-            optimize(module)
+def optimize_whole(gm: fx.GraphModule) -> None:
+    """The passes on the whole program, its modules inlined (a round trip may span two
+    modules: a reduce-scatter at one's output, the gather at the next one's input)."""
+    graph = inline_program(gm)
+    graph._codegen = gm.graph._codegen
+    gm.graph = graph
+    optimize(gm)
 
 
 def redundant(rank, world, post):
@@ -35,7 +38,7 @@ def test_round_trip_cancels_and_independent_reductions_share_one(ranks):
     # the gather's backward reduce-scatters the partial gradient, the reduce-scatter's
     # gathers it
     assert bwd == {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}
-    fwd, bwd, _, opt_bwd_bytes = ranks.run(redundant, optimize_tree)[0]
+    fwd, bwd, _, opt_bwd_bytes = ranks.run(redundant, optimize_whole)[0]
     assert fwd == {"all_reduce": 3}  # the round trip is one all-reduce; left and right share one
     assert bwd == {"all_reduce": 3}  # reduce-scatter + all-gather became one all-reduce
     assert sum(opt_bwd_bytes.values()) < sum(bwd_bytes.values())
@@ -67,7 +70,7 @@ def test_independent_gathers_share_one_collective(ranks2):
     gradient is all-reduced once."""
     fwd, bwd, fwd_bytes, bwd_bytes = ranks2.run(two_softmaxes, None)[0]
     assert (fwd, bwd) == ({"all_gather": 2}, {"all_reduce": 1})
-    opt = ranks2.run(two_softmaxes, optimize_tree)[0]
+    opt = ranks2.run(two_softmaxes, optimize_whole)[0]
     assert opt[:2] == ({"all_gather": 1}, {"all_reduce": 1})
     assert (opt[2], opt[3]) == (fwd_bytes, bwd_bytes)  # the same bytes in fewer messages
 

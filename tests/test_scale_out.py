@@ -3,10 +3,8 @@ mesh of 4 gloo ranks (2 x 2). FSDP2 ``fully_shard`` per block and on the root, a
 train as the single-device model trained on the global batch (forward, every gradient,
 3 AdamW steps, fp64); clipping gives the single-device norm; DCP checkpoints saved at
 (dp 2, tp 2) load at (1, 4), (4, 1) and into the single-device model, bit-exact."""
-import copy
 import warnings
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -17,7 +15,6 @@ from torch.distributed.tensor import DTensor
 
 import fxtp
 from tests import transformer_models as tm
-from tests.conftest import pool_of
 from tests.parity import LR, TIGHT, tolerance
 
 L = 2
