@@ -27,9 +27,19 @@ class Group:
             return self.given_mesh.device_type
         return "cuda" if "nccl" in str(dist.get_backend(self.pg)) else "cpu"
 
-    def device_mesh(self) -> DeviceMesh:
-        """The 1-D ``DeviceMesh`` over the group (DTensors of checkpoints live on it)."""
-        return self.given_mesh or DeviceMesh.from_group(self.pg, self.device_type)
+    def device_mesh(self, device_type: Optional[str] = None) -> DeviceMesh:
+        """The 1-D ``DeviceMesh`` over the group on ``device_type`` (default: the group's),
+        which the parameters' DTensors live on. A given mesh must be on the parameters'
+        device type: a DTensor moves its local tensor to its mesh's device."""
+        device_type = device_type if device_type not in (None, "meta") else self.device_type
+        if self.given_mesh is None:
+            return DeviceMesh.from_group(self.pg, device_type)
+        if self.given_mesh.device_type != device_type:
+            raise PlanError(
+                f"the mesh is a {self.given_mesh.device_type!r} DeviceMesh but the model's "
+                f"parameters are on {device_type!r}: build the mesh on the parameters' device "
+                f"(init_device_mesh({device_type!r}, ...)) or move the model there first")
+        return self.given_mesh
 
 
 def resolve_group(mesh: Union[DeviceMesh, dist.ProcessGroup, None]) -> Group:

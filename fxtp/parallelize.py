@@ -3,6 +3,8 @@ dealt whole (re-propagate) -> rewrite -> localize -> (materialize meta tensors) 
 checkpoint regions, each stage's result optionally dumped to files (:mod:`fxtp.dump`)."""
 from __future__ import annotations
 
+import itertools
+
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence, Union
@@ -123,7 +125,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
     blocks = [*_blocks(model), *checkpointed, *module_fqns(model, modules, "modules pattern")]
     kept = [*shardings, *blocks]
     group = resolve_group(mesh)
-    device = _device(device, group)
+    device = _device(device, group, model)
     meta = meta_tensors(model)
     recast = _recast(model, param_dtype)
     with Dumper(dump_dir, group) as dump:
@@ -155,7 +157,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
         attrs = [n for n in gm.graph.nodes if n.op == "get_attr" and PLACEMENT in n.meta]
         placements = {n.target: n.meta[PLACEMENT] for n in attrs}
         shapes = {n.target: tuple(n.meta["val"].shape) for n in attrs}
-        device_mesh = group.device_mesh()
+        device_mesh = group.device_mesh(device.type)
         if meta and device.type != "meta":
             materialize(gm, model, meta, placements, group, device_mesh, device, init_fn,
                         init_seed)
@@ -208,9 +210,14 @@ def _blocks(model: nn.Module) -> list[str]:
             if isinstance(m, (nn.ModuleList, nn.ModuleDict)) for name in m._modules]
 
 
-def _device(device, group) -> torch.device:
+def _device(device, group, model=None) -> torch.device:
+    """Where the result's parameters live: ``device``, else the model's own (non-meta)
+    tensors' device, else the group's."""
     if device is not None:
         return torch.device(device)
+    for t in () if model is None else itertools.chain(model.parameters(), model.buffers()):
+        if not t.is_meta:
+            return t.device
     if group.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(group.device_type)

@@ -44,6 +44,9 @@ class UnitShard(Placement):
     dim: int
     units: int
 
+    def __post_init__(self):  # torch 2.11's C++ Placement must see its __init__ called
+        Placement.__init__(self)
+
     def __str__(self):
         return f"UnitShard(dim={self.dim}, units={self.units})"
 
