@@ -10,7 +10,12 @@ first (regional compilation, as torchtitan does). The DTensor recipe is torch's
 of ``--repeats`` runs of ``--steps`` steps after warm-up, and peak RSS per rank above the
 process's RSS before the model was built. Results: ``benchmarks/results/scale_out.json``.
 
-    python -m benchmarks.scale_out [--quick]
+``--cuda``: the same on one CUDA device, as rank 0 of 4 on a fake process group (each
+rank's compute and the frameworks' overhead; collectives move nothing, so the all-gathers'
+output is garbage, which does not change the time), with a third, GPU-sized model; peak
+memory is the CUDA allocator's peak. Results: ``benchmarks/results/scale_out_cuda.json``.
+
+    python -m benchmarks.scale_out [--quick] [--cuda]
 """
 from __future__ import annotations
 
@@ -34,15 +39,21 @@ RESULTS = pathlib.Path(__file__).parent / "results"
 VARIANTS = ("dtensor_eager", "fxtp_eager", "dtensor_compiled", "fxtp_compiled")
 
 
-def sizes(quick: bool) -> dict:
+def sizes(quick: bool, cuda: bool = False) -> dict:
+    """Name -> (config, batch per dp rank, sequence length)."""
     from fxtp.llama import LlamaConfig
     small = (LlamaConfig(dim=128, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=1024,
                          multiple_of=32, max_seq_len=64), 4, 64)
     if quick:
         return {"small": small}
-    return {"small": small,
-            "medium": (LlamaConfig(dim=512, n_layers=4, n_heads=8, n_kv_heads=4,
-                                   vocab_size=4096, multiple_of=64, max_seq_len=128), 4, 128)}
+    found = {"small": small,
+             "medium": (LlamaConfig(dim=512, n_layers=4, n_heads=8, n_kv_heads=4,
+                                    vocab_size=4096, multiple_of=64, max_seq_len=128), 4, 128)}
+    if cuda:
+        found["large"] = (LlamaConfig(dim=2048, n_layers=8, n_heads=16, n_kv_heads=8,
+                                      vocab_size=32768, multiple_of=256, max_seq_len=1024),
+                          4, 1024)
+    return found
 
 
 def torchtitan_plan():
@@ -105,35 +116,47 @@ def _rank(rank, world, port, variant, size, args, out):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", "/tmp/fxtp_inductor_bench")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=600))
+    if args.cuda:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        torch.cuda.set_device(0)
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    else:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=600))
+    device = "cuda" if args.cuda else "cpu"
     try:
         from torch.distributed.device_mesh import init_device_mesh
         from fxtp.llama import Llama
-        cfg, batch, seq = sizes(args.quick)[size]
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        cfg, batch, seq = sizes(args.quick, args.cuda)[size]
+        mesh = init_device_mesh(device, (2, 2), mesh_dim_names=("dp", "tp"))
         g = torch.Generator().manual_seed(1 + mesh["dp"].get_local_rank())
-        tokens = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
-        targets = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+        tokens = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(device)
+        targets = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(device)
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         torch.manual_seed(0)
-        module = build(variant, Llama(cfg), tokens, mesh)
+        module = build(variant, Llama(cfg).to(device), tokens, mesh)
         opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
+        sync = torch.cuda.synchronize if args.cuda else dist.barrier
         start = time.perf_counter()
         loss0 = train_step(module, opt, tokens, targets).item()
         for _ in range(args.warmup - 1):
             train_step(module, opt, tokens, targets)
+        sync()
         warmup = time.perf_counter() - start
+        if args.cuda:
+            torch.cuda.reset_peak_memory_stats()
         per_step = []
         for _ in range(args.repeats):
-            dist.barrier()
+            sync()
             start = time.perf_counter()
             for _ in range(args.steps):
                 train_step(module, opt, tokens, targets)
+            sync()
             per_step.append((time.perf_counter() - start) / args.steps)
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base
+        peak = (torch.cuda.max_memory_allocated() / 2 ** 20 if args.cuda else
+                (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024)
         out.put((rank, {"loss0": loss0, "warmup_s": warmup, "median_s": statistics.median(per_step),
-                        "min_s": min(per_step), "peak_rss_mib": peak / 1024}))
+                        "min_s": min(per_step), "peak_mib": peak}))
     except Exception as e:  # noqa: BLE001 - reported in the results
         out.put((rank, {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}))
     finally:
@@ -147,7 +170,7 @@ def run_one(variant, size, args) -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = [ctx.Process(target=_rank, args=(r, 4, port, variant, size, args, out))
-             for r in range(4)]
+             for r in range(1 if args.cuda else 4)]
     for p in procs:
         p.start()
     results = dict(out.get(timeout=1800) for _ in procs)
@@ -158,7 +181,7 @@ def run_one(variant, size, args) -> dict:
         return {"error": errors[0]}
     return {"median_ms": 1e3 * max(r["median_s"] for r in results.values()),
             "min_ms": 1e3 * max(r["min_s"] for r in results.values()),
-            "peak_rss_mib": max(r["peak_rss_mib"] for r in results.values()),
+            "peak_mib": max(r["peak_mib"] for r in results.values()),
             "warmup_s": max(r["warmup_s"] for r in results.values()),
             "loss0": results[0]["loss0"]}
 
@@ -169,19 +192,27 @@ def main():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cuda", action="store_true")
+    parser.add_argument("--sizes", nargs="*", help="default: all (small only with --quick)")
+    parser.add_argument("--variants", nargs="*", default=VARIANTS, choices=VARIANTS)
     args = parser.parse_args()
     report = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
-              "mesh": "dp 2 x tp 2, gloo, 1 thread per rank", "sizes": {}}
-    for size in sizes(args.quick):
-        rows = report["sizes"][size] = {v: run_one(v, size, args) for v in VARIANTS}
+              "mesh": ("dp 2 x tp 2, rank 0 of a fake group on " +
+                       torch.cuda.get_device_name() if args.cuda else
+                       f"dp 2 x tp 2, gloo, 1 thread per rank, {os.cpu_count()} cores"),
+              "peak": "CUDA allocator peak" if args.cuda else "RSS above the start",
+              "sizes": {}}
+    for size in args.sizes or sizes(args.quick, args.cuda):
+        rows = report["sizes"][size] = {v: run_one(v, size, args) for v in args.variants}
         for mode in ("eager", "compiled"):
-            fx_, dt = rows[f"fxtp_{mode}"], rows[f"dtensor_{mode}"]
+            fx_, dt = rows.get(f"fxtp_{mode}", {}), rows.get(f"dtensor_{mode}", {})
             if "median_ms" in fx_ and "median_ms" in dt:
                 rows[f"ratio_{mode}"] = {"time": fx_["median_ms"] / dt["median_ms"],
-                                         "peak_rss": fx_["peak_rss_mib"] / dt["peak_rss_mib"]}
-        print(size, json.dumps(rows, indent=1))
+                                         "peak": fx_["peak_mib"] / dt["peak_mib"]}
+        print(size, json.dumps(rows, indent=1), flush=True)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "scale_out.json").write_text(json.dumps(report, indent=1))
+    name = "scale_out_cuda.json" if args.cuda else "scale_out.json"
+    (RESULTS / name).write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from .comm_count import count_collectives
 from .passes.errors import FxtpError, InputError, PlanError, ShardingError, TraceError
 from .explain import explain
 from .loss import cross_entropy
+from .materialize import init_weights
 from .parallelize import parallelize
 from .report import Report
 from .styles import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
@@ -18,7 +19,7 @@ __all__ = [
     "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "ParallelStyle",
     "Shard", "Replicate", "Partial", "count_collectives", "cross_entropy", "Report",
     "state_dict", "load_state_dict", "full_state_dict", "load_full_state_dict",
-    "clip_grad_norm_", "FxtpError", "InputError", "PlanError", "ShardingError", "TraceError",
+    "clip_grad_norm_", "init_weights", "FxtpError", "InputError", "PlanError", "ShardingError", "TraceError",
 ]
 
 from . import backend  # noqa: E402,F401 - registers the "fxtp" torch.compile backend

@@ -11,11 +11,12 @@ buffer of the result is allocated with its local shape on ``device`` and initial
 * during the call the module's tensors are this rank's shards: a sharded one as a
   ``DTensor`` of the global shape, so ``torch.nn.init`` computes fans from the global shape
   and draws the single-device distribution; a replicated one as a plain tensor;
-* sharded tensors draw from a stream of their own on each rank (shards are independent),
-  replicated ones from a stream shared by all ranks (identical everywhere); the streams
-  are seeded from one number drawn from rank 0's default generator, so the same seed
-  gives the same shards. The values are not slices of what single-device initialization
-  would draw;
+* each piece of a sharded tensor draws from a stream of its own (pieces are independent;
+  ranks holding the same piece, such as the TP ranks of one FSDP shard of a norm weight,
+  share it), replicated tensors from a stream shared by all ranks (identical everywhere);
+  the streams are seeded from one number drawn from rank 0's default generator, so the
+  same seed gives the same shards. The values are not slices of what single-device
+  initialization would draw;
 * a tensor registered under several names (tied weights) is initialized by the module of
   its first name only;
 * a floating (integer) tensor left holding NaN (the integer maximum) afterwards was not
@@ -24,6 +25,10 @@ buffer of the result is allocated with its local shape on ``device`` and initial
 DTensor indexes a sharded dim by gathering, so a write through ``t[i]`` on a sharded dim
 is lost; the one in torch's own initializers, ``nn.Embedding``'s zeroed ``padding_idx``
 row, is redone here on the rank holding it.
+
+:func:`init_weights` does the same for a result kept on the meta device
+(``parallelize(..., device="meta")``), sharded further by FSDP2 and allocated by
+``to_empty``: only the (dp x tp) shard is ever allocated.
 """
 from __future__ import annotations
 
@@ -36,9 +41,12 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from .passes.placement import dtensor_placement, is_sharded, local_range
+from .mesh import resolve_group
+from .passes.placement import dtensor_placement, is_sharded
 
 from .passes.errors import PlanError
 
@@ -87,34 +95,100 @@ def materialize(gm: fx.GraphModule, model: nn.Module, meta: dict[str, torch.Tens
                 placements: dict, group, mesh, device: torch.device,
                 init_fn: Optional[Callable[[nn.Module], None]], seed: int) -> None:
     """Give ``gm`` real local tensors for the ``meta`` FQNs and initialize them (see the
-    module docstring). ``placements``: FQN -> placement; ``seed``: rank 0's draw."""
+    module docstring). ``placements``: FQN -> placement; ``seed``: rank 0's draw. On
+    the meta device they are allocated there (meta tensors, not the trace's fakes) and not
+    initialized."""
     allocated = _allocate(gm, meta, device)
-    first = {}  # id(model tensor) -> its first FQN, whose module initializes it
-    for fqn, t in _named_tensors(model):
-        if t.is_meta:
-            first.setdefault(id(t), fqn)
-    names = {fqn: first[id(t)] for fqn, t in meta.items()}  # every name -> first name
+    if device.type == "meta":
+        return
+    names = _first_names(model, meta)
     locals_ = {names[fqn]: allocated[fqn] for fqn in meta}
     placed = {names[fqn]: p for fqn, p in placements.items() if fqn in names and p}
     views = {fqn: _init_view(t.detach(), placed.get(fqn), mesh, meta[fqn].shape)
              for fqn, t in locals_.items()}
+    _initialize(model, views, names, seed, device, init_fn)
+
+
+def init_weights(gm: nn.Module, model: nn.Module,
+                 init_fn: Optional[Callable[[nn.Module], None]] = None) -> None:
+    """Initialize every tensor of ``gm``, the result of ``parallelize(model, ...,
+    device="meta")`` after ``gm.to_empty(device=...)``, as ``parallelize`` initializes a
+    meta-device model (see the module docstring): ``init_fn(module)`` or the modules'
+    ``reset_parameters()``, each seeing its tensors at their global shape.
+
+    This is the route that keeps every rank at its share when FSDP2 shards further:
+    ``parallelize(..., device="meta")``, ``fully_shard`` the blocks and the root (on the
+    meta device), ``gm.to_empty(device=...)``, then ``init_weights(gm, model)``: a
+    parameter is allocated only as its (dp x tp) shard, and initialized through FSDP's
+    2-D ``DTensor``. Ranks holding the same piece draw the same values. Every rank must
+    call it (rank 0's seed is broadcast over the default group)."""
+    if not hasattr(gm, "fxtp"):
+        raise PlanError("init_weights takes the result of fxtp.parallelize(model, ...) and "
+                        "the model it was made from")
+    info, tensors = gm.fxtp, dict(_named_tensors(gm, remove_duplicate=False))
+    model_tensors = dict(_named_tensors(model, remove_duplicate=False))
+    names = _first_names(gm, tensors)
+    views = {}
+    for fqn, t in tensors.items():
+        first = names[fqn]
+        if first in views:
+            continue
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        if local.is_meta:
+            raise PlanError(f"'{fqn}' is still on the meta device: allocate the result "
+                            f"first, e.g. gm.to_empty(device='cuda'), then init_weights")
+        view = t.detach() if isinstance(t, DTensor) else \
+            _init_view(t.detach(), info.param_placements.get(fqn), info.mesh,
+                       model_tensors[fqn].shape)
+        if view.shape != model_tensors[fqn].shape:
+            raise PlanError(f"'{fqn}' shows the shape {tuple(view.shape)} where the model's "
+                            f"is {tuple(model_tensors[fqn].shape)}: parallelize with "
+                            f"dtensor_params=True before sharding it further")
+        views[first] = view
+    for view in views.values():
+        _fill_unwritten(_local(view))
+    on = resolve_group(None).device_type  # where the default group communicates
+    draw = torch.randint(2 ** 62, (1,)).to(on)
+    dist.broadcast(draw, src=0)  # a fake process group leaves it as it is
+    device = _local(next(iter(views.values()))).device
+    _initialize(model, views, names, int(draw), device, init_fn)
+
+
+def _first_names(module: nn.Module, tensors: dict) -> dict[str, str]:
+    """Every FQN of ``tensors`` -> the first name its tensor has in ``module`` (the one
+    whose module initializes it: tied weights are initialized once)."""
+    first = {}
+    for fqn, t in _named_tensors(module):
+        first.setdefault(id(t), fqn)
+    return {fqn: first[id(t)] for fqn, t in tensors.items()}
+
+
+def _local(view: torch.Tensor) -> torch.Tensor:
+    return view._local_tensor if isinstance(view, DTensor) else view
+
+
+def _initialize(model: nn.Module, views: dict, names: dict, seed: int, device,
+                init_fn) -> None:
+    """Run the initializers of ``model``'s modules, children first, with its tensors shown
+    as ``views`` (first FQN -> the tensor to write, a ``DTensor`` when sharded), each
+    drawing from the random stream of the piece it holds; check that all were written."""
     for prefix, module in reversed(list(model.named_modules())):
         init = (lambda m=module: init_fn(m)) if init_fn else \
             getattr(module, "reset_parameters", None)
-        owned = [fqn for fqn in locals_ if _within(fqn.rpartition(".")[0], prefix)]
+        owned = [fqn for fqn in views if _within(fqn.rpartition(".")[0], prefix)]
         if init is None or not owned:
             continue
-        streams = {fqn: _stream(placed.get(fqn), group.rank) for fqn in owned}
-        for stream in sorted(set(streams.values())):
-            # the other stream's tensors stay meta: what the initializer writes there is lost
-            shown = {n: views[f] for n, f in names.items() if streams.get(f) == stream}
+        streams = {fqn: _stream(views[fqn]) for fqn in views}
+        for stream in sorted({streams[fqn] for fqn in owned}):
+            # the other streams' tensors stay meta: what the initializer writes there is lost
+            shown = {n: views[f] for n, f in names.items() if streams[f] == stream}
             with swapped(model, shown), _random_stream(seed, prefix, stream, device), \
                     torch.no_grad(), warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="DTensor random operators")
                 init()
         if isinstance(module, nn.Embedding) and module.padding_idx is not None:
-            _zero_padding_row(module, prefix, locals_, placed, group)
-    _check_written(model, locals_, init_fn)
+            _zero_padding_row(module, prefix, views)
+    _check_written(model, {fqn: _local(v) for fqn, v in views.items()}, init_fn)
 
 
 def _allocate(gm: nn.Module, meta: dict, device) -> dict[str, torch.Tensor]:
@@ -139,6 +213,15 @@ def _unwritten(shape, dtype, device) -> torch.Tensor:
     if dtype == torch.bool:
         return torch.zeros(shape, dtype=dtype, device=device)
     return torch.full(shape, torch.iinfo(dtype).max, dtype=dtype, device=device)
+
+
+@torch.no_grad()
+def _fill_unwritten(t: torch.Tensor) -> None:
+    """Overwrite ``t`` with the marker of :func:`_unwritten`."""
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        t.fill_(float("nan"))
+    elif t.dtype != torch.bool:
+        t.fill_(torch.iinfo(t.dtype).max)
 
 
 def _is_unwritten(t: torch.Tensor) -> bool:
@@ -178,8 +261,15 @@ def _within(owner: str, prefix: str) -> bool:
     return prefix == "" or owner == prefix or owner.startswith(prefix + ".")
 
 
-def _stream(placement, rank: int) -> str:
-    return f"shard{rank}" if is_sharded(placement) else "replicated"
+def _stream(view: torch.Tensor) -> str:
+    """The random stream a tensor draws from: one per piece of a sharded tensor (ranks
+    holding the same piece, e.g. TP ranks of one FSDP shard of a norm weight, share it),
+    one for replicated tensors."""
+    if not isinstance(view, DTensor):
+        return "replicated"
+    at = view.device_mesh.get_coordinate()
+    pieces = [f"{d}:{at[d]}" for d, p in enumerate(view.placements) if p.is_shard()]
+    return "shard " + ",".join(pieces) if pieces else "replicated"
 
 
 @contextlib.contextmanager
@@ -193,15 +283,16 @@ def _random_stream(seed: int, prefix: str, stream: str, device: torch.device):
 
 
 @torch.no_grad()
-def _zero_padding_row(module: nn.Embedding, prefix: str, locals_, placements, group):
+def _zero_padding_row(module: nn.Embedding, prefix: str, views: dict) -> None:
     fqn = f"{prefix}.weight" if prefix else "weight"
-    p = placements.get(fqn)
-    if fqn not in locals_ or not is_sharded(p) or p.dim != 0:
-        return  # unsharded rows: the initializer's own write went through
-    start, rows = local_range(p, module.num_embeddings, group.rank, group.world)
-    row = module.padding_idx % module.num_embeddings - start
-    if 0 <= row < rows:
-        locals_[fqn][row].fill_(0)
+    view = views.get(fqn)
+    if not isinstance(view, DTensor):
+        return  # not sharded here: the initializer's own write went through
+    shape, offset = compute_local_shape_and_global_offset(view.shape, view.device_mesh,
+                                                          view.placements)
+    row = module.padding_idx % module.num_embeddings - offset[0]
+    if 0 <= row < shape[0]:
+        view._local_tensor[row].fill_(0)
 
 
 def _check_written(model: nn.Module, locals_: dict, init_fn) -> None:

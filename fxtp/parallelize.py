@@ -88,7 +88,9 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
     A model built on the meta device gets only its local shards, allocated on ``device``
     (default: the group's device) and initialized by ``init_fn(module)`` or the modules'
     ``reset_parameters()`` (:mod:`fxtp.materialize`); with ``device="meta"`` they stay on
-    the meta device (shapes only: plan checks, :mod:`fxtp.cli`).
+    the meta device: shapes only (plan checks, :mod:`fxtp.cli`), or to be sharded further
+    by ``fully_shard`` before ``gm.to_empty(device=...)`` and :func:`fxtp.init_weights`
+    allocate and initialize them (each rank then holds only its dp x tp share).
 
     ``dump_dir`` (or the environment variable ``FXTP_DUMP_DIR``) writes every stage's
     result, :func:`fxtp.explain`'s report and an HTML view there (:mod:`fxtp.dump`).
@@ -158,7 +160,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
         placements = {n.target: n.meta[PLACEMENT] for n in attrs}
         shapes = {n.target: tuple(n.meta["val"].shape) for n in attrs}
         device_mesh = group.device_mesh(device.type)
-        if meta and device.type != "meta":
+        if meta:  # on the meta device: shapes only, for fxtp.init_weights after to_empty
             materialize(gm, model, meta, placements, group, device_mesh, device, init_fn,
                         init_seed)
         guard_inputs(gm, group.world)

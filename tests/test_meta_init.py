@@ -139,7 +139,6 @@ LLAMA_3_8B = dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=12
 
 def parallelize_8b_and_measure(world=8, rank=3):
     """Run in a fresh process: parallelize a meta Llama-3-8B at ``world``; print JSON."""
-    import resource
     import time
     from torch.testing._internal.distributed.fake_pg import FakeStore
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
@@ -147,18 +146,35 @@ def parallelize_8b_and_measure(world=8, rank=3):
     model = on_meta(lambda: tm.Llama(tm.LlamaConfig(**LLAMA_3_8B))).to(torch.bfloat16)
     gm = fxtp.parallelize(model, tm.llama_sp_plan(), example_inputs=(TOKENS[:1, :8],),
                           init_fn=tm.init_weights)
-    print(json.dumps({
-        "seconds": time.perf_counter() - start,
+    print(json.dumps({"seconds": time.perf_counter() - start, **measures(gm, model)}))
+
+
+GiB = 2 ** 30
+
+
+def measures(gm, model) -> dict:
+    """This process's peak RSS, the bytes ``gm`` holds, the bytes of the full ``model``,
+    the local shape of the first w1 and how many NaN (uninitialized) values ``gm`` has."""
+    import resource
+    return {
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "local_bytes": sum(local_of(t).numel() * t.element_size()
                            for t in [*gm.parameters(), *gm.buffers()]),
         "full_bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values()),
         "w1": list(local_of(gm.get_parameter("layers.0.feed_forward.w1.weight")).shape),
         "unwritten": sum(int(local_of(t).isnan().sum()) for t in gm.state_dict().values()),
-    }))
+    }
 
 
-GiB = 2 ** 30
+def in_a_fresh_process(function: str) -> dict:
+    """Run ``function`` of this module in a new Python process (its peak memory is its
+    own); return the JSON it printed last."""
+    run = subprocess.run(
+        [sys.executable, "-c", f"from tests.test_meta_init import {function}; {function}()"],
+        cwd=Path(__file__).resolve().parent.parent, env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def test_an_8b_model_at_world_8_allocates_only_its_shards():
@@ -168,14 +184,7 @@ def test_an_8b_model_at_world_8_allocates_only_its_shards():
     shards plus 0.75 GiB: torch and the 32-layer traced graph take ~0.45 GiB here, and any
     full embedding or output matrix (1 GiB in bf16) would exceed it; the full model
     is 15 GiB."""
-    root = Path(__file__).resolve().parent.parent
-    run = subprocess.run(
-        [sys.executable, "-c", "from tests.test_meta_init import parallelize_8b_and_measure "
-                               "as m; m()"],
-        cwd=root, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-        timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    got = in_a_fresh_process("parallelize_8b_and_measure")
     cfg = tm.LlamaConfig(**LLAMA_3_8B)
     hidden, kv = 14336, cfg.n_kv_heads * cfg.dim // cfg.n_heads
     layer = 2 * cfg.dim * cfg.dim + 2 * cfg.dim * kv + 3 * cfg.dim * hidden
@@ -186,3 +195,36 @@ def test_an_8b_model_at_world_8_allocates_only_its_shards():
     assert got["full_bytes"] > 14.9 * GiB
     assert got["unwritten"] == 0
     assert got["peak_rss"] < got["local_bytes"] + 0.75 * GiB, got
+
+
+def shard_further_and_measure(world=8, rank=3, layers=8):
+    """Run in a fresh process: the FSDP2 route for a meta Llama-3-8B-wide model of
+    ``layers`` blocks on a (dp 2, tp 4) mesh of a fake group; print JSON."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    config = tm.LlamaConfig(**{**LLAMA_3_8B, "n_layers": layers})
+    model = on_meta(lambda: tm.Llama(config)).to(torch.bfloat16)
+    gm = fxtp.parallelize(model, tm.llama_sp_plan(), mesh["tp"],
+                          example_inputs=(TOKENS[:1, :8],), device="meta")
+    for block in gm.layers:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(gm, mesh=mesh["dp"])
+    gm.to_empty(device="cpu")
+    fxtp.init_weights(gm, model, init_fn=tm.init_weights)
+    print(json.dumps(measures(gm, model)))
+
+
+def test_the_fsdp2_route_allocates_only_the_dp_x_tp_share():
+    """``parallelize(..., device="meta")``, ``fully_shard`` per block and root,
+    ``to_empty``, ``fxtp.init_weights``: an 8-block model of Llama-3-8B's width (5.2 GiB
+    in bf16) at dp 2 x tp 4 holds 1/8 of it, and the process peaks within that plus
+    0.6 GiB (torch, FSDP and the trace take ~0.4 GiB): the TP shard alone (1/4, 1.3 GiB)
+    would exceed it."""
+    got = in_a_fresh_process("shard_further_and_measure")
+    assert got["w1"] == [14336 // 8, 4096]  # rows: 1/4 by TP, then 1/2 by FSDP
+    assert got["unwritten"] == 0
+    assert got["local_bytes"] < got["full_bytes"] / 8 * 1.01
+    assert got["peak_rss"] < got["local_bytes"] + 0.6 * GiB, got

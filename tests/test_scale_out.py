@@ -193,3 +193,51 @@ def test_hsdp_on_a_2x2x2_fake_mesh_shards_each_block_and_gathers_it_once(fake_gr
     with _CountAllGathers(mesh["shard"].get_group()) as counted:
         out = gm(TOKENS)
     assert out.shape == (*TOKENS.shape, 64) and counted.count == L + 1
+
+
+def random_norms(module):
+    """``init_fn``: the models' own initialization, and norm weights drawn at random (so
+    the TP ranks of one FSDP piece must draw alike)."""
+    tm.init_weights(module)
+    if isinstance(module, tm.RMSNorm):
+        torch.nn.init.normal_(module.weight)
+
+
+def meta_then_fully_shard(rank, world):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tokens = TOKENS.chunk(2)[mesh["dp"].get_local_rank()]
+    with torch.device("meta"):
+        model = llama().double()
+    gm = fxtp.parallelize(model, tm.llama_sp_plan(), mesh["tp"], example_inputs=(tokens,),
+                          device="meta")
+    for block in gm.layers:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(gm, mesh=mesh["dp"])
+    gm.to_empty(device="cpu")
+    fxtp.init_weights(gm, model, init_fn=random_norms)
+    assert all(t.is_meta for t in model.state_dict().values())  # the user's model untouched
+    held = sum(p.to_local().numel() for p in gm.parameters())
+    share = sum(p.numel() // (4 if p.placements[1].is_shard() else 2)
+                for p in gm.parameters())
+    assert held == share, (held, share)
+    norm = gm.layers[0].attention_norm.weight.to_local()  # Shard(0) on dp, Replicate on tp
+    pieces = [torch.empty_like(norm) for _ in range(2)]
+    dist.all_gather(pieces, norm, group=mesh["tp"].get_group())
+    assert torch.equal(pieces[0], pieces[1])
+    weights = {k: full(v) for k, v in get_model_state_dict(gm).items()}
+    real = llama(seed=1).double()
+    real.load_state_dict(weights)
+    torch.testing.assert_close(gm(tokens), real(TOKENS).chunk(2)[mesh["dp"].get_local_rank()],
+                               **TIGHT)
+    return weights
+
+
+def test_a_meta_model_sharded_by_fsdp2_then_allocated_holds_its_share_only(ranks4):
+    """``parallelize(meta_model, ..., device="meta")``, ``fully_shard`` per block and root,
+    ``to_empty``, ``fxtp.init_weights``: each rank holds 1/4 of each weight (1/2 of the
+    norms, replicated on tp), TP ranks of one piece hold the same values, and the model
+    computes as a single-device one holding the gathered weights; every rank agrees on
+    them. (The peak memory of this route: tests/test_meta_init.py.)"""
+    weights = ranks4.run(meta_then_fully_shard)
+    assert all(torch.equal(w[k], weights[0][k]) for w in weights for k in w)
+    assert weights[0]["layers.0.attention_norm.weight"].std() > 0.5  # drawn, not ones
