@@ -74,9 +74,12 @@ def _swap_blocks(x: torch.Tensor, dim: int, outer: int, inner: int) -> torch.Ten
 
 def _all_gather(x: torch.Tensor, dim: int, world: int, group: str,
                 split_factor: int = 1) -> torch.Tensor:
-    x = x.movedim(dim, 0).contiguous()
+    # gathered as laid out (no copy of the input), rank-major; one copy puts each rank's
+    # blocks in place along dim
+    x = x.contiguous()
     out = _c10d.wait_tensor(_c10d.all_gather_into_tensor(x, world, group))
-    return _swap_blocks(out, 0, world, split_factor).movedim(0, dim).contiguous()
+    out = out.view(world, *x.shape[:dim], split_factor, -1, *x.shape[dim + 1:])
+    return out.movedim(0, dim + 1).flatten(dim, dim + 2).contiguous()
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, world: int, group: str,

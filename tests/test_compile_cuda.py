@@ -70,3 +70,26 @@ def fake_training(case, backend, device="cuda", world=4, steps=2):
 def test_bf16_training_compiles_for_4_ranks_on_a_fake_group(fake_group, case, backend):
     fake_group(4)
     fake_training(case, backend)
+
+
+def test_compiling_each_block_on_its_own_matches_the_eager_blocks(fake_group):
+    """Regional compilation, as torchtitan does it: each of ``gm.layers`` compiled on its
+    own (fullgraph, inductor) computes the eager blocks' output and every gradient (fp32,
+    rank 0 of a fake group of 4, whose all-reduces leave the local sums: the same function
+    either way)."""
+    from tests import models
+    fake_group(4)
+    torch.manual_seed(0)
+    model = models.Stack(n_layers=2).cuda()
+    x = torch.randn(models.BATCH, models.SEQ, models.DIM, device="cuda")
+    eager = fxtp.parallelize(model, models.STACK_PLAN, example_inputs=(x,), strict=True)
+    regional = fxtp.parallelize(model, models.STACK_PLAN, example_inputs=(x,), strict=True)
+    for i, block in list(regional.layers.named_children()):
+        regional.layers.register_module(i, torch.compile(block, fullgraph=True))
+    outs = [m(x) for m in (eager, regional)]
+    torch.testing.assert_close(outs[1], outs[0])
+    for out in outs:
+        out.square().sum().backward()
+    for p, q in zip(eager.parameters(), regional.parameters(), strict=True):
+        torch.testing.assert_close(local_of(q.grad), local_of(p.grad))
+    assert all(type(m).__name__ == "OptimizedModule" for m in regional.layers)
