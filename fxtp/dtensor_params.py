@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .passes.collectives import _gather_units
+from .passes.graph import attr
 from .passes.placement import UnitShard, dtensor_placement, is_whole, local_part
 
 
@@ -78,7 +79,7 @@ def _read_locally(gm: fx.GraphModule) -> None:
     graph = gm.graph
     top = next(n for n in graph.nodes if n.op not in ("placeholder", "get_attr"))
     for node in list(graph.nodes):
-        if node.op == "get_attr" and isinstance(_attr(gm, node.target), DTensor):
+        if node.op == "get_attr" and _holds_dtensor(gm, node.target):
             top.prepend(node)
             with graph.inserting_before(top):
                 local = graph.call_function(local_tensor, (node,))
@@ -91,12 +92,11 @@ def _read_locally(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _attr(gm, target: str):
-    owner, _, name = target.rpartition(".")
+def _holds_dtensor(gm: fx.GraphModule, target: str) -> bool:
     try:
-        return getattr(gm.get_submodule(owner), name)
+        return isinstance(attr(gm, target), DTensor)
     except AttributeError:
-        return None
+        return False
 
 
 def _on_tp_mesh(p) -> bool:

@@ -38,7 +38,8 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
 from .passes.gradients import gradient_carriers
-from .passes.graph import COLLECTIVE, FALLBACK, PLACEMENT, call_args, module_fqn, val
+from .passes.graph import (COLLECTIVE, FALLBACK, PLACEMENT, attr, call_args, module_fqn,
+                           val)
 from .passes.placement import (UnitShard, describe, is_sharded, local_range, size_hint,
                               split_factor)
 from .passes.modules import inline_program
@@ -226,13 +227,8 @@ def _carry_grad(gm: fx.GraphModule, graph: fx.Graph, input_grads: bool) -> froze
         if node.op == "placeholder":
             return input_grads and isinstance(v, torch.Tensor) and \
                 (v.dtype.is_floating_point or v.dtype.is_complex)
-        return getattr(_attr(gm, node.target), "requires_grad", False)
+        return getattr(attr(gm, node.target), "requires_grad", False)
     return gradient_carriers(graph, is_root)
-
-
-def _attr(gm: fx.GraphModule, target: str):
-    owner, _, name = target.rpartition(".")
-    return getattr(gm.get_submodule(owner), name)
 
 
 def _param_bytes(gm: fx.GraphModule, shapes: dict) -> dict[str, tuple[int, int]]:

@@ -81,6 +81,12 @@ def module_fqn(node: fx.Node) -> str:
     return fqns[-1] if fqns else ""
 
 
+def attr(module: torch.nn.Module, target: str):
+    """What a ``get_attr`` target (a dotted path) names in ``module``."""
+    owner, _, name = target.rpartition(".")
+    return getattr(module.get_submodule(owner), name)
+
+
 def stack_upto(node: fx.Node, fqn: str) -> dict:
     """``node``'s ``nn_module_stack`` cut after ``fqn`` (empty for the root)."""
     stack = {}

@@ -22,7 +22,7 @@ from typing import Iterable, Optional
 import torch.fx as fx
 import torch.nn as nn
 
-from .graph import COLLECTIVE
+from .graph import COLLECTIVE, attr
 from .recompute import call_submodule, run_checkpointed
 
 
@@ -161,7 +161,7 @@ def _extract(gm: fx.GraphModule, part: list, base: str, fqn: str, names: dict, c
             continue
         env[n] = body.node_copy(n, env.__getitem__)  # names kept: reports name nodes
         if n.op == "get_attr":
-            attrs[held[n]] = _attr(gm, n.target)
+            attrs[held[n]] = attr(gm, n.target)
             env[n].target = held[n]
     body.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[o] for o in outputs))
     sub = fx.GraphModule(attrs, body, class_name=cls.__name__)
@@ -185,17 +185,12 @@ def _local_name(gm, target: str, base: str, prefix: str, names: dict) -> Optiona
     """``target`` (relative to ``base``) as the new submodule names it: a tensor under the
     submodule's FQN ``prefix`` (by any of its names, for ties) or a non-tensor attribute
     (a torch.cond branch), else ``None``."""
-    value = _attr(gm, target)
+    value = attr(gm, target)
     full = [n for n in names.get(id(value), [])] if hasattr(value, "shape") else None
     if full is None:
         return target
     inner = [n[len(prefix):] for n in full if n.startswith(prefix)]
     return inner[0] if inner else None
-
-
-def _attr(gm, target: str):
-    owner, _, name = target.rpartition(".")
-    return getattr(gm.get_submodule(owner), name)
 
 
 def _call(graph: fx.Graph, part: list, inputs: list, outputs: list, target: str) -> None:
@@ -306,7 +301,7 @@ def _inline(gm: fx.GraphModule, prefix: str, graph: fx.Graph, env: dict, args) -
             env[node] = _inline(gm.get_submodule(node.target), prefix + node.target + ".",
                                 graph, env, fx.node.map_arg(node.args, env.__getitem__))
         elif node.target is run_checkpointed:
-            region = _attr(gm, node.args[0].target)
+            region = attr(gm, node.args[0].target)
             env[node] = _inline(region, prefix, graph, env,
                                 fx.node.map_arg(node.args[1:], env.__getitem__))
         elif node.op == "call_function" and node.target is operator.getitem and \
@@ -316,8 +311,8 @@ def _inline(gm: fx.GraphModule, prefix: str, graph: fx.Graph, env: dict, args) -
             module, prefix_ = env[node.args[0]]
             env[node] = _inline(module, prefix_, graph, env,
                                 fx.node.map_arg(node.args[1:], env.__getitem__))
-        elif node.op == "get_attr" and isinstance(_attr(gm, node.target), fx.GraphModule):
-            env[node] = (_attr(gm, node.target), prefix + node.target + ".")
+        elif node.op == "get_attr" and isinstance(attr(gm, node.target), fx.GraphModule):
+            env[node] = (attr(gm, node.target), prefix + node.target + ".")
         else:
             env[node] = graph.node_copy(node, env.__getitem__)
             if node.op == "get_attr":
@@ -332,7 +327,7 @@ def _follow_order(gm: nn.Module, model: nn.Module) -> None:
             original = model.get_submodule(fqn)
         except AttributeError:
             continue
-        for attr in ("_parameters", "_buffers", "_modules"):
-            mine, order = getattr(module, attr), list(getattr(original, attr))
+        for slots in ("_parameters", "_buffers", "_modules"):
+            mine, order = getattr(module, slots), list(getattr(original, slots))
             ordered = sorted(mine, key=lambda k: order.index(k) if k in order else len(order))
-            setattr(module, attr, {k: mine[k] for k in ordered})
+            setattr(module, slots, {k: mine[k] for k in ordered})
