@@ -19,7 +19,8 @@ __all__ = [
     "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "ParallelStyle",
     "Shard", "Replicate", "Partial", "count_collectives", "cross_entropy", "Report",
     "state_dict", "load_state_dict", "full_state_dict", "load_full_state_dict",
-    "clip_grad_norm_", "init_weights", "FxtpError", "InputError", "PlanError", "ShardingError", "TraceError",
+    "clip_grad_norm_", "init_weights", "FxtpError", "InputError", "PlanError",
+    "ShardingError", "TraceError",
 ]
 
 from . import backend  # noqa: E402,F401 - registers the "fxtp" torch.compile backend

@@ -40,8 +40,8 @@ from typing import Callable, Optional
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -133,8 +133,7 @@ def init_weights(gm: nn.Module, model: nn.Module,
         first = names[fqn]
         if first in views:
             continue
-        local = t._local_tensor if isinstance(t, DTensor) else t
-        if local.is_meta:
+        if _local(t).is_meta:
             raise PlanError(f"'{fqn}' is still on the meta device: allocate the result "
                             f"first, e.g. gm.to_empty(device='cuda'), then init_weights")
         view = t.detach() if isinstance(t, DTensor) else \
@@ -172,13 +171,13 @@ def _initialize(model: nn.Module, views: dict, names: dict, seed: int, device,
     """Run the initializers of ``model``'s modules, children first, with its tensors shown
     as ``views`` (first FQN -> the tensor to write, a ``DTensor`` when sharded), each
     drawing from the random stream of the piece it holds; check that all were written."""
+    streams = {fqn: _stream(view) for fqn, view in views.items()}
     for prefix, module in reversed(list(model.named_modules())):
         init = (lambda m=module: init_fn(m)) if init_fn else \
             getattr(module, "reset_parameters", None)
         owned = [fqn for fqn in views if _within(fqn.rpartition(".")[0], prefix)]
         if init is None or not owned:
             continue
-        streams = {fqn: _stream(views[fqn]) for fqn in views}
         for stream in sorted({streams[fqn] for fqn in owned}):
             # the other streams' tensors stay meta: what the initializer writes there is lost
             shown = {n: views[f] for n, f in names.items() if streams[f] == stream}
@@ -207,21 +206,20 @@ def _allocate(gm: nn.Module, meta: dict, device) -> dict[str, torch.Tensor]:
 
 
 def _unwritten(shape, dtype, device) -> torch.Tensor:
-    """An allocation holding a marker no initializer writes: NaN, or the integer max."""
-    if dtype.is_floating_point or dtype.is_complex:
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-    if dtype == torch.bool:
-        return torch.zeros(shape, dtype=dtype, device=device)
-    return torch.full(shape, torch.iinfo(dtype).max, dtype=dtype, device=device)
+    """An allocation holding the marker of :func:`_fill_unwritten`."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    _fill_unwritten(t)
+    return t
 
 
 @torch.no_grad()
 def _fill_unwritten(t: torch.Tensor) -> None:
-    """Overwrite ``t`` with the marker of :func:`_unwritten`."""
+    """Overwrite ``t`` with a marker no initializer writes: NaN, or the integer maximum
+    (``False`` for booleans, which cannot be checked)."""
     if t.dtype.is_floating_point or t.dtype.is_complex:
         t.fill_(float("nan"))
-    elif t.dtype != torch.bool:
-        t.fill_(torch.iinfo(t.dtype).max)
+    else:
+        t.fill_(False if t.dtype == torch.bool else torch.iinfo(t.dtype).max)
 
 
 def _is_unwritten(t: torch.Tensor) -> bool:
