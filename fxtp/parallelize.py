@@ -90,7 +90,9 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
     ``reset_parameters()`` (:mod:`fxtp.materialize`); with ``device="meta"`` they stay on
     the meta device: shapes only (plan checks, :mod:`fxtp.cli`), or to be sharded further
     by ``fully_shard`` before ``gm.to_empty(device=...)`` and :func:`fxtp.init_weights`
-    allocate and initialize them (each rank then holds only its dp x tp share).
+    allocate and initialize them (each rank then holds only its dp x tp share). The program
+    is then traced for the group's device (``cuda`` for NCCL, ``cpu`` for gloo), which
+    ``to_empty`` must allocate on.
 
     ``dump_dir`` (or the environment variable ``FXTP_DUMP_DIR``) writes every stage's
     result, :func:`fxtp.explain`'s report and an HTML view there (:mod:`fxtp.dump`).
@@ -131,7 +133,11 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
     meta = meta_tensors(model)
     recast = _recast(model, param_dtype)
     with Dumper(dump_dir, group) as dump:
-        with swapped(model, fake_tensors({**meta, **recast}, device)):
+        # a trace records the devices its factory calls ask for (HF's position ids: the
+        # embeddings' device): traced for the device the tensors will have, which for shards
+        # kept on meta is the group's (where to_empty is expected to allocate them)
+        runs_on = _device(None, group) if device.type == "meta" else device
+        with swapped(model, fake_tensors({**meta, **recast}, runs_on)):
             gm, calls = trace(model, _cast(example_inputs, param_dtype), example_kwargs,
                               shardings, dynamic_shapes, checkpointed)
         for fqn in recast.keys() - meta.keys():  # the model's own tensors, not the recast

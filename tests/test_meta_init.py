@@ -228,3 +228,23 @@ def test_the_fsdp2_route_allocates_only_the_dp_x_tp_share():
     assert got["unwritten"] == 0
     assert got["local_bytes"] < got["full_bytes"] / 8 * 1.01
     assert got["peak_rss"] < got["local_bytes"] + 0.6 * GiB, got
+
+
+def test_shards_kept_on_meta_are_traced_for_the_device_they_will_run_on(fake_group):
+    """A Hugging Face Llama makes its position ids with ``device=`` its embeddings' device:
+    with ``device="meta"`` the program is traced for the group's device (gloo: ``cpu``),
+    so after ``to_empty(device="cpu")`` and ``fxtp.init_weights`` with HF's own
+    initializer it runs; traced on meta, it asked for meta tensors at run time."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    fake_group(2)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    model = on_meta(lambda: LlamaForCausalLM(config))
+    gm = fxtp.parallelize(model, "auto", example_inputs=(TOKENS,),
+                          example_kwargs={"use_cache": False}, device="meta", strict=True)
+    assert not any("device(type='meta')" in m.code for m in gm.modules()
+                   if isinstance(m, torch.fx.GraphModule))
+    gm.to_empty(device="cpu")
+    fxtp.init_weights(gm, model, init_fn=model._init_weights)
+    logits = gm(TOKENS, use_cache=False).logits
+    assert logits.shape == (*TOKENS.shape, 128) and torch.isfinite(logits).all()
