@@ -17,13 +17,11 @@ from typing import Mapping
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
-
-from .passes.collectives import _gather_units
-from .passes.placement import UnitShard, dtensor_placement, is_sharded, local_part
+from torch.distributed.tensor import DTensor, Replicate
 
 from .passes.errors import PlanError
+from .passes.placement import local_part
+from .dtensor_params import checkpoint_view, global_view, local_shard
 from .parallelize import info_of
 
 
@@ -34,20 +32,6 @@ def _tensors(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
              **dict(gm.named_buffers(remove_duplicate=False))}
     local = {id(t): t._local_tensor if isinstance(t, DTensor) else t for t in named.values()}
     return {name: local[id(t)] for name, t in named.items()}
-
-
-def _dtensor(local: torch.Tensor, placement, mesh, world: int, shape) -> DTensor:
-    """This rank's ``local`` tensor of global ``shape`` as a DTensor; a parameter dealt in
-    whole heads (:class:`UnitShard`, which DTensor cannot describe) is gathered whole."""
-    if is_sharded(placement):
-        placement_ = dtensor_placement(placement, shape[placement.dim], world)
-        if placement_ is None:
-            local = _gather_units(local, placement.dim, placement.units,
-                                  shape[placement.dim], world, mesh.get_group().group_name)
-        placement = placement_ or Replicate()
-    return DTensor.from_local(local, mesh, [placement], run_check=False,
-                              shape=torch.Size(shape),
-                              stride=torch.empty(shape, device="meta").stride())
 
 
 def _entries(gm: fx.GraphModule):
@@ -67,10 +51,7 @@ def state_dict(gm: fx.GraphModule) -> dict[str, DTensor]:
     info, out, made = info_of(gm), {}, {}
     for key, t, placement, shape in _entries(gm):
         if id(t) not in made:  # tied names share one DTensor
-            dt = _dtensor(t.detach(), placement, info.mesh, info.world_size, shape)
-            if isinstance(placement, _StridedShard):
-                dt = dt.redistribute(info.mesh, [Shard(placement.dim)])
-            made[id(t)] = dt
+            made[id(t)] = checkpoint_view(t.detach(), placement, info.mesh, shape)
         out[key] = made[id(t)]
     return out
 
@@ -85,11 +66,7 @@ def load_state_dict(gm: fx.GraphModule, sd: Mapping[str, DTensor]) -> None:
         if not isinstance(value, DTensor):
             raise PlanError(f"state_dict['{key}'] is a {type(value).__name__}, not a "
                             f"DTensor; use fxtp.load_full_state_dict for full tensors")
-        if not isinstance(placement, UnitShard):
-            return value.redistribute(info.mesh, [placement]).to_local()
-        as_dtensor = dtensor_placement(placement, value.shape[placement.dim], info.world_size)
-        full = value.redistribute(info.mesh, [as_dtensor or Replicate()]).to_local()
-        return full if as_dtensor else local_part(full, placement, info.rank, info.world_size)
+        return local_shard(value, placement, info.mesh)
     _load(gm, sd, local)
 
 
@@ -100,8 +77,7 @@ def full_state_dict(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
     info, out, made = info_of(gm), {}, {}
     for key, t, placement, shape in _entries(gm):
         if id(t) not in made:
-            made[id(t)] = _dtensor(t.detach(), placement, info.mesh, info.world_size,
-                                   shape).full_tensor()
+            made[id(t)] = global_view(t.detach(), placement, info.mesh, shape).full_tensor()
         out[key] = made[id(t)]
     return out
 

@@ -73,6 +73,40 @@ def _wrap(local: torch.Tensor, placement, mesh, shape) -> DTensor:
                               stride=torch.empty(shape, device="meta").stride())
 
 
+def global_view(local: torch.Tensor, placement, mesh, shape) -> DTensor:
+    """This rank's ``local`` tensor (of global ``shape``, laid out as ``placement``) as a
+    ``DTensor``; a weight dealt in whole heads, which DTensor cannot describe, is gathered
+    whole (``Replicate()``)."""
+    if not _dealt_in_heads(placement, shape, mesh.size()):
+        return _wrap(local, placement, mesh, shape)
+    full = _gather_units(local, placement.dim, placement.units, shape[placement.dim],
+                         mesh.size(), mesh.get_group().group_name)
+    return DTensor.from_local(full, mesh, [Replicate()], run_check=False)
+
+
+def checkpoint_view(local: torch.Tensor, placement, mesh, shape) -> DTensor:
+    """:func:`global_view` as checkpoints hold it, one chunk per rank: a fused projection's
+    ``_StridedShard`` weight is re-laid as ``Shard(d)`` (an all-gather)."""
+    view = global_view(local, placement, mesh, shape)
+    if isinstance(placement, _StridedShard):
+        view = view.redistribute(mesh, [Shard(placement.dim)])
+    return view
+
+
+def local_shard(value: torch.Tensor, placement, mesh) -> torch.Tensor:
+    """This rank's part, laid out as ``placement``, of ``value``: a full tensor, or a
+    ``DTensor`` of any placement on ``mesh`` (redistributed, gathered whole only where
+    DTensor cannot describe ``placement``)."""
+    rank, world = mesh.get_local_rank(), mesh.size()
+    if isinstance(value, DTensor):
+        as_dtensor = (dtensor_placement(placement, value.shape[placement.dim], world)
+                      if isinstance(placement, UnitShard) else placement)
+        if as_dtensor is not None:
+            return value.redistribute(mesh, [as_dtensor]).to_local()
+        value = value.redistribute(mesh, [Replicate()]).to_local()
+    return local_part(value, placement, rank, world)
+
+
 def _read_locally(gm: fx.GraphModule) -> None:
     """Each ``DTensor`` read becomes a :func:`local_tensor` call, all of them at the top of
     the graph (outside checkpointed regions, which then take plain tensors)."""
@@ -105,20 +139,17 @@ def _on_tp_mesh(p) -> bool:
 
 
 def _relay_for_checkpoint(module, state_dict, prefix, local_metadata):
-    """``_StridedShard`` -> ``Shard(d)``; a weight dealt in heads -> ``Replicate()``."""
+    """Parameters as :func:`checkpoint_view` lays them out."""
     for name, p in module._parameters.items():
         key = prefix + name
         if key not in state_dict:
             continue
         if name in module._fxtp_heads:
             placement, shape, mesh = module._fxtp_heads[name]
-            full = _gather_units(p.detach(), placement.dim, placement.units,
-                                 shape[placement.dim], mesh.size(),
-                                 mesh.get_group().group_name)
-            state_dict[key] = DTensor.from_local(full, mesh, [Replicate()], run_check=False)
+            state_dict[key] = checkpoint_view(p.detach(), placement, mesh, shape)
         elif _on_tp_mesh(p) and isinstance(p.placements[0], _StridedShard):
-            state_dict[key] = p.detach().redistribute(p.device_mesh,
-                                                      [Shard(p.placements[0].dim)])
+            state_dict[key] = checkpoint_view(p.detach().to_local(), p.placements[0],
+                                              p.device_mesh, p.shape)
     return state_dict
 
 
@@ -139,9 +170,6 @@ def _lay_back(module, state_dict, prefix, local_metadata, strict, missing, unexp
                 continue
         else:
             continue
-        if isinstance(value, DTensor):
-            value = value.redistribute(mesh, [Replicate()]).to_local()
-        local = local_part(value, placement, mesh.get_local_rank(), mesh.size())
-        local = local.to(p.dtype).contiguous()
+        local = local_shard(value, placement, mesh).to(p.dtype).contiguous()
         state_dict[key] = local if name in module._fxtp_heads else DTensor.from_local(
             local, mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
