@@ -7,13 +7,19 @@ first (regional compilation, as torchtitan does). The DTensor recipe is torch's
 ``parallelize_module`` (with the benchmark's local head counts, see
 :data:`benchmarks.dtensor_tp.WHY_DTENSOR_PATCHED`); fxtp's is ``fxtp.parallelize``. Each
 (variant, size) runs in fresh processes: step time (forward, backward, AdamW) as the median
-of ``--repeats`` runs of ``--steps`` steps after warm-up, and peak RSS per rank above the
-process's RSS before the model was built. Results: ``benchmarks/results/scale_out.json``.
+of ``--repeats`` runs of ``--steps`` steps after warm-up; peak memory per rank twice: the
+peak of live tensors over one more step (torch's ``MemTracker``: what scales with the model)
+and peak RSS above the process's RSS before the model was built (which also counts the
+libraries a variant imports: fxtp's trace loads torch.export, about 30 MiB that does not
+grow with the model). Results: ``benchmarks/results/scale_out.json``.
 
 ``--cuda``: the same on one CUDA device, as rank 0 of 4 on a fake process group (each
 rank's compute and the frameworks' overhead; collectives move nothing, so the all-gathers'
 output is garbage, which does not change the time), with a third, GPU-sized model; peak
-memory is the CUDA allocator's peak. Results: ``benchmarks/results/scale_out_cuda.json``.
+memory is the CUDA allocator's peak (and, eager, ``MemTracker``'s live-tensor peak beside it),
+and the attention kernels each variant ran are recorded (``sdpa_kernels``: the backend SDPA
+picks decides what attention keeps for backward).
+Results: ``benchmarks/results/scale_out_cuda.json``.
 
     python -m benchmarks.scale_out [--quick] [--cuda]
 """
@@ -112,6 +118,36 @@ def train_step(module, opt, tokens, targets) -> torch.Tensor:
     return loss.detach()
 
 
+def tensor_peak_mib(module, opt, tokens, targets) -> float:
+    """Peak MiB of live tensors (parameters, gradients, optimizer state, activations) over
+    one training step, by torch's ``MemTracker``."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    tracker = MemTracker()
+    tracker.track_external(module, opt)
+    with tracker:
+        train_step(module, opt, tokens, targets)
+    return tracker.get_tracker_snapshot("peak")[tokens.device]["Total"] / 2 ** 20
+
+
+def sdpa_kernels(module, opt, tokens, targets) -> list:
+    """The attention kernels one training step runs, by name."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "attention" in func.name():
+                self.seen.add(func.name())
+            return func(*args, **(kwargs or {}))
+
+    with Record() as record:
+        train_step(module, opt, tokens, targets)
+    return sorted(record.seen)
+
+
 def _rank(rank, world, port, variant, size, args, out):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -153,10 +189,19 @@ def _rank(rank, world, port, variant, size, args, out):
                 train_step(module, opt, tokens, targets)
             sync()
             per_step.append((time.perf_counter() - start) / args.steps)
-        peak = (torch.cuda.max_memory_allocated() / 2 ** 20 if args.cuda else
-                (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024)
-        out.put((rank, {"loss0": loss0, "warmup_s": warmup, "median_s": statistics.median(per_step),
-                        "min_s": min(per_step), "peak_mib": peak}))
+        found = {"loss0": loss0, "warmup_s": warmup, "median_s": statistics.median(per_step),
+                 "min_s": min(per_step)}
+        if args.cuda:
+            found["peak_mib"] = torch.cuda.max_memory_allocated() / 2 ** 20
+            found["sdpa_kernels"] = sdpa_kernels(module, opt, tokens, targets)
+            if variant.endswith("eager"):
+                found["tensor_peak_mib"] = tensor_peak_mib(module, opt, tokens, targets)
+        else:
+            found["rss_peak_mib"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                                     - base) / 1024
+            if variant.endswith("eager"):  # a dispatch mode would re-trace compiled code
+                found["peak_mib"] = tensor_peak_mib(module, opt, tokens, targets)
+        out.put((rank, found))
     except Exception as e:  # noqa: BLE001 - reported in the results
         out.put((rank, {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}))
     finally:
@@ -179,11 +224,16 @@ def run_one(variant, size, args) -> dict:
     errors = [r["error"] for r in results.values() if "error" in r]
     if errors:
         return {"error": errors[0]}
-    return {"median_ms": 1e3 * max(r["median_s"] for r in results.values()),
-            "min_ms": 1e3 * max(r["min_s"] for r in results.values()),
-            "peak_mib": max(r["peak_mib"] for r in results.values()),
-            "warmup_s": max(r["warmup_s"] for r in results.values()),
-            "loss0": results[0]["loss0"]}
+    found = {"median_ms": 1e3 * max(r["median_s"] for r in results.values()),
+             "min_ms": 1e3 * max(r["min_s"] for r in results.values()),
+             "warmup_s": max(r["warmup_s"] for r in results.values()),
+             "loss0": results[0]["loss0"]}
+    for key in ("peak_mib", "rss_peak_mib", "tensor_peak_mib"):
+        if key in results[0]:
+            found[key] = max(r[key] for r in results.values())
+    if "sdpa_kernels" in results[0]:
+        found["sdpa_kernels"] = results[0]["sdpa_kernels"]
+    return found
 
 
 def main():
@@ -200,15 +250,19 @@ def main():
               "mesh": ("dp 2 x tp 2, rank 0 of a fake group on " +
                        torch.cuda.get_device_name() if args.cuda else
                        f"dp 2 x tp 2, gloo, 1 thread per rank, {os.cpu_count()} cores"),
-              "peak": "CUDA allocator peak" if args.cuda else "RSS above the start",
+              "peak": ("peak_mib: CUDA allocator peak" if args.cuda else
+                       "peak_mib: live tensors (MemTracker, eager); rss_peak_mib: RSS above "
+                       "the start"),
               "sizes": {}}
     for size in args.sizes or sizes(args.quick, args.cuda):
         rows = report["sizes"][size] = {v: run_one(v, size, args) for v in args.variants}
         for mode in ("eager", "compiled"):
             fx_, dt = rows.get(f"fxtp_{mode}", {}), rows.get(f"dtensor_{mode}", {})
             if "median_ms" in fx_ and "median_ms" in dt:
-                rows[f"ratio_{mode}"] = {"time": fx_["median_ms"] / dt["median_ms"],
-                                         "peak": fx_["peak_mib"] / dt["peak_mib"]}
+                rows[f"ratio_{mode}"] = {
+                    key: fx_[key] / dt[key]
+                    for key in ("median_ms", "peak_mib", "rss_peak_mib", "tensor_peak_mib")
+                    if key in fx_ and key in dt}
         print(size, json.dumps(rows, indent=1), flush=True)
     RESULTS.mkdir(exist_ok=True)
     name = "scale_out_cuda.json" if args.cuda else "scale_out.json"
