@@ -7,6 +7,8 @@ it through :func:`local_tensor` (``to_local``, whose backward hands the local gr
 as a ``DTensor`` of the same placement). So the ecosystem's own tools see the global
 tensors: ``torch.nn.utils.clip_grad_norm_`` reduces sharded norms across ranks, DCP saves
 each shard once under the model's keys, FSDP2 shards the TP shards further on a 2-D mesh.
+Sharded buffers (a KV cache written with sharded heads) stay plain local tensors for the
+graph and are handed out by ``state_dict()`` as ``DTensor`` s, too.
 
 Two layouts DTensor cannot describe as one chunk per rank are handed out re-laid by
 ``state_dict()`` (and laid back by ``load_state_dict()``, which also accepts full tensors
@@ -26,7 +28,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from .passes.collectives import _gather_units
 from .passes.graph import attr
-from .passes.placement import UnitShard, dtensor_placement, is_whole, local_part
+from .passes.placement import (UnitShard, dtensor_placement, is_sharded, is_whole,
+                               local_part)
 
 
 def local_tensor(p):
@@ -50,12 +53,19 @@ def as_dtensors(gm: fx.GraphModule, placements: dict, shapes: dict, mesh, world:
                                            requires_grad=local.requires_grad)
         owner, _, name = fqn.rpartition(".")
         gm.get_submodule(owner)._parameters[name] = made[id(local)]
-    for module in gm.modules():
+    sharded_buffers = {fqn: (placements[fqn], torch.Size(shapes[fqn]), mesh)
+                       for fqn, _ in gm.named_buffers(remove_duplicate=False)
+                       if is_sharded(placements.get(fqn))}
+    for owner_fqn, module in gm.named_modules(remove_duplicate=False):
         if isinstance(module, fx.GraphModule):
             _read_locally(module)
-        if module._parameters:
+        if module._parameters or module._buffers:
             module._fxtp_heads = {name: heads[id(p)] for name, p in module._parameters.items()
                                   if id(p) in heads}
+            prefix = owner_fqn + "." if owner_fqn else ""
+            module._fxtp_buffers = {name: sharded_buffers[prefix + name]
+                                    for name in module._buffers
+                                    if prefix + name in sharded_buffers}
             module._register_state_dict_hook(_relay_for_checkpoint)
             module._register_load_state_dict_pre_hook(_lay_back, with_module=True)
 
@@ -139,7 +149,12 @@ def _on_tp_mesh(p) -> bool:
 
 
 def _relay_for_checkpoint(module, state_dict, prefix, local_metadata):
-    """Parameters as :func:`checkpoint_view` lays them out."""
+    """Parameters and sharded buffers (a KV cache) as :func:`checkpoint_view` lays them
+    out."""
+    for name, (placement, shape, mesh) in module._fxtp_buffers.items():
+        if prefix + name in state_dict:
+            state_dict[prefix + name] = checkpoint_view(module._buffers[name].detach(),
+                                                        placement, mesh, shape)
     for name, p in module._parameters.items():
         key = prefix + name
         if key not in state_dict:
@@ -156,7 +171,12 @@ def _relay_for_checkpoint(module, state_dict, prefix, local_metadata):
 @torch.no_grad()
 def _lay_back(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
     """Incoming values (a full tensor, a DTensor of any placement on the mesh) become what
-    the parameter holds: a DTensor laid out as it is, or this rank's heads."""
+    the parameter holds: a DTensor laid out as it is, or this rank's heads; a sharded
+    buffer takes this rank's part."""
+    for name, (placement, _, mesh) in module._fxtp_buffers.items():
+        value = state_dict.get(prefix + name)
+        if value is not None:
+            state_dict[prefix + name] = local_shard(value, placement, mesh)
     for name, p in module._parameters.items():
         key = prefix + name
         value = state_dict.get(key)

@@ -14,6 +14,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .passes.buffers import shard_written_buffers
 from .passes.localize import localize
 from .passes.modules import outline_modules, scope_of
 from .passes.graph import PLACEMENT
@@ -150,8 +151,10 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
         seed(gm, shardings, calls, group.world, tied_names(model))
         fallbacks = propagate(gm, group.world)
         # layouts that serve what would be gathered: fused projections strided, heads that
-        # do not divide by the world size dealt whole (and their consumers alike)
-        for relayout in (stride_fused_splits, deal_sources, deal_consumers):
+        # do not divide by the world size dealt whole (and their consumers alike), buffers
+        # written in place (KV caches) placed as what is written into them
+        for relayout in (stride_fused_splits, deal_sources, deal_consumers,
+                         shard_written_buffers):
             if relayout(gm, group.world):
                 fallbacks = propagate(gm, group.world)
         if strict and fallbacks:  # raises on the first

@@ -1,0 +1,82 @@
+"""Written buffers: a buffer written in place (a KV cache) takes the placement of what is
+written into it.
+
+A buffer the plan does not shard is replicated, so writing a head-sharded ``k`` into it
+would gather ``k``, and every rank would hold the whole cache. For every buffer that the
+program writes in place (``index_put_``, ``index_copy_``, ``copy_``, ... on the buffer
+itself or on a view of it, such as the slice a slice assignment writes), the placement that
+lets each write keep the written value's placement is read off the rules of the writer and
+of the views between it and the buffer. Where all writes agree, the buffer's ``get_attr``
+nodes get that placement (``meta[PLACEMENT]``), so localization keeps only this rank's part
+of it; propagation must then run again.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import torch
+import torch.fx as fx
+
+from .graph import PLACEMENT, placement_of, tensor_inputs
+from .placement import is_replicate, is_sharded
+from .rules import rule_for, writes_first_input
+
+
+def shard_written_buffers(gm: fx.GraphModule, world: int) -> bool:
+    """Place each replicated buffer of ``gm`` that is written in place as its writes
+    need; return whether any placement changed."""
+    buffers = {name for name, _ in gm.named_buffers()}
+    reads: dict[str, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target in buffers:
+            reads.setdefault(node.target, []).append(node)
+    changed = False
+    for nodes in reads.values():
+        if not all(is_replicate(placement_of(n)) for n in nodes):
+            continue
+        wanted = {_wanted(writer, views, world) for n in nodes for writer, views in _writes(n)}
+        if len(wanted) == 1 and (placement := wanted.pop()) is not None:
+            for n in nodes:
+                n.meta[PLACEMENT] = placement
+            changed = True
+    return changed
+
+
+def _writes(node: fx.Node) -> Iterator[tuple[fx.Node, tuple[fx.Node, ...]]]:
+    """``(writer, views)``: each in-place write into ``node``'s tensor, and the views
+    (in order) from ``node`` to the tensor it writes."""
+    stack = [(node, ())]
+    while stack:
+        source, views = stack.pop()
+        for user in source.users:
+            if not isinstance(user.target, torch._ops.OpOverload) or not user.args or \
+                    user.args[0] is not source:
+                continue
+            if writes_first_input(user.target):
+                yield user, views
+            elif user.target.is_view:
+                stack.append((user, views + (user,)))
+
+
+def _wanted(writer: fx.Node, views: tuple[fx.Node, ...], world: int) -> Optional[object]:
+    """The placement of the buffer under which ``writer`` keeps every other input as it
+    is placed and at least one of them sharded, or ``None``."""
+    rule = rule_for(writer.target)
+    inputs = tensor_inputs(writer)
+    actual = [placement_of(a) for a in inputs]
+    if rule is None or not any(is_sharded(p) for p in actual[1:]):
+        return None
+    needed = None
+    for ins, _ in rule.strategies(writer, world, actual):
+        if is_sharded(ins[0]) and all(r is None or r == a for r, a in zip(ins[1:], actual[1:])):
+            needed = ins[0]
+            break
+    for view in reversed(views):
+        if needed is None:
+            return None
+        view_rule = rule_for(view.target)
+        if view_rule is None:
+            return None
+        needed = next((ins[0] for ins, outs in view_rule.strategies(view, world)
+                       if outs[0] == needed and is_sharded(ins[0])), None)
+    return needed

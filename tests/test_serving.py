@@ -1,0 +1,156 @@
+"""Serving with a sharded KV cache: buffers written in place take the placement of what is
+written into them, so each rank holds its heads' part of every cache, one module serves
+prefill and every decode step (a dynamic sequence dim), and a decode step costs gpt-fast's
+two all-reduces per layer and nothing else."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.export import Dim
+
+import fxtp
+from fxtp.gpt_fast import ServeConfig, Transformer, generate, tp_plan
+from fxtp.passes.placement import local_part
+from fxtp.styles import ColwiseParallel, RowwiseParallel
+
+BATCH, PROMPT, NEW = 2, 8, 6
+
+
+def serving_model(dtype=torch.float64, **config):
+    torch.manual_seed(0)
+    model = Transformer(ServeConfig(**config)).to(dtype)
+    with torch.no_grad():  # the plain init gives near-uniform logits: argmax ties
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    return model.setup_caches(BATCH)
+
+
+def prompt(vocab=64):
+    return torch.randint(0, vocab, (BATCH, PROMPT), generator=torch.Generator().manual_seed(7))
+
+
+def parallelize_for_serving(model):
+    seq = Dim("seq", min=1, max=model.config.max_seq_len)
+    return fxtp.parallelize(model, tp_plan(), example_inputs=(prompt(), torch.arange(PROMPT)),
+                            dynamic_shapes=({1: seq}, {0: seq}), strict=True)
+
+
+def caches(module):
+    return {name: b for name, b in module.named_buffers() if name.endswith("_cache")}
+
+
+def generation_parity(rank, world, config, temperature):
+    model = serving_model(**config)
+    ref = copy.deepcopy(model)
+    gm = parallelize_for_serving(model)
+    sampling = dict(temperature=temperature, top_k=10 if temperature else None)
+    tokens = generate(gm, prompt(), NEW, generator=torch.Generator().manual_seed(3),
+                      **sampling)
+    expected = generate(ref, prompt(), NEW, generator=torch.Generator().manual_seed(3),
+                        **sampling)
+    assert torch.equal(tokens, expected), (tokens, expected)
+    held = caches(gm)
+    assert held.keys() == caches(ref).keys()
+    for name, cache in held.items():  # this rank's heads of the single-device cache
+        placement = gm.fxtp.param_placements[name]
+        torch.testing.assert_close(cache, local_part(ref.get_buffer(name), placement, rank,
+                                                     world), rtol=1e-12, atol=1e-12)
+    assert all(not b.any() for b in caches(model).values()), "the user's model was written"
+    # state_dict() hands out the whole caches (DCP saves every rank's heads), and loading
+    # a single-device state gives each rank its heads again
+    state = gm.state_dict()
+    for name in held:
+        torch.testing.assert_close(state[name].full_tensor(), ref.get_buffer(name))
+    fresh = parallelize_for_serving(serving_model(**config))
+    fresh.load_state_dict(ref.state_dict())
+    for name, cache in caches(fresh).items():
+        placement = gm.fxtp.param_placements[name]
+        assert torch.equal(cache, local_part(ref.get_buffer(name), placement, rank, world))
+    with fxtp.count_collectives() as decode:
+        gm(tokens[:, -1:], torch.tensor([PROMPT + NEW]))
+    with fxtp.count_collectives() as prefill:
+        gm(prompt(), torch.arange(PROMPT))
+    return (dict(decode.counts), dict(prefill.counts),
+            sum(c.numel() for c in held.values()), sum(c.numel() for c in caches(ref).values()))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+def test_generation_equals_single_device_with_each_rank_holding_its_heads_of_the_cache(
+        ranks, temperature):
+    config = dict(n_heads=8, n_kv_heads=4)
+    decode, prefill, held, whole = ranks.run(generation_parity, config, temperature)[0]
+    layers = ServeConfig().n_layers
+    assert decode == prefill == {"all_reduce": 2 * layers}  # no k / v gathers
+    assert held * ranks.world == whole
+
+
+def test_the_cache_written_by_index_copy_is_sharded_alike(ranks2):
+    decode, _, held, whole = ranks2.run(
+        generation_parity, dict(n_heads=8, n_kv_heads=4, cache_update="index_copy"), 0.0)[0]
+    assert decode == {"all_reduce": 2 * ServeConfig().n_layers}
+    assert held * 2 == whole
+
+
+def test_a_gqa_cache_follows_the_kv_head_layout_of_the_plan(ranks4):
+    """2 KV heads at 4 ranks: each KV head is held by the 2 ranks whose query heads use
+    it, so each rank's cache is half the whole, and nothing is gathered."""
+    decode, _, held, whole = ranks4.run(generation_parity, dict(n_heads=8, n_kv_heads=2),
+                                        0.0)[0]
+    assert decode == {"all_reduce": 2 * ServeConfig().n_layers}
+    assert held * 2 == whole
+
+
+def test_the_cache_at_world_8_holds_an_eighth(fake_group):
+    fake_group(8)
+    model = serving_model(torch.float32, n_heads=8, n_kv_heads=8, dim=64)
+    gm = parallelize_for_serving(model)
+    assert gm.fxtp.fallbacks == []
+    for name, cache in caches(gm).items():
+        whole = model.get_buffer(name)
+        assert cache.shape == (whole.shape[0], whole.shape[1] // 8, *whole.shape[2:])
+
+
+class SliceCacheAttention(nn.Module):
+    """Meta's original Llama cache: ``cache[:, start:start + T] = k`` (batch, seq, heads,
+    head_dim), read back as ``cache[:, :start + T]``."""
+
+    def __init__(self, dim=32, heads=4, max_seq_len=16, start=4):
+        super().__init__()
+        self.heads, self.head_dim, self.start = heads, dim // heads, start
+        self.wq, self.wk, self.wv = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.wo = nn.Linear(dim, dim, bias=False)
+        shape = (2, max_seq_len, heads, dim // heads)
+        self.register_buffer("cache_k", torch.randn(shape))
+        self.register_buffer("cache_v", torch.randn(shape))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (w(x).view(b, t, self.heads, self.head_dim) for w in (self.wq, self.wk, self.wv))
+        end = self.start + t
+        self.cache_k[:, self.start:end] = k
+        self.cache_v[:, self.start:end] = v
+        keys, values = self.cache_k[:, :end], self.cache_v[:, :end]
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2),
+                                           values.transpose(1, 2))
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+def slice_cache_parity(rank, world):
+    torch.manual_seed(0)
+    model = SliceCacheAttention().double()
+    ref = copy.deepcopy(model)
+    plan = {"w[qkv]": ColwiseParallel(), "wo": RowwiseParallel()}
+    x = torch.randn(2, 3, 32, dtype=torch.float64)
+    gm = fxtp.parallelize(model, plan, example_inputs=(x,), strict=True)
+    with fxtp.count_collectives() as forward:
+        out = gm(x)
+    torch.testing.assert_close(out, ref(x), rtol=1e-12, atol=1e-12)
+    for name in ("cache_k", "cache_v"):
+        torch.testing.assert_close(gm.get_buffer(name), ref.get_buffer(name).chunk(world, 2)[rank])
+    return dict(forward.counts)
+
+
+def test_a_cache_written_by_slice_assignment_is_sharded_by_heads(ranks2):
+    assert ranks2.run(slice_cache_parity)[0] == {"all_reduce": 1}
