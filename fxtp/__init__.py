@@ -1,6 +1,7 @@
 """fxtp: tensor parallelism for PyTorch as a compiler pass over torch.fx graphs."""
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from .causal_lm import generate, parallelize_causal_lm
 from .checkpoint import full_state_dict, load_full_state_dict, load_state_dict, state_dict
 from .clip import clip_grad_norm_
 from .comm_count import count_collectives
@@ -19,7 +20,7 @@ __all__ = [
     "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "ParallelStyle",
     "Shard", "Replicate", "Partial", "count_collectives", "cross_entropy", "Report",
     "state_dict", "load_state_dict", "full_state_dict", "load_full_state_dict",
-    "clip_grad_norm_", "init_weights", "FxtpError", "InputError", "PlanError",
+    "clip_grad_norm_", "init_weights", "parallelize_causal_lm", "generate", "FxtpError", "InputError", "PlanError",
     "ShardingError", "TraceError",
 ]
 

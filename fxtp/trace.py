@@ -8,6 +8,7 @@ says which graph values are their inputs and outputs.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Iterable, Optional
 
 import torch
@@ -72,7 +73,11 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: Optional[dict],
             f"non-tensor outputs are the usual causes; check that model(*example_inputs, "
             f"**example_kwargs) runs, and rewrite branches on tensor values with "
             f"torch.where / torch.cond.") from e
-    gm = ep.module()
+    with warnings.catch_warnings():  # buffers read through a cache object: see below
+        warnings.filterwarnings("ignore", message=r"A model attribute `\S*lifted_tensor_\d+` "
+                                r"requires gradient")
+        gm = ep.module()
+    _read_buffers_by_name(gm, model)
     _inline_regions(gm)
     _reject_higher_order_ops(gm)
     _drop_export_guards(gm)
@@ -235,6 +240,39 @@ def _inline_regions(gm: fx.GraphModule) -> None:
         graph.erase_node(node)
         graph.erase_node(submod)
         delattr(gm, submod.target)
+
+
+def _read_buffers_by_name(gm: fx.GraphModule, model: torch.nn.Module) -> None:
+    """Reads of a buffer reached through a plain object (a Hugging Face ``StaticCache``
+    layer's keys, which its export wrapper registers as buffers) are traced as reads of
+    constants export lifts (``lifted_tensor_*``) that alias the buffer: they become reads
+    of the buffer under its name, so passes that place or shard it (a KV cache) see every
+    read and write, and the result holds one copy of it."""
+    names = {*dict(model.named_parameters(remove_duplicate=False)),
+             *dict(model.named_buffers(remove_duplicate=False))}
+
+    def key(t):
+        return (t.data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+    real = lambda t: isinstance(t, torch.Tensor) and not t.is_meta and \
+        type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter)  # noqa: E731
+    buffers = {key(b): fqn for fqn, b in gm.named_buffers(remove_duplicate=False)
+               if fqn in names and real(b) and b.numel()}
+    lifted = set()
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or node.target in names:
+            continue
+        owner, _, attr_name = node.target.rpartition(".")
+        value = getattr(gm.get_submodule(owner), attr_name, None)
+        fqn = buffers.get(key(value)) if real(value) and value.numel() else None
+        if fqn is not None:
+            node.target = fqn
+            lifted.add((owner, attr_name))
+    for owner, attr_name in lifted:
+        module = gm.get_submodule(owner)
+        module._buffers.pop(attr_name, None)
+        module.__dict__.pop(attr_name, None)
+    if lifted:
+        gm.recompile()
 
 
 def _reject_higher_order_ops(gm: fx.GraphModule) -> None:

@@ -154,3 +154,46 @@ def slice_cache_parity(rank, world):
 
 def test_a_cache_written_by_slice_assignment_is_sharded_by_heads(ranks2):
     assert ranks2.run(slice_cache_parity)[0] == {"all_reduce": 1}
+
+
+def hf_generation_parity(rank, world, options):
+    import warnings
+    from tests import corpus
+    warnings.filterwarnings("ignore", message=".*attention mask.*")
+    torch.manual_seed(0)
+    model = corpus.hf_llama().double()
+    with torch.no_grad():  # away from near-uniform logits (argmax ties)
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    gm = fxtp.parallelize_causal_lm(model, batch_size=BATCH, max_cache_len=32, strict=True)
+    ids = torch.randint(3, corpus.VOCAB, (BATCH, 5), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(5)
+    tokens = fxtp.generate(gm, ids, max_new_tokens=NEW, **options)
+    torch.manual_seed(5)
+    expected = model.generate(ids, max_new_tokens=NEW, **options)
+    assert torch.equal(tokens, expected), (tokens, expected)
+    held = sum(b.numel() for n, b in gm.named_buffers() if "_cache_" in n)
+    whole = sum(2 * BATCH * model.config.num_key_value_heads * 32 * model.config.head_dim
+                for _ in range(model.config.num_hidden_layers))
+    with fxtp.count_collectives() as decode:
+        gm(input_ids=tokens[:, -1:], cache_position=torch.tensor([tokens.shape[1]]))
+    return dict(decode.counts), held, whole, model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("options", [dict(do_sample=False),
+                                     dict(do_sample=True, temperature=0.8, top_k=10, top_p=0.9)],
+                         ids=["greedy", "sampled"])
+def test_a_hugging_face_llama_generates_as_its_own_generate_does(ranks2, options):
+    decode, held, whole, layers = ranks2.run(hf_generation_parity, options)[0]
+    # two all-reduces per layer; the vocab-sharded embedding's all-reduce and the head's
+    # gather of the logits (Hugging Face's plan)
+    assert decode == {"all_reduce": 2 * layers + 1, "all_gather": 1}
+    assert held * 2 == whole
+
+
+def test_generation_options_it_does_not_follow_are_an_error(fake_group):
+    from tests import corpus
+    fake_group(1)
+    gm = fxtp.parallelize_causal_lm(corpus.hf_llama(), batch_size=1, max_cache_len=16)
+    with pytest.raises(fxtp.PlanError, match="num_beams"):
+        fxtp.generate(gm, torch.ones(1, 4, dtype=torch.long), max_new_tokens=2, num_beams=2)
