@@ -189,7 +189,7 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, temperature: f
     """``prompt`` (B, T) followed by ``max_new_tokens`` tokens: one prefill call of
     ``model(prompt, arange(T))``, then one ``decode(token, input_pos)`` call per token
     (``decode`` defaults to ``model``; pass a compiled ``model`` to compile decoding)."""
-    decode = decode or model
+    decode = model if decode is None else decode
     batch, length = prompt.shape
     positions = torch.arange(length + max_new_tokens, device=prompt.device)
     tokens = [prompt]

@@ -81,3 +81,20 @@ def test_explain_output_shown_is_the_quick_starts(fake_group):
                                                "net2": fxtp.RowwiseParallel()},
                           example_inputs=(torch.randn(4, 16),))
     assert str(fxtp.explain(gm)).rstrip("\n") == shown.rstrip("\n")
+
+
+def test_serving_script_runs_as_written(tmp_path):
+    """The "Serving" script: a Hugging Face Llama generates through fxtp as through its own
+    generate(), greedy and sampled, with half the KV cache on each of 2 ranks."""
+    readme = (ROOT / "README.md").read_text()
+    code = re.search(r"```python\n(# save as serve\.py.*?)```", readme, re.S).group(1)
+    script = tmp_path / "serve.py"
+    script.write_text(code)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--standalone", str(script)], cwd=tmp_path,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = sorted(line for line in run.stdout.splitlines() if "cache elements" in line)
+    assert len(lines) == 2 and lines[0][1:] == lines[1][1:], lines
+    assert lines[0].endswith("cache elements per rank: 4096")

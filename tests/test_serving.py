@@ -197,3 +197,19 @@ def test_generation_options_it_does_not_follow_are_an_error(fake_group):
     gm = fxtp.parallelize_causal_lm(corpus.hf_llama(), batch_size=1, max_cache_len=16)
     with pytest.raises(fxtp.PlanError, match="num_beams"):
         fxtp.generate(gm, torch.ones(1, 4, dtype=torch.long), max_new_tokens=2, num_beams=2)
+
+
+def test_compiled_decoding_compiles_once_for_every_position(fake_group):
+    """``torch.compile(gm, fullgraph=True)`` serves every decode step from one graph (the
+    position is a tensor, the cache is module state) and decodes as the eager module."""
+    from torch._dynamo.utils import counters
+    fake_group(2)
+    eager, compiled = (parallelize_for_serving(serving_model(torch.float32, n_heads=8,
+                                                             n_kv_heads=4)) for _ in range(2))
+    torch._dynamo.reset()
+    counters.clear()
+    tokens = generate(compiled, prompt(), NEW, decode=torch.compile(compiled, fullgraph=True))
+    assert counters["stats"]["unique_graphs"] == 1
+    assert torch.equal(tokens, generate(eager, prompt(), NEW))
+    for (name, cache), (_, expected) in zip(caches(compiled).items(), caches(eager).items()):
+        torch.testing.assert_close(cache, expected, msg=name)
