@@ -1,0 +1,222 @@
+"""Serving: decode tokens per second and per-rank KV cache bytes of :mod:`fxtp.gpt_fast`'s
+Llama, single device against 2-rank tensor parallelism done four ways.
+
+* ``single``: the model on one process;
+* ``handwritten`` / ``handwritten_compiled``: gpt-fast's ``tp.py`` by hand: each rank keeps
+  its heads' rows of q, k, v and its columns of the output projection (likewise the FFN),
+  attention counts local heads, its cache holds local KV heads, and a functional all-reduce
+  follows attention and the FFN; compiled with ``torch.compile(fullgraph=True)``;
+* ``dtensor``: torch's ``parallelize_module`` with the same plan (local head counts patched
+  in, as torchtitan does; caches of local heads);
+* ``fxtp`` / ``fxtp_compiled``: ``fxtp.parallelize`` of the unmodified model (one module
+  with a dynamic sequence dim; the cache shards itself), compiled for decoding.
+
+gloo, 1 thread per rank, fp32. Each (variant, batch) runs in fresh processes: one generation
+to warm up (and compile), then ``--repeats`` generations of ``--new`` tokens after a
+``--prompt``-token prefill; decode tokens/s = batch x decode steps / decode time (the
+slowest rank's, median over repeats). Results: ``benchmarks/results/serving.json``.
+
+    python -m benchmarks.serving [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+VARIANTS = ("single", "handwritten", "handwritten_compiled", "dtensor", "fxtp", "fxtp_compiled")
+WORLD = 2
+
+
+def config(args):
+    from fxtp.gpt_fast import ServeConfig
+    if args.quick:
+        return ServeConfig(vocab_size=512, dim=128, n_layers=2, n_heads=8, n_kv_heads=4,
+                           hidden=384, max_seq_len=args.prompt + args.new)
+    return ServeConfig(vocab_size=4096, dim=512, n_layers=4, n_heads=8, n_kv_heads=4,
+                       hidden=1408, max_seq_len=args.prompt + args.new)
+
+
+def localize_heads(model, world: int):
+    """Attention counts local heads and its caches hold local KV heads (what DTensor TP and
+    the hand-written TP need; fxtp runs the model as written)."""
+    for layer in model.layers:
+        attention = layer.attention
+        attention.n_head //= world
+        attention.n_local_heads //= world
+        attention.dim //= world
+    model.config = dataclasses.replace(model.config, n_kv_heads=model.config.n_kv_heads // world)
+    return model
+
+
+def handwritten_tp(model, world: int, rank: int):
+    """gpt-fast's tp.py: shard rows of the colwise weights and columns of the rowwise ones,
+    all-reduce each block's attention and FFN output."""
+    import torch.distributed._functional_collectives as funcol
+
+    def rows(linear):
+        linear.weight = torch.nn.Parameter(linear.weight.chunk(world, 0)[rank].clone())
+
+    def cols(linear):
+        linear.weight = torch.nn.Parameter(linear.weight.chunk(world, 1)[rank].clone())
+    for layer in model.layers:
+        attention, ffn = layer.attention, layer.feed_forward
+        for linear in (attention.wq, attention.wk, attention.wv, ffn.w1, ffn.w3):
+            rows(linear)
+        cols(attention.wo)
+        cols(ffn.w2)
+        for module in (attention, ffn):
+            module.register_forward_hook(
+                lambda _m, _i, out: funcol.all_reduce(out, "sum", dist.group.WORLD))
+    return localize_heads(model, world)
+
+
+def dtensor_tp(model, world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    plan = {**{f"layers.*.attention.w{w}": ColwiseParallel() for w in "qkv"},
+            "layers.*.attention.wo": RowwiseParallel(),
+            **{f"layers.*.feed_forward.w{w}": ColwiseParallel() for w in "13"},
+            "layers.*.feed_forward.w2": RowwiseParallel()}
+    return localize_heads(parallelize_module(model, init_device_mesh("cpu", (world,)), plan),
+                          world)
+
+
+def build(variant, model, prompt, rank):
+    """``(prefill module, decode callable)`` with caches set up."""
+    import fxtp
+    from fxtp.gpt_fast import tp_plan
+    batch = prompt.shape[0]
+    if variant.startswith("handwritten"):
+        model = handwritten_tp(model, WORLD, rank)
+    elif variant == "dtensor":
+        model = dtensor_tp(model, WORLD)
+    if not variant.startswith("fxtp"):
+        model.setup_caches(batch)
+        decode = torch.compile(model, fullgraph=True) if variant.endswith("compiled") else model
+        return model, decode
+    model.setup_caches(batch)
+    seq = torch.export.Dim("seq", min=1, max=model.config.max_seq_len)
+    gm = fxtp.parallelize(model, tp_plan(), example_inputs=(prompt, torch.arange(prompt.shape[1])),
+                          dynamic_shapes=({1: seq}, {0: seq}))
+    assert not gm.fxtp.fallbacks, gm.fxtp.fallbacks
+    return gm, (torch.compile(gm, fullgraph=True) if variant.endswith("compiled") else gm)
+
+
+@torch.no_grad()
+def timed_generation(model, decode, prompt, new: int):
+    """(prefill s, decode s, tokens) of one generation, without autograd (as servers run)."""
+    from fxtp.gpt_fast import sample
+    length = prompt.shape[1]
+    positions = torch.arange(length + new)
+    start = time.perf_counter()
+    logits = model(prompt, positions[:length])
+    token = sample(logits[:, -1])[:, None]
+    prefilled = time.perf_counter()
+    tokens = [prompt, token]
+    for i in range(new - 1):
+        logits = decode(token, positions[length + i: length + i + 1])
+        token = sample(logits[:, -1])[:, None]
+        tokens.append(token)
+    end = time.perf_counter()
+    return prefilled - start, end - prefilled, torch.cat(tokens, 1)
+
+
+def _rank(rank, world, port, variant, batch, args, out):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", "/tmp/fxtp_inductor_bench")
+    if variant != "single":
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=600))
+    try:
+        from fxtp.gpt_fast import Transformer
+        cfg = config(args)
+        torch.manual_seed(0)
+        model = Transformer(cfg)
+        prompt = torch.randint(0, cfg.vocab_size, (batch, args.prompt),
+                               generator=torch.Generator().manual_seed(1))
+        module, decode = build(variant, model, prompt, rank)
+        start = time.perf_counter()
+        timed_generation(module, decode, prompt, args.new)
+        warmup = time.perf_counter() - start
+        runs = [timed_generation(module, decode, prompt, args.new) for _ in range(args.repeats)]
+        cache = sum(b.numel() * b.element_size() for n, b in module.named_buffers()
+                    if n.endswith("_cache"))
+        out.put((rank, {"prefill_s": statistics.median(r[0] for r in runs),
+                        "decode_s": statistics.median(r[1] for r in runs),
+                        "warmup_s": warmup, "cache_bytes": cache,
+                        "tokens": runs[-1][2][0, -8:].tolist()}))
+    except Exception as e:  # noqa: BLE001 - reported in the results
+        out.put((rank, {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_one(variant, batch, args) -> dict:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    world = 1 if variant == "single" else WORLD
+    procs = [ctx.Process(target=_rank, args=(r, world, port, variant, batch, args, out))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=1800) for _ in procs)
+    for p in procs:
+        p.join()
+    errors = [r["error"] for r in results.values() if "error" in r]
+    if errors:
+        return {"error": errors[0]}
+    decode_s = max(r["decode_s"] for r in results.values())
+    return {"decode_tokens_per_s": batch * (args.new - 1) / decode_s,
+            "prefill_ms": 1e3 * max(r["prefill_s"] for r in results.values()),
+            "warmup_s": max(r["warmup_s"] for r in results.values()),
+            "cache_bytes_per_rank": results[0]["cache_bytes"],
+            "last_tokens": results[0]["tokens"]}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batches", type=int, nargs="*", default=[1, 8])
+    parser.add_argument("--variants", nargs="*", default=VARIANTS, choices=VARIANTS)
+    args = parser.parse_args()
+    report = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
+              "setup": f"gloo, {WORLD} ranks of 1 thread, {os.cpu_count()} cores, fp32",
+              "model": repr(config(args)), "batches": {}}
+    for batch in args.batches:
+        rows = report["batches"][batch] = {v: run_one(v, batch, args) for v in args.variants}
+        speed = {v: r.get("decode_tokens_per_s") for v, r in rows.items()}
+        for name, (a, b) in {"fxtp_compiled / handwritten_compiled":
+                             ("fxtp_compiled", "handwritten_compiled"),
+                             "fxtp_compiled / dtensor": ("fxtp_compiled", "dtensor"),
+                             "fxtp / dtensor": ("fxtp", "dtensor"),
+                             "fxtp / handwritten": ("fxtp", "handwritten")}.items():
+            if speed.get(a) and speed.get(b):
+                rows.setdefault("ratios", {})[name] = speed[a] / speed[b]
+        print(batch, json.dumps(rows, indent=1), flush=True)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "serving.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
