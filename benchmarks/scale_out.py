@@ -31,15 +31,15 @@ import json
 import os
 import pathlib
 import resource
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+
+from benchmarks.ranks import spawn_ranks
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 VARIANTS = ("dtensor_eager", "fxtp_eager", "dtensor_compiled", "fxtp_compiled")
@@ -209,21 +209,9 @@ def _rank(rank, world, port, variant, size, args, out):
 
 
 def run_one(variant, size, args) -> dict:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank, args=(r, 4, port, variant, size, args, out))
-             for r in range(1 if args.cuda else 4)]
-    for p in procs:
-        p.start()
-    results = dict(out.get(timeout=1800) for _ in procs)
-    for p in procs:
-        p.join()
-    errors = [r["error"] for r in results.values() if "error" in r]
-    if errors:
-        return {"error": errors[0]}
+    results = spawn_ranks(_rank, 4, (variant, size, args), processes=1 if args.cuda else 4)
+    if "error" in results:
+        return results
     found = {"median_ms": 1e3 * max(r["median_s"] for r in results.values()),
              "min_ms": 1e3 * max(r["min_s"] for r in results.values()),
              "warmup_s": max(r["warmup_s"] for r in results.values()),

@@ -26,13 +26,13 @@ import datetime
 import json
 import os
 import pathlib
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from benchmarks.ranks import spawn_ranks
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 VARIANTS = ("single", "handwritten", "handwritten_compiled", "dtensor", "fxtp", "fxtp_compiled")
@@ -103,11 +103,10 @@ def build(variant, model, prompt, rank):
         model = handwritten_tp(model, WORLD, rank)
     elif variant == "dtensor":
         model = dtensor_tp(model, WORLD)
+    model.setup_caches(batch)
     if not variant.startswith("fxtp"):
-        model.setup_caches(batch)
         decode = torch.compile(model, fullgraph=True) if variant.endswith("compiled") else model
         return model, decode
-    model.setup_caches(batch)
     seq = torch.export.Dim("seq", min=1, max=model.config.max_seq_len)
     gm = fxtp.parallelize(model, tp_plan(), example_inputs=(prompt, torch.arange(prompt.shape[1])),
                           dynamic_shapes=({1: seq}, {0: seq}))
@@ -167,22 +166,9 @@ def _rank(rank, world, port, variant, batch, args, out):
 
 
 def run_one(variant, batch, args) -> dict:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    world = 1 if variant == "single" else WORLD
-    procs = [ctx.Process(target=_rank, args=(r, world, port, variant, batch, args, out))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results = dict(out.get(timeout=1800) for _ in procs)
-    for p in procs:
-        p.join()
-    errors = [r["error"] for r in results.values() if "error" in r]
-    if errors:
-        return {"error": errors[0]}
+    results = spawn_ranks(_rank, 1 if variant == "single" else WORLD, (variant, batch, args))
+    if "error" in results:
+        return results
     decode_s = max(r["decode_s"] for r in results.values())
     return {"decode_tokens_per_s": batch * (args.new - 1) / decode_s,
             "prefill_ms": 1e3 * max(r["prefill_s"] for r in results.values()),

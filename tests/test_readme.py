@@ -9,6 +9,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def run_readme_script(tmp_path, name: str):
+    """The README's ``# save as <name>`` script, run under torchrun with 2 ranks."""
+    readme = (ROOT / "README.md").read_text()
+    code = re.search(rf"```python\n(# save as {re.escape(name)}.*?)```", readme, re.S).group(1)
+    script = tmp_path / name
+    script.write_text(code)
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                           "2", "--standalone", str(script)], cwd=tmp_path,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                          text=True, timeout=300)
+
+
 def test_quick_start_runs_as_written(tmp_path):
     readme = (ROOT / "README.md").read_text()
     code = re.search(r"```python\n(# save as quickstart\.py.*?)```", readme, re.S).group(1)
@@ -33,14 +45,7 @@ def test_quick_start_runs_as_written(tmp_path):
 def test_plans_from_other_projects_run_as_written(tmp_path):
     """The "Plans from other projects" script: torch's, torchtitan's, torchtune's and
     Hugging Face's plans, each checked against the single-device model inside it."""
-    readme = (ROOT / "README.md").read_text()
-    code = re.search(r"```python\n(# save as plans\.py.*?)```", readme, re.S).group(1)
-    script = tmp_path / "plans.py"
-    script.write_text(code)
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--standalone", str(script)], cwd=tmp_path,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
-                         text=True, timeout=300)
+    run = run_readme_script(tmp_path, "plans.py")
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.count("all four plans match the single-device model") == 2
     assert "plan key 'output' matches no module of TunedLlama" in run.stderr
@@ -86,14 +91,7 @@ def test_explain_output_shown_is_the_quick_starts(fake_group):
 def test_serving_script_runs_as_written(tmp_path):
     """The "Serving" script: a Hugging Face Llama generates through fxtp as through its own
     generate(), greedy and sampled, with half the KV cache on each of 2 ranks."""
-    readme = (ROOT / "README.md").read_text()
-    code = re.search(r"```python\n(# save as serve\.py.*?)```", readme, re.S).group(1)
-    script = tmp_path / "serve.py"
-    script.write_text(code)
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--standalone", str(script)], cwd=tmp_path,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
-                         text=True, timeout=300)
+    run = run_readme_script(tmp_path, "serve.py")
     assert run.returncode == 0, run.stderr[-3000:]
     lines = sorted(line for line in run.stdout.splitlines() if "cache elements" in line)
     assert len(lines) == 2 and lines[0][1:] == lines[1][1:], lines
