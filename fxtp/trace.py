@@ -253,8 +253,8 @@ def _read_buffers_by_name(gm: fx.GraphModule, model: torch.nn.Module) -> None:
 
     def key(t):
         return (t.data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
-    real = lambda t: isinstance(t, torch.Tensor) and not t.is_meta and \
-        type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter)  # noqa: E731
+    def real(t):  # a tensor with storage (not meta, not a trace's fake)
+        return type(t) in (torch.Tensor, torch.nn.Parameter) and not t.is_meta
     buffers = {key(b): fqn for fqn, b in gm.named_buffers(remove_duplicate=False)
                if fqn in names and real(b) and b.numel()}
     lifted = set()
