@@ -1,13 +1,16 @@
 """Serving: decode tokens per second and per-rank KV cache bytes of :mod:`fxtp.gpt_fast`'s
-Llama, single device against 2-rank tensor parallelism done four ways.
+Llama (gpt-fast's layout: one fused ``wqkv``), single device against 2-rank tensor
+parallelism done four ways.
 
 * ``single``: the model on one process;
 * ``handwritten`` / ``handwritten_compiled``: gpt-fast's ``tp.py`` by hand: each rank keeps
-  its heads' rows of q, k, v and its columns of the output projection (likewise the FFN),
-  attention counts local heads, its cache holds local KV heads, and a functional all-reduce
-  follows attention and the FFN; compiled with ``torch.compile(fullgraph=True)``;
-* ``dtensor``: torch's ``parallelize_module`` with the same plan (local head counts patched
-  in, as torchtitan does; caches of local heads);
+  its heads' rows of q, k and v (of each part of ``wqkv``) and its columns of the output
+  projection (likewise the FFN), attention counts local heads, its cache holds local KV
+  heads, and a functional all-reduce follows attention and the FFN; compiled with
+  ``torch.compile(fullgraph=True)``;
+* ``dtensor``: torch's ``parallelize_module`` with the same plan on the same weights with
+  q, k and v as three projections (``ColwiseParallel`` has no layout for an unequal fused
+  split; local head counts patched in, as torchtitan does; caches of local heads);
 * ``fxtp`` / ``fxtp_compiled``: ``fxtp.parallelize`` of the unmodified model (one module
   with a dynamic sequence dim; the cache shards itself), compiled for decoding.
 
@@ -65,14 +68,17 @@ def handwritten_tp(model, world: int, rank: int):
     all-reduce each block's attention and FFN output."""
     import torch.distributed._functional_collectives as funcol
 
-    def rows(linear):
-        linear.weight = torch.nn.Parameter(linear.weight.chunk(world, 0)[rank].clone())
+    def rows(linear, parts=None):  # each part's rows (gpt-fast's weight_splits)
+        parts = linear.weight.split(parts or [linear.weight.shape[0]])
+        linear.weight = torch.nn.Parameter(torch.cat([p.chunk(world, 0)[rank] for p in parts]))
 
     def cols(linear):
         linear.weight = torch.nn.Parameter(linear.weight.chunk(world, 1)[rank].clone())
     for layer in model.layers:
         attention, ffn = layer.attention, layer.feed_forward
-        for linear in (attention.wq, attention.wk, attention.wv, ffn.w1, ffn.w3):
+        kv = attention.n_local_heads * attention.head_dim
+        rows(attention.wqkv, [attention.dim, kv, kv])
+        for linear in (ffn.w1, ffn.w3):
             rows(linear)
         cols(attention.wo)
         cols(ffn.w2)
@@ -80,6 +86,20 @@ def handwritten_tp(model, world: int, rank: int):
             module.register_forward_hook(
                 lambda _m, _i, out: funcol.all_reduce(out, "sum", dist.group.WORLD))
     return localize_heads(model, world)
+
+
+def unfused(model):
+    """The same weights with q, k and v as three projections."""
+    from fxtp.gpt_fast import Transformer
+    twin = Transformer(dataclasses.replace(model.config, fused_qkv=False))
+    state = model.state_dict()
+    for i, layer in enumerate(model.layers):
+        kv = layer.attention.n_local_heads * layer.attention.head_dim
+        prefix = f"layers.{i}.attention."
+        q, k, v = state.pop(prefix + "wqkv.weight").split([layer.attention.dim, kv, kv])
+        state.update({prefix + "wq.weight": q, prefix + "wk.weight": k, prefix + "wv.weight": v})
+    twin.load_state_dict(state)
+    return twin
 
 
 def dtensor_tp(model, world: int):
@@ -90,8 +110,8 @@ def dtensor_tp(model, world: int):
             "layers.*.attention.wo": RowwiseParallel(),
             **{f"layers.*.feed_forward.w{w}": ColwiseParallel() for w in "13"},
             "layers.*.feed_forward.w2": RowwiseParallel()}
-    return localize_heads(parallelize_module(model, init_device_mesh("cpu", (world,)), plan),
-                          world)
+    return localize_heads(parallelize_module(unfused(model), init_device_mesh("cpu", (world,)),
+                                             plan), world)
 
 
 def build(variant, model, prompt, rank):

@@ -2,7 +2,7 @@
 one module for prefill and decode, and Hugging Face's generation (greedy and sampling).
 
     gm = fxtp.parallelize_causal_lm(model, "auto", batch_size=1, max_cache_len=256)
-    tokens = fxtp.generate(gm, input_ids, max_new_tokens=64, do_sample=True, top_k=50)
+    tokens = gm.generate(input_ids, max_new_tokens=64, do_sample=True, top_k=50)
 
 The cache is transformers' ``StaticCache`` as its export wrapper
 (``TorchExportableModuleWithStaticCache``) registers it: one key and one value buffer per
@@ -13,6 +13,7 @@ written into it, so each rank holds its KV heads (1/world of the cache). ``Dynam
 from __future__ import annotations
 
 import copy
+import types
 
 import torch
 import torch.nn as nn
@@ -33,8 +34,8 @@ def parallelize_causal_lm(model: nn.Module, plan="auto", mesh=None, *, batch_siz
     """This rank's module of the Hugging Face causal LM ``model`` with a static KV cache
     for ``batch_size`` sequences of up to ``max_cache_len`` tokens:
     ``gm(input_ids=(batch, T), cache_position=(T,))`` -> logits, for any ``T`` (prefill and
-    decode alike). ``plan`` is relative to ``model`` (``"auto"``: its own). The model is
-    not modified."""
+    decode alike), and ``gm.generate(input_ids, **options)``, which is :func:`generate`.
+    ``plan`` is relative to ``model`` (``"auto"``: its own). The model is not modified."""
     from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
     config = model.generation_config
     saved = config.use_cache, config.cache_implementation
@@ -60,6 +61,7 @@ def parallelize_causal_lm(model: nn.Module, plan="auto", mesh=None, *, batch_siz
         dynamic_shapes={"input_ids": {1: seq}, "cache_position": {0: seq}},
         **parallelize_kwargs)
     gm.generation_config = copy.deepcopy(model.generation_config)
+    gm.generate = types.MethodType(generate, gm)
     return gm
 
 

@@ -10,11 +10,13 @@ each shard once under the model's keys, FSDP2 shards the TP shards further on a 
 Sharded buffers (a KV cache written with sharded heads) stay plain local tensors for the
 graph and are handed out by ``state_dict()`` as ``DTensor`` s, too.
 
-Two layouts DTensor cannot describe as one chunk per rank are handed out re-laid by
+Layouts DTensor cannot describe as one chunk per rank are handed out re-laid by
 ``state_dict()`` (and laid back by ``load_state_dict()``, which also accepts full tensors
 and DTensors of any placement): a fused projection's ``_StridedShard`` weight as
-``Shard(d)`` (an all-gather), and a weight dealt in whole heads (``UnitShard``, uneven),
-which stays a plain local tensor, as ``Replicate()`` (an all-gather).
+``Shard(d)`` (an all-gather); a weight dealt in whole heads (``UnitShard``, uneven) or cut
+in unequal blocks (``BlockShard``: gpt-fast's grouped-query ``wqkv``), which DTensor
+cannot describe at all and which stays a plain local tensor, as ``Replicate()`` (an
+all-gather).
 ``torch.nn.utils.clip_grad_norm_`` refuses such a mix of DTensors and plain tensors;
 ``fxtp.clip_grad_norm_`` takes it.
 """
@@ -26,9 +28,9 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .passes.collectives import _gather_units
+from .passes.collectives import _all_gather, _gather_units
 from .passes.graph import attr
-from .passes.placement import (UnitShard, dtensor_placement, is_sharded, is_whole,
+from .passes.placement import (BlockShard, UnitShard, dtensor_placement, is_sharded, is_whole,
                                local_part)
 
 
@@ -42,11 +44,11 @@ def as_dtensors(gm: fx.GraphModule, placements: dict, shapes: dict, mesh, world:
     by a ``DTensor`` parameter sharing its local tensor, read through :func:`local_tensor`
     by every graph of ``gm``'s module tree."""
     made: dict[int, nn.Parameter] = {}
-    heads: dict[int, tuple] = {}  # id(local) -> (UnitShard, global shape, mesh)
+    plain: dict[int, tuple] = {}  # id(local) -> (placement, global shape, mesh)
     for fqn, local in list(gm.named_parameters(remove_duplicate=False)):
         placement, shape = placements.get(fqn) or Replicate(), shapes.get(fqn, local.shape)
-        if _dealt_in_heads(placement, shape, world):
-            heads[id(local)] = (placement, torch.Size(shape), mesh)
+        if _undescribable(placement, shape, world):
+            plain[id(local)] = (placement, torch.Size(shape), mesh)
             continue
         if id(local) not in made:
             made[id(local)] = nn.Parameter(_wrap(local.detach(), placement, mesh, shape),
@@ -60,8 +62,8 @@ def as_dtensors(gm: fx.GraphModule, placements: dict, shapes: dict, mesh, world:
         if isinstance(module, fx.GraphModule):
             _read_locally(module)
         if module._parameters or module._buffers:
-            module._fxtp_heads = {name: heads[id(p)] for name, p in module._parameters.items()
-                                  if id(p) in heads}
+            module._fxtp_plain = {name: plain[id(p)] for name, p in module._parameters.items()
+                                  if id(p) in plain}
             prefix = owner_fqn + "." if owner_fqn else ""
             module._fxtp_buffers = {name: sharded_buffers[prefix + name]
                                     for name in module._buffers
@@ -70,8 +72,10 @@ def as_dtensors(gm: fx.GraphModule, placements: dict, shapes: dict, mesh, world:
             module._register_load_state_dict_pre_hook(_lay_back, with_module=True)
 
 
-def _dealt_in_heads(placement, shape, world: int) -> bool:
-    return isinstance(placement, UnitShard) and not is_whole(placement) and \
+def _undescribable(placement, shape, world: int) -> bool:
+    """A layout DTensor has no placement for: whole heads dealt unevenly or to groups of
+    ranks, unequal blocks."""
+    return is_sharded(placement) and not is_whole(placement) and \
         dtensor_placement(placement, shape[placement.dim], world) is None
 
 
@@ -85,12 +89,16 @@ def _wrap(local: torch.Tensor, placement, mesh, shape) -> DTensor:
 
 def global_view(local: torch.Tensor, placement, mesh, shape) -> DTensor:
     """This rank's ``local`` tensor (of global ``shape``, laid out as ``placement``) as a
-    ``DTensor``; a weight dealt in whole heads, which DTensor cannot describe, is gathered
+    ``DTensor``; a layout DTensor cannot describe (whole heads, unequal blocks) is gathered
     whole (``Replicate()``)."""
-    if not _dealt_in_heads(placement, shape, mesh.size()):
+    if not _undescribable(placement, shape, mesh.size()):
         return _wrap(local, placement, mesh, shape)
-    full = _gather_units(local, placement.dim, placement.units, shape[placement.dim],
-                         mesh.size(), mesh.get_group().group_name)
+    group, world = mesh.get_group().group_name, mesh.size()
+    if isinstance(placement, BlockShard):
+        full = _all_gather(local, placement.dim, world, group, placement.blocks)
+    else:
+        full = _gather_units(local, placement.dim, placement.units, shape[placement.dim],
+                             world, group)
     return DTensor.from_local(full, mesh, [Replicate()], run_check=False)
 
 
@@ -110,7 +118,7 @@ def local_shard(value: torch.Tensor, placement, mesh) -> torch.Tensor:
     rank, world = mesh.get_local_rank(), mesh.size()
     if isinstance(value, DTensor):
         as_dtensor = (dtensor_placement(placement, value.shape[placement.dim], world)
-                      if isinstance(placement, UnitShard) else placement)
+                      if is_sharded(placement) else placement)
         if as_dtensor is not None:
             return value.redistribute(mesh, [as_dtensor]).to_local()
         value = value.redistribute(mesh, [Replicate()]).to_local()
@@ -159,8 +167,8 @@ def _relay_for_checkpoint(module, state_dict, prefix, local_metadata):
         key = prefix + name
         if key not in state_dict:
             continue
-        if name in module._fxtp_heads:
-            placement, shape, mesh = module._fxtp_heads[name]
+        if name in module._fxtp_plain:
+            placement, shape, mesh = module._fxtp_plain[name]
             state_dict[key] = checkpoint_view(p.detach(), placement, mesh, shape)
         elif _on_tp_mesh(p) and isinstance(p.placements[0], _StridedShard):
             state_dict[key] = checkpoint_view(p.detach().to_local(), p.placements[0],
@@ -171,7 +179,7 @@ def _relay_for_checkpoint(module, state_dict, prefix, local_metadata):
 @torch.no_grad()
 def _lay_back(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
     """Incoming values (a full tensor, a DTensor of any placement on the mesh) become what
-    the parameter holds: a DTensor laid out as it is, or this rank's heads; a sharded
+    the parameter holds: a DTensor laid out as it is, or this rank's plain part; a sharded
     buffer takes this rank's part."""
     for name, (placement, _, mesh) in module._fxtp_buffers.items():
         value = state_dict.get(prefix + name)
@@ -182,8 +190,8 @@ def _lay_back(module, state_dict, prefix, local_metadata, strict, missing, unexp
         value = state_dict.get(key)
         if value is None:
             continue
-        if name in module._fxtp_heads:
-            placement, _, mesh = module._fxtp_heads[name]
+        if name in module._fxtp_plain:
+            placement, _, mesh = module._fxtp_plain[name]
         elif _on_tp_mesh(p):
             placement, mesh = p.placements[0], p.device_mesh
             if isinstance(value, DTensor) and value.placements == p.placements:
@@ -191,5 +199,5 @@ def _lay_back(module, state_dict, prefix, local_metadata, strict, missing, unexp
         else:
             continue
         local = local_shard(value, placement, mesh).to(p.dtype).contiguous()
-        state_dict[key] = local if name in module._fxtp_heads else DTensor.from_local(
+        state_dict[key] = local if name in module._fxtp_plain else DTensor.from_local(
             local, mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())

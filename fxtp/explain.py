@@ -24,7 +24,7 @@ loss_parallel       3 per-token all-reduces   none
 ==================  ========================  =======================================
 
 Bytes per rank are those of the local tensor a rank hands to the collective, as
-:func:`fxtp.count_collectives` counts them; strided (``split_factor``) collectives move
+:func:`fxtp.count_collectives` counts them; blocked (``blocks``) collectives move
 the bytes of contiguous ones. Symbolic dims count with their size hints (the example
 inputs' sizes), listed in ``summary.symbolic_dims``.
 """
@@ -40,8 +40,8 @@ from torch.distributed.tensor import DTensor
 from .passes.gradients import gradient_carriers
 from .passes.graph import (COLLECTIVE, FALLBACK, PLACEMENT, attr, call_args, module_fqn,
                            val)
-from .passes.placement import (UnitShard, describe, is_sharded, local_range, size_hint,
-                              split_factor)
+from .passes.placement import (UnitShard, blocks, describe, is_sharded, local_range,
+                              size_hint)
 from .passes.modules import inline_program
 
 from .passes.cross_entropy import forward_all_reduce_bytes, loss_parallel_cross_entropy
@@ -173,9 +173,9 @@ def _local_dims(v: torch.Tensor, p, rank: int, world: int, hints: dict) -> list[
         length = local_range(p, dims[p.dim][1], rank, world)[1]
         dims[p.dim] = (length, length)
         return dims
-    k = split_factor(p)
-    size, hint = dims[p.dim]
-    local_hint = k * _chunk(hint // k, rank, world)
+    cut, (size, hint) = blocks(p), dims[p.dim]
+    local_hint = sum(b // world for b in cut) if isinstance(cut, tuple) else \
+        cut * _chunk(hint // cut, rank, world)
     dims[p.dim] = (local_hint if isinstance(size, int) else f"{size}/{world}", local_hint)
     return dims
 

@@ -1,10 +1,10 @@
 """A gpt-fast-style Llama for serving, written as single-device code the way gpt-fast writes
 it: ``forward(tokens, input_pos)``, one KV cache buffer pair per layer written in place at
 ``input_pos``, a causal mask and rotary table indexed by ``input_pos``, grouped-query
-attention by ``repeat_interleave``; and :func:`generate`, a prefill + decode loop that runs
-the original model and its ``fxtp.parallelize`` result alike. (gpt-fast fuses q, k and v
-into one ``wqkv`` split into unequal parts; fxtp serves only equal fused splits without a
-gather, so q, k and v are separate projections here.)
+attention by ``repeat_interleave``, q, k and v from one fused ``wqkv`` split into unequal
+parts ``[dim, kv, kv]`` (``fused_qkv=False``: three projections, torchtitan's layout); and
+:func:`generate`, a prefill + decode loop that runs the original model and its
+``fxtp.parallelize`` result alike.
 
 fxtp's serving tests and benchmarks use it; nothing in fxtp depends on it.
 """
@@ -33,6 +33,7 @@ class ServeConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     cache_update: str = "index_put"  # "index_put" (gpt-fast) or "index_copy" (HF StaticCache)
+    fused_qkv: bool = True  # gpt-fast's one wqkv; False: wq, wk, wv
 
 
 class KVCache(nn.Module):
@@ -77,15 +78,23 @@ class Attention(nn.Module):
         super().__init__()
         self.n_head, self.n_local_heads = cfg.n_heads, cfg.n_kv_heads
         self.head_dim, self.dim = cfg.dim // cfg.n_heads, cfg.dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        kv = cfg.n_kv_heads * self.head_dim
+        if cfg.fused_qkv:
+            self.wqkv = nn.Linear(cfg.dim, cfg.dim + 2 * kv, bias=False)
+        else:
+            self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
+            self.wk = nn.Linear(cfg.dim, kv, bias=False)
+            self.wv = nn.Linear(cfg.dim, kv, bias=False)
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.kv_cache: Optional[KVCache] = None
 
     def forward(self, x, freqs_cis, mask, input_pos):
         bsz, seqlen, _ = x.shape
-        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        if hasattr(self, "wqkv"):
+            kv = self.n_local_heads * self.head_dim
+            q, k, v = self.wqkv(x).split([self.dim, kv, kv], dim=-1)
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
         q = q.view(bsz, seqlen, self.n_head, self.head_dim)
         k = k.view(bsz, seqlen, self.n_local_heads, self.head_dim)
         v = v.view(bsz, seqlen, self.n_local_heads, self.head_dim)
@@ -158,10 +167,11 @@ class Transformer(nn.Module):
 
 
 def tp_plan():
-    """gpt-fast's ``tp.py`` as a plan: heads (q, k, v) and the FFN hidden dim sharded,
-    one all-reduce after attention and one after the FFN; embedding and head replicated."""
+    """gpt-fast's ``tp.py`` as a plan: heads (q, k, v: fused or not) and the FFN hidden
+    dim sharded, one all-reduce after attention and one after the FFN; embedding and head
+    replicated."""
     return {
-        "layers.*.attention.w[qkv]": ColwiseParallel(),
+        "layers.*.attention.w[qkv]*": ColwiseParallel(),
         "layers.*.attention.wo": RowwiseParallel(),
         "layers.*.feed_forward.w[13]": ColwiseParallel(),
         "layers.*.feed_forward.w2": RowwiseParallel(),

@@ -27,7 +27,7 @@ from torch.distributed.tensor import Replicate
 
 from .passes.graph import PLACEMENT
 from .passes.modules import inline_program
-from .passes.placement import UnitShard, is_sharded, split_factor
+from .passes.placement import UnitShard, blocks, is_sharded
 
 from .passes import collectives
 from .passes.errors import FxtpError
@@ -84,7 +84,7 @@ def _shard(graph: fx.Graph, full: fx.Node, placement, info) -> fx.Node:
             group=info.group))
     return graph.call_function(collectives.shard, (full,), dict(
         dim=placement.dim, rank=info.rank, world=info.world_size, group=info.group,
-        split_factor=split_factor(placement)))
+        blocks=blocks(placement)))
 
 
 def _compiled_call() -> tuple[nn.Module, list, dict]:

@@ -246,10 +246,11 @@ def _init_view(local: torch.Tensor, placement, mesh, global_shape) -> torch.Tens
         return local
     as_dtensor = dtensor_placement(placement, global_shape[placement.dim], mesh.size())
     if as_dtensor is None:
-        raise PlanError(f"a meta-device model's parameter dealt in whole units "
-                        f"({placement}, e.g. heads that do not divide by the world size) "
-                        f"cannot be initialized shard by shard; build the model on a real "
-                        f"device, or choose sizes that divide by the world size")
+        raise PlanError(f"a meta-device model's parameter laid out as {placement}, which "
+                        f"DTensor cannot describe (heads that do not divide by the world "
+                        f"size, a fused projection of unequal parts), cannot be initialized "
+                        f"shard by shard; build the model on a real device, or choose sizes "
+                        f"that divide by the world size")
     return DTensor.from_local(local, mesh, [as_dtensor], run_check=False,
                               shape=torch.Size(global_shape),
                               stride=torch.empty(global_shape, device="meta").stride())

@@ -24,10 +24,12 @@ gathered, and each unit taken once. With fewer units than ranks the gradient goe
 first rank of each group (the others' contributions are zero), so that summing a group's
 contributions gives it once.
 
-``split_factor=k`` makes the sharding ``_StridedShard(d, k)``: dim ``d`` is ``k`` equal
-blocks and a rank holds its piece of every block, in block order. The blocks are reordered
-locally around the same collectives (block-major on the full tensor, rank-major on the
-wire), so a strided gather or scatter moves exactly the bytes of a contiguous one.
+``blocks=k`` makes the sharding ``_StridedShard(d, k)``: dim ``d`` is ``k`` equal blocks
+and a rank holds its piece of every block, in block order; ``blocks=(b0, b1, ...)`` does
+the same with blocks of those global sizes (:class:`~fxtp.passes.placement.BlockShard`).
+The blocks are reordered locally around the same collectives (block-major on the full
+tensor, rank-major on the wire), so a blocked gather or scatter moves exactly the bytes of
+a contiguous one.
 
 Collectives are the ``torch.ops._c10d_functional`` ops followed by ``wait_tensor``, which
 inductor lowers natively. Collectives along a dim other than 0 move it to the front and
@@ -46,7 +48,7 @@ from typing import Sequence
 
 import torch
 
-from .placement import UnitShard, local_range
+from .placement import UnitShard, local_blocks, local_range
 
 _c10d = torch.ops._c10d_functional
 
@@ -64,37 +66,45 @@ def _all_reduce(x: torch.Tensor, group: str, op: str = "sum") -> torch.Tensor:
     return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), op, group))
 
 
-def _swap_blocks(x: torch.Tensor, dim: int, outer: int, inner: int) -> torch.Tensor:
-    """Dim ``dim`` read as ``outer`` x ``inner`` blocks, rewritten as ``inner`` x ``outer``:
-    ``(k, world)`` turns block-major order into rank-major, ``(world, k)`` back."""
-    if outer == 1 or inner == 1:
+def _rank_major(x: torch.Tensor, blocks, world: int) -> torch.Tensor:
+    """Dim 0 of ``x`` (whole, in ``blocks``) reordered rank-major: rank 0's piece of every
+    block, then rank 1's, ... (what a reduce-scatter hands out in order)."""
+    if blocks == 1:
         return x
-    return x.unflatten(dim, (outer, inner, -1)).transpose(dim, dim + 1).flatten(dim, dim + 2)
+    if isinstance(blocks, int):
+        return x.unflatten(0, (blocks, world, -1)).transpose(0, 1).flatten(0, 2)
+    pieces = [b.unflatten(0, (world, -1)) for b in x.split(list(blocks))]
+    return torch.cat(pieces, 1).flatten(0, 1)
 
 
 def _all_gather(x: torch.Tensor, dim: int, world: int, group: str,
-                split_factor: int = 1) -> torch.Tensor:
+                blocks=1) -> torch.Tensor:
     # gathered as laid out (no copy of the input), rank-major; one copy puts each rank's
     # blocks in place along dim
     x = x.contiguous()
     out = _c10d.wait_tensor(_c10d.all_gather_into_tensor(x, world, group))
-    out = out.view(world, *x.shape[:dim], split_factor, -1, *x.shape[dim + 1:])
-    return out.movedim(0, dim + 1).flatten(dim, dim + 2).contiguous()
+    out = out.view(world, *x.shape)
+    if isinstance(blocks, int):
+        out = out.unflatten(dim + 1, (blocks, -1))
+        return out.movedim(0, dim + 1).flatten(dim, dim + 2).contiguous()
+    pieces = out.split(local_blocks(blocks, 0, world), dim + 1)
+    return torch.cat([p.movedim(0, dim).flatten(dim, dim + 1) for p in pieces], dim)
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, world: int, group: str,
-                    split_factor: int = 1) -> torch.Tensor:
-    x = _swap_blocks(x.movedim(dim, 0), 0, split_factor, world).contiguous()
+                    blocks=1) -> torch.Tensor:
+    x = _rank_major(x.movedim(dim, 0), blocks, world).contiguous()
     out = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(x, "sum", world, group))
     return out.movedim(0, dim).contiguous()
 
 
-def _chunk(x: torch.Tensor, dim: int, rank: int, world: int,
-           split_factor: int = 1) -> torch.Tensor:
-    if split_factor == 1:
+def _chunk(x: torch.Tensor, dim: int, rank: int, world: int, blocks=1) -> torch.Tensor:
+    if blocks == 1:
         return x.chunk(world, dim)[rank].contiguous()
-    pieces = x.unflatten(dim, (split_factor, world, -1)).select(dim + 1, rank)
-    return pieces.flatten(dim, dim + 1).contiguous()
+    if isinstance(blocks, int):
+        pieces = x.unflatten(dim, (blocks, world, -1)).select(dim + 1, rank)
+        return pieces.flatten(dim, dim + 1).contiguous()
+    return torch.cat([b.chunk(world, dim)[rank] for b in x.split(list(blocks), dim)], dim)
 
 
 def _gather_units(x: torch.Tensor, dim: int, units: int, size: int, world: int,
@@ -159,9 +169,9 @@ class _AllReduce(torch.autograd.Function):
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, world, group, split_factor):
-        ctx.args = (dim, world, group, split_factor)
-        return _reduce_scatter(x, dim, world, group, split_factor)
+    def forward(ctx, x, dim, world, group, blocks):
+        ctx.args = (dim, world, group, blocks)
+        return _reduce_scatter(x, dim, world, group, blocks)
 
     @staticmethod
     def backward(ctx, grad):
@@ -170,25 +180,25 @@ class _ReduceScatter(torch.autograd.Function):
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, rank, world, group, partial_grad, split_factor):
-        ctx.args = (dim, rank, world, group, partial_grad, split_factor)
-        return _all_gather(x, dim, world, group, split_factor)
+    def forward(ctx, x, dim, rank, world, group, partial_grad, blocks):
+        ctx.args = (dim, rank, world, group, partial_grad, blocks)
+        return _all_gather(x, dim, world, group, blocks)
 
     @staticmethod
     def backward(ctx, grad):
-        dim, rank, world, group, partial_grad, split_factor = ctx.args
+        dim, rank, world, group, partial_grad, blocks = ctx.args
         if partial_grad:
-            grad = _reduce_scatter(grad, dim, world, group, split_factor)
+            grad = _reduce_scatter(grad, dim, world, group, blocks)
         else:
-            grad = _chunk(grad, dim, rank, world, split_factor)
+            grad = _chunk(grad, dim, rank, world, blocks)
         return grad, None, None, None, None, None, None
 
 
 class _Shard(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, rank, world, group, split_factor):
-        ctx.args = (dim, world, group, split_factor)
-        return _chunk(x, dim, rank, world, split_factor)
+    def forward(ctx, x, dim, rank, world, group, blocks):
+        ctx.args = (dim, world, group, blocks)
+        return _chunk(x, dim, rank, world, blocks)
 
     @staticmethod
     def backward(ctx, grad):
@@ -229,23 +239,23 @@ def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, world: int, group: str,
-                   split_factor: int = 1) -> torch.Tensor:
+                   blocks=1) -> torch.Tensor:
     """Sum a Partial tensor and keep this rank's chunk along ``dim``."""
-    return _ReduceScatter.apply(x, dim, world, group, split_factor)
+    return _ReduceScatter.apply(x, dim, world, group, blocks)
 
 
 def all_gather(x: torch.Tensor, dim: int, rank: int, world: int, group: str,
-               partial_grad: bool = False, split_factor: int = 1) -> torch.Tensor:
+               partial_grad: bool = False, blocks=1) -> torch.Tensor:
     """Concatenate every rank's shard along ``dim``. With ``partial_grad`` the incoming
     gradient is a per-rank partial sum and is reduce-scattered; otherwise it is replicated
     and this rank's chunk is taken."""
-    return _AllGather.apply(x, dim, rank, world, group, partial_grad, split_factor)
+    return _AllGather.apply(x, dim, rank, world, group, partial_grad, blocks)
 
 
 def shard(x: torch.Tensor, dim: int, rank: int, world: int, group: str,
-          split_factor: int = 1) -> torch.Tensor:
+          blocks=1) -> torch.Tensor:
     """Keep this rank's chunk of a replicated tensor (no forward communication)."""
-    return _Shard.apply(x, dim, rank, world, group, split_factor)
+    return _Shard.apply(x, dim, rank, world, group, blocks)
 
 
 def all_gather_units(x: torch.Tensor, dim: int, units: int, size: int, rank: int, world: int,

@@ -7,9 +7,9 @@ never sharded (a softmax or normalized dim). ``...`` stands for leading batch di
 from the right as in broadcasting. ``_`` is a dim that is never sharded.
 
 Both sharding propagation (the candidate strategies) and shape localization derive from it.
-A label whose dim has the same size on every tensor carrying it may also be strided
-(``_StridedShard``) when its inputs arrive strided: the op maps the dim index for index, so
-every rank's blocks line up.
+A label whose dim has the same size on every tensor carrying it may also be blocked
+(``_StridedShard``, :class:`~fxtp.passes.placement.BlockShard`) when its inputs arrive so:
+the op maps the dim index for index, so every rank's blocks line up.
 """
 from __future__ import annotations
 
@@ -18,9 +18,8 @@ from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
 from torch.distributed.tensor import Placement, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
-from .placement import P, R, UnitShard, split_factor
+from .placement import P, R, UnitShard, blocks, is_blocked, with_dim
 
 Labels = tuple[str, ...]
 _fresh = itertools.count()
@@ -94,7 +93,7 @@ def strategies(spec: DimSpec, in_shapes: Sequence, out_shapes: Sequence, world: 
                ) -> Iterator[tuple[tuple[Optional[Placement], ...], tuple[Placement, ...]]]:
     """Yield every valid ``(input placements, output placements)`` for the op: all
     Replicate, one strategy per shardable label whose dims divide evenly by ``world`` (and
-    its strided form, see :func:`_strided`, given the inputs' ``actual`` placements), the
+    its blocked form, see :func:`_blocked`, given the inputs' ``actual`` placements), the
     unit-sharded forms of :func:`_units` (given ``unit_actual``), and the Partial
     pass-through strategies."""
     n_in = len(spec.inputs)
@@ -113,9 +112,9 @@ def strategies(spec: DimSpec, in_shapes: Sequence, out_shapes: Sequence, world: 
         if found is not None:
             ins, outs = found
             yield ins, outs
-            strided = _strided(ins, outs, actual, in_shapes, out_shapes, world)
-            if strided is not None:
-                yield strided
+            blocked = _blocked(ins, outs, actual, in_shapes, out_shapes, world)
+            if blocked is not None:
+                yield blocked
     yield from _units(spec, in_shapes, out_shapes, world, unit_actual)
     yield from _whole(spec, unit_actual)
     partial_outs = (P,) * len(spec.outputs)
@@ -129,24 +128,28 @@ def strategies(spec: DimSpec, in_shapes: Sequence, out_shapes: Sequence, world: 
                             for j, s in enumerate(spec.inputs)), partial_outs
 
 
-def _strided(ins, outs, actual, in_shapes, out_shapes, world):
-    """``(ins, outs)`` with every ``Shard(d)`` made ``_StridedShard(d, k)``, when the inputs
-    sharded by it arrive strided with one split factor ``k`` and the label's dim has one
-    static size, divisible by ``k * world``, on every tensor carrying it; else ``None``."""
-    factors = {split_factor(a) for a, p in zip(actual, ins)
-               if isinstance(p, Shard) and isinstance(a, _StridedShard) and a.dim == p.dim}
-    if len(factors) != 1:
+def _blocked(ins, outs, actual, in_shapes, out_shapes, world):
+    """``(ins, outs)`` with every ``Shard(d)`` cut in the blocks the inputs sharded by it
+    arrive in (``_StridedShard`` or ``BlockShard``, one layout for all), when the label's
+    dim has one static size, which the blocks divide, on every tensor carrying it; else
+    ``None``."""
+    layouts = {blocks(a) for a, p in zip(actual, ins)
+               if isinstance(p, Shard) and is_blocked(a) and a.dim == p.dim}
+    if len(layouts) != 1:
         return None
-    (k,) = factors
+    (cut,) = layouts
     sizes = [shape[p.dim] for p, shape in zip(ins + outs, list(in_shapes) + list(out_shapes))
              if isinstance(p, Shard)]
-    if not all(isinstance(s, int) for s in sizes) or len(set(sizes)) != 1 or \
-            sizes[0] % (k * world):
+    if not all(isinstance(s, int) for s in sizes) or len(set(sizes)) != 1:
         return None
+    if sizes[0] % (cut * world) if isinstance(cut, int) else \
+            (sum(cut) != sizes[0] or any(b % world for b in cut)):
+        return None
+    template = next(a for a in actual if is_blocked(a) and blocks(a) == cut)
 
-    def stride(p):
-        return _StridedShard(p.dim, split_factor=k) if isinstance(p, Shard) else p
-    return tuple(map(stride, ins)), tuple(map(stride, outs))
+    def block(p):
+        return with_dim(template, p.dim) if isinstance(p, Shard) else p
+    return tuple(map(block, ins)), tuple(map(block, outs))
 
 
 def _units(spec, in_shapes, out_shapes, world, actual):

@@ -46,7 +46,7 @@ def cross_entropy_spec(node: fx.Node) -> DimSpec:
     return DimSpec(inputs, (tokens if options["reduction"] == 0 else (),))
 
 
-def class_sharded(node: fx.Node, world: int):
+def class_sharded(node: fx.Node, world: int, actual=()):
     """Logits (and probability targets) sharded over classes -> replicated loss; classes
     that do not divide by the world size are dealt as ``torch.chunk`` deals them."""
     logits, target = _logits_and_target(node)

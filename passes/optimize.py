@@ -71,7 +71,7 @@ def cancel_round_trips(graph: fx.Graph) -> None:
         inner = collective_args(inner_node)
         if inner is None or inner["group"] != outer["group"] or \
                 inner.get("dim") != outer.get("dim") or \
-                inner.get("split_factor", 1) != outer.get("split_factor", 1):
+                inner.get("blocks", 1) != outer.get("blocks", 1):
             continue
         pair = (inner_node.target, node.target)
         with graph.inserting_before(node):
@@ -113,7 +113,7 @@ def _next_bucket(graph: fx.Graph) -> Optional["_Bucket"]:
     open_buckets: dict[tuple, _Bucket] = {}
     for node in graph.nodes:
         args = collective_args(node)
-        if args is None or node.target not in _SHARED or args.get("split_factor", 1) != 1:
+        if args is None or node.target not in _SHARED or args.get("blocks", 1) != 1:
             continue  # the bucketed forms lay out contiguous shards only
         value = _value(args["x"])
         if value is None or (node.target in _BACKWARD_ONLY and args["x"] not in with_grad):

@@ -3,7 +3,9 @@
 Placements are torch's own ``Shard(d)``, ``Replicate()`` and ``Partial()`` objects, and
 ``_StridedShard(d, split_factor=k)`` (dim ``d`` cut into ``k`` equal blocks, each sharded
 over the ranks: a rank holds its piece of every block, in block order; fused projections
-use it, see :mod:`fxtp.passes.strided`), and fxtp's own :class:`UnitShard` (a dim cut into
+use it, see :mod:`fxtp.passes.strided`), fxtp's own :class:`BlockShard` (the same with
+blocks of unequal sizes: gpt-fast's fused ``wqkv`` under grouped-query attention), and
+fxtp's own :class:`UnitShard` (a dim cut into
 equal units, such as heads or vocabulary rows, dealt out whole: unevenly when their number
 does not divide by the world size, in groups of ranks when there are fewer units than
 ranks). Shard dims are normalized to be non-negative for the tensor they describe.
@@ -11,7 +13,7 @@ ranks). Shard dims are normalized to be non-negative for the tensor they describ
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
@@ -25,8 +27,18 @@ LOCAL_COPY_COST = 1e-3  # a chunk costs no communication, but prefer not to move
 LATENCY = 1.0  # a collective's fixed cost, in bytes: breaks ties between equal byte counts
 
 
+class _FieldPlacement(Placement):
+    """A placement of fxtp's own, a frozen dataclass over torch's C++ ``Placement``."""
+
+    def __post_init__(self):  # torch 2.11's C++ Placement must see its __init__ called
+        Placement.__init__(self)
+
+    def __reduce__(self):  # pickle by fields
+        return type(self), tuple(getattr(self, f.name) for f in fields(self))
+
+
 @dataclass(frozen=True)
-class UnitShard(Placement):
+class UnitShard(_FieldPlacement):
     """Dim ``dim`` cut into ``units`` equal units (heads, vocabulary rows), each rank
     holding whole units. With ``units >= world`` they are dealt as ``torch.chunk`` deals
     them, ``ceil(units / world)`` per rank, the last ranks getting fewer (or none): a
@@ -44,14 +56,24 @@ class UnitShard(Placement):
     dim: int
     units: int
 
-    def __post_init__(self):  # torch 2.11's C++ Placement must see its __init__ called
-        Placement.__init__(self)
-
     def __str__(self):
         return f"UnitShard(dim={self.dim}, units={self.units})"
 
-    def __reduce__(self):  # torch's Placement is a C++ class: pickle by fields
-        return UnitShard, (self.dim, self.units)
+
+@dataclass(frozen=True)
+class BlockShard(_FieldPlacement):
+    """Dim ``dim`` cut into consecutive blocks of the given global sizes (q, k and v of a
+    fused projection: ``(dim, kv, kv)``), each sharded over the ranks as ``Shard`` shards
+    it: a rank holds its chunk of every block, in block order. Every size divides by the
+    world size. ``_StridedShard(dim, k)`` is the equal-block case, which DTensor describes;
+    this one it does not (such parameters stay plain local tensors, see
+    :mod:`fxtp.dtensor_params`)."""
+
+    dim: int
+    blocks: tuple
+
+    def __str__(self):
+        return f"BlockShard(dim={self.dim}, blocks={self.blocks})"
 
 
 def is_whole(p) -> bool:
@@ -86,29 +108,68 @@ def local_range(p, size: int, rank: int, world: int) -> tuple[int, int]:
 def dtensor_placement(p, size: int, world: int):
     """The DTensor placement that lays a dim of ``size`` out as ``p`` does, or ``None``:
     a :class:`UnitShard` of single elements is ``Shard`` (DTensor deals uneven dims as
-    ``torch.chunk`` does); one of larger units (heads) or of groups has none."""
+    ``torch.chunk`` does); one of larger units (heads) or of groups has none, nor has
+    :class:`BlockShard`."""
+    if isinstance(p, BlockShard):
+        return None
     if not isinstance(p, UnitShard):
         return p
     return Shard(p.dim) if p.units == size and p.units >= world else None
 
 
 def is_sharded(p) -> bool:
-    """``Shard``, ``_StridedShard`` (which is not a ``Shard`` subclass) or
-    :class:`UnitShard`."""
-    return isinstance(p, (Shard, _StridedShard, UnitShard))
+    """``Shard``, ``_StridedShard`` (which is not a ``Shard`` subclass), :class:`BlockShard`
+    or :class:`UnitShard`."""
+    return isinstance(p, (Shard, _StridedShard, BlockShard, UnitShard))
 
 
-def split_factor(p) -> int:
-    """The number of blocks a sharded dim is cut into before sharding: 1 for ``Shard``."""
+def is_blocked(p) -> bool:
+    """A dim cut into blocks, each sharded: ``_StridedShard`` or :class:`BlockShard`."""
+    return isinstance(p, (_StridedShard, BlockShard))
+
+
+def blocks(p):
+    """The blocks a sharded dim is cut into before sharding, as the collectives take them:
+    their number when equal (1 for ``Shard``, ``k`` for ``_StridedShard``), their global
+    sizes for :class:`BlockShard`."""
+    if isinstance(p, BlockShard):
+        return p.blocks
     return p.split_factor if isinstance(p, _StridedShard) else 1
 
 
+def cut_in_blocks(dim: int, sizes) -> Placement:
+    """Dim ``dim`` cut in blocks of ``sizes`` (at least 2), each sharded:
+    ``_StridedShard`` when they are equal (DTensor describes it), else
+    :class:`BlockShard`."""
+    sizes = tuple(sizes)
+    if len(set(sizes)) == 1:
+        return _StridedShard(dim, split_factor=len(sizes))
+    return BlockShard(dim, sizes)
+
+
+def block_bounds(p, size: int) -> list[tuple[int, int]]:
+    """The global ``(start, end)`` of each block of a blocked dim of ``size``."""
+    cut = blocks(p)
+    sizes = [size // cut] * cut if isinstance(cut, int) else list(cut)
+    ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
+    return [(end - b, end) for b, end in zip(sizes, ends)]
+
+
+def local_blocks(sizes, size: int, world: int) -> list[int]:
+    """This rank's length of each block (:func:`blocks` ``sizes``) of a dim of ``size``."""
+    if isinstance(sizes, int):
+        return [size // (sizes * world)] * sizes
+    return [b // world for b in sizes]
+
+
 def with_dim(p, dim: int):
-    """The placement ``p`` (sharded) with its dim replaced, keeping any split factor or
-    unit count."""
+    """The placement ``p`` (sharded) with its dim replaced, keeping any blocks or unit
+    count."""
     if isinstance(p, UnitShard):
         return UnitShard(dim, p.units)
-    k = split_factor(p)
+    if isinstance(p, BlockShard):
+        return BlockShard(dim, p.blocks)
+    k = blocks(p)
     return _StridedShard(dim, split_factor=k) if k > 1 else Shard(dim)
 
 
@@ -128,19 +189,21 @@ def is_replicate(p) -> bool:
 def local_part(value: torch.Tensor, p, rank: int, world: int) -> torch.Tensor:
     """The part of the global ``value`` that ``rank`` holds under ``p`` (a view).
     ``_StridedShard(d, k)``: ``cat([block.chunk(world, d)[rank] for block in
-    value.chunk(k, d)], d)``, which needs the dim's size to divide by ``k * world``."""
+    value.chunk(k, d)], d)``, which needs the dim's size to divide by ``k * world``;
+    :class:`BlockShard` likewise over its blocks."""
     if not is_sharded(p):
         return value
     if isinstance(p, UnitShard):
         return value.narrow(p.dim, *local_range(p, value.shape[p.dim], rank, world))
-    k = split_factor(p)
-    if k == 1:
+    cut = blocks(p)
+    if cut == 1:
         return value.chunk(world, p.dim)[rank]
-    if value.shape[p.dim] % (k * world):
+    sizes = [value.shape[p.dim] // cut] * cut if isinstance(cut, int) else list(cut)
+    if sum(sizes) != value.shape[p.dim] or any(b % world for b in sizes):
         raise ValueError(f"{describe(p)}: dim {p.dim} of size {value.shape[p.dim]} does not "
-                         f"divide into {k} blocks of {world} shards")
-    return torch.cat([block.chunk(world, p.dim)[rank] for block in value.chunk(k, p.dim)],
-                     p.dim)
+                         f"divide into blocks {sizes} of {world} shards each")
+    return torch.cat([block.chunk(world, p.dim)[rank]
+                      for block in value.split(sizes, p.dim)], p.dim)
 
 
 def size_hint(size) -> int:
@@ -184,7 +247,7 @@ def is_narrowing(src, dst, val: torch.Tensor, world: int) -> bool:
     slice turns one into the other? From ``Replicate`` to a :class:`UnitShard`, and from
     a grouped ``UnitShard`` to ``Shard`` on the same dim (each rank's chunk lies in its
     group's unit; a single unit is the whole tensor, on any dim)."""
-    if not isinstance(dst, (Shard, UnitShard)) or isinstance(dst, _StridedShard):
+    if not isinstance(dst, (Shard, UnitShard)) or is_blocked(dst):
         return False
     if isinstance(src, Replicate):
         return isinstance(dst, UnitShard)
@@ -222,8 +285,8 @@ def transition_steps(src: Placement, dst: Placement, val: Optional[torch.Tensor]
 
 
 def describe(p) -> str:
-    """Short text for dumps: ``S(1)``, ``S(1)/3`` (strided in 3 blocks), ``S(1)~6`` (in 6
-    units), ``R``, ``P``;
+    """Short text for dumps: ``S(1)``, ``S(1)/3`` (strided in 3 blocks), ``S(1)/512+256+256``
+    (in blocks of those sizes), ``S(1)~6`` (in 6 units), ``R``, ``P``;
     tuples joined with commas."""
     if p is None:
         return "-"
@@ -232,6 +295,8 @@ def describe(p) -> str:
     if isinstance(p, UnitShard):
         return f"S({p.dim})~{p.units}"
     if is_sharded(p):
-        k = split_factor(p)
-        return f"S({p.dim})" + (f"/{k}" if k > 1 else "")
+        cut = blocks(p)
+        if isinstance(cut, tuple):
+            return f"S({p.dim})/" + "+".join(map(str, cut))
+        return f"S({p.dim})" + (f"/{cut}" if cut > 1 else "")
     return "R" if isinstance(p, Replicate) else "P"

@@ -24,8 +24,8 @@ from . import collectives
 from .gradients import gradient_carriers
 from .graph import (AUTOCAST, COLLECTIVE, INPUTS, PLACEMENT, branches, layout, placement_of,
                     stack_upto, tensor_inputs, val)
-from .placement import (UnitShard, describe, is_replicate, is_sharded, local_range,
-                        split_factor, transition_steps)
+from .placement import (UnitShard, blocks, describe, is_replicate, is_sharded,
+                        local_range, transition_steps)
 from .rules import writes_first_input
 
 aten = torch.ops.aten
@@ -87,7 +87,7 @@ def _collective(graph, kind, sharding, src, before, group, rank, world) -> fx.No
         return _narrow(graph, src, sharding, before, rank, world)
     fn = _KINDS[kind]
     given = {"dim": sharding and sharding.dim, "rank": rank, "world": world, "group": group,
-             "split_factor": split_factor(sharding)}
+             "blocks": blocks(sharding)}
     if isinstance(sharding, UnitShard):
         fn = collectives.all_gather_units
         given.update(units=sharding.units, size=val(src).shape[sharding.dim])

@@ -28,13 +28,13 @@ import sympy
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from .dimspec import DimSpec, fixed_label, parse, strategies
 from .graph import is_tensor_node, output_vals, tensor_inputs, val
 from .local_ops import mean_of_shard, sharded_dropout, vocab_parallel_embedding
 from .loss_parallel import class_sharded, cross_entropy_spec, loss_parallel
-from .placement import UnitShard, is_sharded, is_whole, local_range
+from .placement import (UnitShard, block_bounds, cut_in_blocks, is_blocked, is_sharded,
+                        is_whole, local_range)
 
 aten = torch.ops.aten
 
@@ -44,8 +44,9 @@ class Rule:
     """How fxtp shards one op.
 
     ``spec(node)`` states the dims, from which the op's strategies derive; ``extra(node,
-    world)`` yields further ``(input placements, output placements)`` strategies a dim spec
-    cannot state (a rule whose local op communicates, a split served by a strided input).
+    world, actual)`` yields further ``(input placements, output placements)`` strategies a
+    dim spec cannot state (a rule whose local op communicates, a split served by a blocked
+    input), given the placements the tensor inputs have now.
     ``shape_arg`` is the index of a global shape argument that localization rewrites for
     the output's placement.
     ``local_op(node, inputs, output, group)``, given the placements chosen for the tensor
@@ -53,8 +54,8 @@ class Rule:
     :class:`fxtp.mesh.Group`), returns the ``(target, args, kwargs)`` to run instead when the
     op cannot run as is on its shards or takes rank-dependent arguments; ``communicates``
     says that local op issues collectives for its ``extra`` strategies (they need a real
-    process group to check). ``strided=False``: the op is offered no ``_StridedShard``
-    forms of its spec's strategies (its local form assumes one contiguous shard per rank:
+    process group to check). ``strided=False``: the op is offered no blocked
+    (``_StridedShard``, ``BlockShard``) forms of its spec's strategies (its local form assumes one contiguous shard per rank:
     a vocab offset, a diagonal shift, a chunk of a mask). ``units=False``: nor
     :class:`~fxtp.passes.placement.UnitShard` forms (its local form assumes equal shards)."""
 
@@ -75,7 +76,7 @@ class Rule:
                               shapes(output_vals(node)), world, actual if self.strided else (),
                               actual if self.units else ())
         if self.extra is not None:
-            yield from self.extra(node, world)
+            yield from self.extra(node, world, actual)
 
     def localize(self, node: fx.Node, inputs, output, group, graph=None):
         """``(target, args, kwargs)`` of this rank's computation of ``node`` (whose args
@@ -383,23 +384,25 @@ def _unbind_spec(node):
     return DimSpec((labels,), tuple(out for _ in output_vals(node)), "sum")
 
 
-def _equal_parts(node, world):
-    """A split into k > 1 equal parts, each divisible by ``world``, is served by the input
-    ``_StridedShard(d, k)`` (each rank holds its piece of every part): every output is
-    ``Shard(d)``, computed by splitting the local shard into local sizes."""
+def _blocked_parts(node, world, actual=()):
+    """A split into parts each divisible by ``world`` is served by the input cut in those
+    blocks, each sharded (``_StridedShard(d, k)`` for k equal parts, ``BlockShard`` for
+    unequal ones: gpt-fast's ``[dim, kv, kv]``): every output is ``Shard(d)``, computed by
+    splitting the local shard into local sizes. ``chunk`` takes equal parts only (its
+    local form counts parts)."""
     d = _arg(node, 2, "dim", 0) % _rank(node.args[0])
     parts = [v.shape[d] for v in output_vals(node)]
-    if len(parts) > 1 and all(isinstance(p, int) and p == parts[0] for p in parts) and \
-            parts[0] % world == 0:
-        yield (_StridedShard(d, split_factor=len(parts)),), (Shard(d),) * len(parts)
+    if len(parts) < 2 or not all(isinstance(p, int) and p % world == 0 for p in parts):
+        return
+    if len(set(parts)) == 1 or node.target is not aten.chunk.default:
+        yield (cut_in_blocks(d, parts),), (Shard(d),) * len(parts)
 
 
 def _local_split(node, inputs, output, group):
-    """Split sizes of an input strided on the split dim are this rank's sizes (``chunk``
-    counts parts; an input strided on another dim splits as is)."""
+    """Split sizes of an input blocked on the split dim are this rank's sizes (``chunk``
+    counts parts; an input blocked on another dim splits as is)."""
     d = _arg(node, 2, "dim", 0) % _rank(node.args[0])
-    if not isinstance(inputs[0], _StridedShard) or inputs[0].dim != d or \
-            node.target is aten.chunk.default:
+    if not is_blocked(inputs[0]) or inputs[0].dim != d or node.target is aten.chunk.default:
         return node.target, node.args, node.kwargs
     sizes = node.args[1]
     local = [s // group.world for s in sizes] if isinstance(sizes, (list, tuple)) else \
@@ -435,25 +438,34 @@ def _slice_bounds(node):
     return d, start, end
 
 
-def _equal_slice(node, world):
-    """A slice that is part j of k equal parts of its dim (Phi-3's fused ``qkv[..., :q]``,
-    ``qkv[..., q:q + kv]``, ...), each divisible by ``world``, is served by the input
-    ``_StridedShard(d, k)`` like an equal split: the output is ``Shard(d)``."""
+def _blocked_slice(node, world, actual=()):
+    """A slice that is one block of its dim, each block divisible by ``world``, is served
+    by the input cut in those blocks, each sharded, like a split: the output is
+    ``Shard(d)``. The blocks are the input's when it arrives blocked and the slice is one
+    of them, else the slice's own: before, the slice, after (Phi-3's fused
+    ``qkv[..., q:q + kv]``; :mod:`fxtp.passes.strided` merges the cuts of all slices of
+    one value)."""
     bounds = _slice_bounds(node)
     if bounds is None:
         return
     d, start, end = bounds
     size, part = val(node.args[0]).shape[d], end - start
-    if 0 < part < size and size % part == 0 and start % part == 0 and part % world == 0:
-        yield (_StridedShard(d, split_factor=size // part),), (Shard(d),)
+    if not 0 < part < size:
+        return
+    have = actual[0] if actual else None
+    if is_blocked(have) and have.dim == d and (start, end) in block_bounds(have, size):
+        yield (have,), (Shard(d),)
+        return
+    cut = [b for b in (start, part, size - end) if b]
+    if all(b % world == 0 for b in cut):
+        yield (cut_in_blocks(d, cut),), (Shard(d),)
 
 
 def _local_slice(node, inputs, output, group):
-    """A slice of an input strided on the sliced dim takes this rank's piece of the part:
-    local bounds (strided on another dim, it slices as is)."""
+    """A slice of an input blocked on the sliced dim takes this rank's piece of the block:
+    local bounds (blocked on another dim, it slices as is)."""
     bounds = _slice_bounds(node)
-    if not isinstance(inputs[0], _StridedShard) or bounds is None or \
-            bounds[0] != inputs[0].dim:
+    if not is_blocked(inputs[0]) or bounds is None or bounds[0] != inputs[0].dim:
         return node.target, node.args, node.kwargs
     d, start, end = bounds
     return node.target, (node.args[0], d, start // group.world, end // group.world), {}
@@ -984,11 +996,11 @@ RULES.update({
     aten.view_as_real.default: Rule(_complex_view_spec),
     aten.cat.default: Rule(_cat_spec),
     aten.stack.default: Rule(_stack_spec),
-    aten.split.Tensor: Rule(_split_spec, local_op=_local_split, extra=_equal_parts),
-    aten.split_with_sizes.default: Rule(_split_spec, local_op=_local_split, extra=_equal_parts),
-    aten.chunk.default: Rule(_split_spec, extra=_equal_parts),
+    aten.split.Tensor: Rule(_split_spec, local_op=_local_split, extra=_blocked_parts),
+    aten.split_with_sizes.default: Rule(_split_spec, local_op=_local_split, extra=_blocked_parts),
+    aten.chunk.default: Rule(_split_spec, extra=_blocked_parts),
     aten.unbind.int: Rule(_unbind_spec),
-    aten.slice.Tensor: Rule(_fixed_dim_spec(1).spec, local_op=_local_slice, extra=_equal_slice),
+    aten.slice.Tensor: Rule(_fixed_dim_spec(1).spec, local_op=_local_slice, extra=_blocked_slice),
     aten.narrow.default: _fixed_dim_spec(1),
     aten.select.int: _fixed_dim_spec(1, drop=True),
     aten.flip.default: _fixed_dim_spec(1, default=None),

@@ -1,21 +1,25 @@
 """Strided pass: serve a fused projection's split without a gather (Megatron's fused QKV).
 
-A colwise projection whose output is split into ``k`` equal parts along its sharded dim
-(``q, k, v = qkv(x).split(D, -1)``, ``w13(x).chunk(2, -1)``, Phi-3's equal slices
-``qkv[..., :D]``, ``qkv[..., D:2 * D]``, ...) gives each rank a contiguous
-chunk of ``[q|k|v]``, which cannot serve the split, so propagation gathers it. Laid out as
-``_StridedShard(d, split_factor=k)`` each rank holds ``[q_r|k_r|v_r]`` and every part
-comes out ``Shard(d)`` with no communication.
+A colwise projection whose output is split into parts along its sharded dim
+(``q, k, v = qkv(x).split(D, -1)``, ``w13(x).chunk(2, -1)``, gpt-fast's grouped-query
+``wqkv(x).split([dim, kv, kv], -1)``, Phi-3's slices ``qkv[..., :D]``,
+``qkv[..., D:D + kv]``, ...) gives each rank a contiguous chunk of ``[q|k|v]``, which
+cannot serve the split, so propagation gathers it. Laid out in blocks, each sharded
+(``_StridedShard(d, split_factor=k)`` for k equal parts, ``BlockShard(d, sizes)`` for
+unequal ones), each rank holds ``[q_r|k_r|v_r]`` and every part comes out ``Shard(d)``
+with no communication.
 
 After a first propagation, for every op that gathers a ``Shard(d)`` input its rule could
-take as ``_StridedShard(d, k)``, this pass walks back from that input along the nodes that
+take blocked, this pass walks back from that input along the nodes that
 carry dim ``d`` with the same size (their chosen strategy shards it on every input it
 comes from, with no redistribution) to where the shard comes from. Only when every source
 is a parameter and every node on the way has no other user are those parameters re-seeded
-strided, and any ``Shard(d)`` module-boundary layout on the way (a colwise output) becomes
-the strided layout: the same dim is sharded, in another block order. Propagation then runs
-again and carries the strided placement down to the split. Anything else (a tied
-parameter, a fused output read elsewhere, unequal parts) keeps the gather.
+blocked, and any ``Shard(d)`` module-boundary layout on the way (a colwise output) becomes
+the blocked layout: the same dim is sharded, in another block order. Propagation then runs
+again and carries the blocked placement down to the split (the pass keeps a new layout only
+if the split's module then redistributes no more than before). Anything else (a tied
+parameter, a fused output read elsewhere, parts that do not divide by the world size)
+keeps the gather.
 """
 from __future__ import annotations
 
@@ -23,55 +27,92 @@ from collections import Counter
 
 import torch.fx as fx
 from torch.distributed.tensor import Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
-from .graph import INPUTS, PLACEMENT, layout, placement_of, tensor_inputs, val
-from .placement import UnitShard, is_replicate
+from .graph import INPUTS, PLACEMENT, layout, module_fqn, placement_of, tensor_inputs, val
+from .placement import (UnitShard, block_bounds, cut_in_blocks, is_blocked, is_replicate,
+                        transition_cost, with_dim)
+from .propagate import propagate
 from .rules import rule_for
 
 
 def stride_fused_splits(gm: fx.GraphModule, world: int) -> bool:
-    """Re-seed the parameters behind every gathered fused split strided; True if any was
-    (propagation must then run again)."""
+    """Re-seed the parameters behind every gathered fused split blocked; True if any was
+    (propagation must then run again). A split's new layout is kept only if propagating it
+    leaves the split's module redistributing no more (by propagation's own cost) than
+    before: parts that cannot be served sharded downstream (fewer KV heads than ranks)
+    would otherwise trade one gather for several."""
+    costs = redistribution_costs(gm, world)
+    tried: dict[str, dict[fx.Node, tuple]] = {}  # split's module -> node -> old layout
     tied = tied_attrs(gm)
-    changed = False
     for node in gm.graph.nodes:
-        strided = _wanted(node, world)
+        wanted = _wanted(node, world)
         carriers: dict[fx.Node, int] = {}
-        if strided is None or not _all_users_want(node.args[0], strided, world) or \
-                not carried_from_params(node.args[0], strided.dim, carriers, first=True):
+        blocked = None if wanted is None else _users_layout(node.args[0], world)
+        if blocked is None or \
+                not carried_from_params(node.args[0], blocked.dim, carriers, first=True):
             continue
         if tied & set(carriers):
             continue  # tied: the same tensor is also read under another name
+        old = tried.setdefault(module_fqn(node), {})
         for n, dim in carriers.items():
-            placement = _StridedShard(dim, split_factor=strided.split_factor)
+            old.setdefault(n, (n.meta.get(PLACEMENT), n.args))
             if n.op == "get_attr":
-                n.meta[PLACEMENT] = placement
+                n.meta[PLACEMENT] = with_dim(blocked, dim)
             elif n.target is layout:
-                n.args = (n.args[0], placement)
-        changed = True
-    return changed
+                n.args = (n.args[0], with_dim(blocked, dim))
+    if tried:
+        propagate(gm, world)
+        now = redistribution_costs(gm, world)
+        for module in [m for m in tried if now[m] > costs[m]]:
+            for n, (placement, args) in tried[module].items():
+                n.meta[PLACEMENT], n.args = placement, args
+    return bool(tried)
 
 
-def _wanted(node: fx.Node, world: int):
-    """The ``_StridedShard`` that ``node``'s rule could take for its first input, which is
-    ``Shard`` on the same dim and which the chosen strategy gathers; else ``None``."""
+def redistribution_costs(gm: fx.GraphModule, world: int) -> Counter:
+    """Module FQN -> what its nodes' input redistributions cost, as propagation costs them
+    (bytes sent per rank, plus a latency term per collective)."""
+    costs = Counter()
+    for node in gm.graph.nodes:
+        needed = node.meta.get(INPUTS) if node.op == "call_function" else None
+        for arg, p in zip(tensor_inputs(node), needed or ()):
+            if p is not None:
+                costs[module_fqn(node)] += transition_cost(placement_of(arg), p, val(arg),
+                                                           world)
+    return costs
+
+
+def _wanted(node: fx.Node, world: int, actual=None):
+    """The blocked placement (``_StridedShard`` or ``BlockShard``) that ``node``'s rule
+    could take for its first input, which is ``Shard`` (or, given ``actual``, arrives so)
+    on the same dim and which the chosen strategy gathers; else ``None``."""
     rule = rule_for(node.target) if node.op == "call_function" else None
     if rule is None or not tensor_inputs(node):
         return None
-    actual = [placement_of(a) for a in tensor_inputs(node)]
-    if not isinstance(actual[0], Shard) or node.meta[INPUTS][0] == actual[0]:
+    now = [placement_of(a) for a in tensor_inputs(node)]
+    if not isinstance(now[0], Shard) or node.meta[INPUTS][0] == now[0]:
         return None
-    for ins, _ in rule.strategies(node, world, actual):
-        if isinstance(ins[0], _StridedShard) and ins[0].dim == actual[0].dim:
+    for ins, _ in rule.strategies(node, world, actual or now):
+        if is_blocked(ins[0]) and ins[0].dim == now[0].dim and \
+                (actual is None or ins[0] == actual[0]):
             return ins[0]
     return None
 
 
-def _all_users_want(node: fx.Node, strided, world: int) -> bool:
-    """Whether every user of the fused output takes it as ``strided`` (one split, or the
-    k slices of Phi-3's ``qkv[..., a:b]``)."""
-    return all(_wanted(user, world) == strided and user.args[0] is node for user in node.users)
+def _users_layout(fused: fx.Node, world: int):
+    """The one blocked layout of ``fused`` that serves all its users (one split, or the
+    slices of Phi-3's ``qkv[..., a:b]``: their blocks' cuts merged), or ``None``."""
+    users = list(fused.users)
+    wanted = [_wanted(u, world) if u.args[0] is fused else None for u in users]
+    if not wanted or None in wanted or len({w.dim for w in wanted}) != 1:
+        return None
+    size = val(fused).shape[wanted[0].dim]
+    ends = sorted({end for w in wanted for _, end in block_bounds(w, size)})
+    merged = cut_in_blocks(wanted[0].dim, [b - a for a, b in zip([0] + ends, ends)])
+    actual = [merged] + [placement_of(a) for a in tensor_inputs(users[0])[1:]]
+    if all(_wanted(u, world, [merged] + actual[1:]) == merged for u in users):
+        return merged
+    return None
 
 
 def tied_attrs(gm: fx.GraphModule) -> set:

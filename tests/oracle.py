@@ -3,8 +3,8 @@
 :func:`record` exports a program the way fxtp traces models (``torch.export``'s pre-dispatch
 ATen IR) and keeps every node's value. :func:`check_strategies` runs every strategy the rule
 of a node offers on simulated ranks: each rank gets its part of every tensor input
-(``Shard``: its chunk; ``_StridedShard``: its chunk of every block; ``UnitShard``: its whole
-units, or its group's unit; ``Replicate`` or unread: the full tensor; ``Partial``: a random
+(``Shard``: its chunk; ``_StridedShard``, ``BlockShard``: its chunk of every block;
+``UnitShard``: its whole units, or its group's unit; ``Replicate`` or unread: the full tensor; ``Partial``: a random
 split that sums to it), runs the rule's localized op, and the per-rank results must
 reassemble the single-device result (``Shard``, ``UnitShard``: concatenate, one rank per
 unit, a group's ranks equal; ``Partial``: sum; ``Replicate``: every rank equal). With ``backward`` the input gradients are
@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_map
 
 from fxtp.mesh import Group
 from fxtp.passes.graph import tensor_inputs
-from fxtp.passes.placement import UnitShard
+from fxtp.passes.placement import BlockShard, UnitShard
 from fxtp.passes.rules import rule_for
 from tests.parity import local_part
 
@@ -76,6 +76,11 @@ def assemble(parts, placement, sum_groups: bool = False):
     if isinstance(placement, _StridedShard):
         d, k = placement.dim, placement.split_factor
         return torch.cat([torch.cat([p.chunk(k, d)[j] for p in parts], d) for j in range(k)], d)
+    if isinstance(placement, BlockShard):
+        d, local = placement.dim, [b // len(parts) for b in placement.blocks]
+        pieces = [p.split(local, d) for p in parts]
+        return torch.cat([torch.cat([mine[j] for mine in pieces], d)
+                          for j in range(len(local))], d)
     return torch.cat(parts, dim=placement.dim)
 
 
@@ -103,7 +108,7 @@ def split_partial(value: torch.Tensor, world: int, gen: torch.Generator) -> list
 
 
 def is_sharded(p) -> bool:
-    return isinstance(p, (Shard, _StridedShard, UnitShard))
+    return isinstance(p, (Shard, _StridedShard, BlockShard, UnitShard))
 
 
 def describe(p) -> str:
@@ -115,6 +120,8 @@ def describe(p) -> str:
         return f"S({p.dim})/{p.split_factor}"
     if isinstance(p, UnitShard):
         return f"S({p.dim})~{p.units}"
+    if isinstance(p, BlockShard):
+        return f"S({p.dim})/" + "+".join(map(str, p.blocks))
     if isinstance(p, Shard):
         return f"S({p.dim})"
     return "P" if isinstance(p, Partial) else "R"

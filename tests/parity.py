@@ -8,7 +8,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import fxtp
-from fxtp.passes.placement import UnitShard
+from fxtp.passes.placement import BlockShard, UnitShard
 
 LR = 1e-2
 TIGHT = dict(rtol=1e-9, atol=1e-11)  # fp64 outputs and gradients
@@ -56,11 +56,13 @@ def example(*shape, seed=1):
 def local_part(full: torch.Tensor, placement, rank: int, world: int) -> torch.Tensor:
     """The part of ``full`` a rank holds under ``placement``: ``Shard(d)`` a contiguous
     chunk; ``_StridedShard(d, k)`` its chunk of each of the ``k`` blocks, concatenated;
-    ``UnitShard(d, n)`` its ``torch.chunk`` of the ``n`` units, or its group's unit."""
-    if isinstance(placement, _StridedShard):
+    ``BlockShard(d, sizes)`` the same over blocks of those sizes; ``UnitShard(d, n)`` its
+    ``torch.chunk`` of the ``n`` units, or its group's unit."""
+    if isinstance(placement, (_StridedShard, BlockShard)):
+        cut = placement.blocks if isinstance(placement, BlockShard) else \
+            [full.shape[placement.dim] // placement.split_factor] * placement.split_factor
         return torch.cat([local_part(block, Shard(placement.dim), rank, world)
-                          for block in full.chunk(placement.split_factor, placement.dim)],
-                         placement.dim)
+                          for block in full.split(list(cut), placement.dim)], placement.dim)
     if isinstance(placement, Shard):
         return full.chunk(world, placement.dim)[rank]
     if isinstance(placement, UnitShard):

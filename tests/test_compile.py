@@ -29,8 +29,7 @@ CASES = {
     "mlp": (models.MLP, models.MLP_PLAN, [_x(B, T, D)]),
     "attention_block": (lambda: models.Stack(n_layers=1), models.STACK_PLAN, [_x(B, T, D)]),
     "llama": (lambda: tm.Llama(tm.LlamaConfig(n_layers=1)), llama_plan(), [TOKENS]),
-    # sequence parallel, and sequence + loss parallel with the loss inside the graph
-    "llama_sp": (lambda: tm.Llama(tm.LlamaConfig(n_layers=1)), tm.llama_sp_plan(), [TOKENS]),
+    # sequence + loss parallel with the loss inside the graph
     "llama_sp_loss": (_llama_with_loss,
                       {f"lm.{k}": v for k, v in tm.llama_sp_plan(loss_parallel=True).items()},
                       [TOKENS, TOKENS.roll(-1, 1)]),

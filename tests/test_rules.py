@@ -2,11 +2,11 @@
 
 For each op in a set of small traced programs, and for every (input placements -> output
 placements) strategy its dim spec yields at world size 2 and 4, the op is run on simulated
-per-rank local inputs (Shard: that rank's chunk; strided: its chunk of every block;
+per-rank local inputs (Shard: that rank's chunk; blocked: its chunk of every block;
 Replicate: the full tensor; Partial: a random split that sums to it) with localized shape
 arguments, and the per-rank results must reassemble the op's single-device output. Programs
-whose inputs arrive strided are propagated first, so each op is also offered the strided
-strategies its inputs' placements call for. No process group is needed.
+whose inputs arrive blocked (strided or in unequal blocks) are propagated first, so each op
+is also offered the blocked strategies its inputs' placements call for. No process group is needed.
 """
 import pytest
 import torch
@@ -15,6 +15,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from fxtp.passes.graph import INPUTS, PLACEMENT
+from fxtp.passes.placement import BlockShard
 from fxtp.passes.propagate import placement_of, propagate
 from fxtp.passes.rules import RULES, tensor_inputs
 from tests.oracle import check_strategies, record as _record
@@ -68,6 +69,8 @@ PROGRAMS = {
     "fused_split": (lambda x: x.split(8, dim=-1)[1], (rand(2, 4, 24),)),
     "fused_chunk": (lambda x: x.chunk(2, dim=1)[0], (rand(4, 16, 2),)),
     "fused_split_sizes": (lambda x: torch.split(x, [8, 8, 8], 2)[2], (rand(2, 4, 24),)),
+    "fused_gqa_split": (lambda x: torch.split(x, [16, 8, 8], 2)[1], (rand(2, 4, 32),)),
+    "fused_gqa_slices": (lambda x: x[..., 16:24] * x[..., 24:], (rand(2, 4, 32),)),
     "cross_entropy_per_token": (lambda x, t: F.cross_entropy(x, t, reduction="none"),
                                 (rand(4, 8, 4), torch.tensor([[1, 2, 7, 0]] * 4))),
     "cross_entropy_sum": (lambda x, t, w: F.cross_entropy(x, t, w, reduction="sum",
@@ -88,6 +91,10 @@ def strided(dim, k):
     return _StridedShard(dim, split_factor=k)
 
 
+def blocked(dim, *sizes):
+    return BlockShard(dim, sizes)
+
+
 R = Replicate()
 # program, inputs, the inputs' placements: strided shards flow from the inputs to the split
 STRIDED = {
@@ -102,6 +109,12 @@ STRIDED = {
         (rand(2, 4, 24), rand(4, 24)), (strided(2, 3), strided(1, 3))),
     "summed_label": (lambda x, w: F.linear(x, w), (rand(4, 16), rand(8, 16)),
                      (strided(1, 2), strided(1, 2))),
+    "gqa_linear_view_split": (
+        lambda x, w: F.linear(x, w).view(2, 4, 32).split([16, 8, 8], -1),
+        (rand(8, 8), rand(32, 8)), (R, blocked(0, 16, 8, 8))),
+    "gqa_rope_slices": (  # Phi-3's slices of a fused qkv, through a pointwise op
+        lambda x, y: (lambda t: (t[..., :16], t[..., 16:24], t[..., 24:]))(x * y),
+        (rand(2, 4, 32), rand(4, 32)), (blocked(2, 16, 8, 8), blocked(1, 16, 8, 8))),
 }
 
 
@@ -125,7 +138,8 @@ def test_every_strategy_reassembles_the_single_device_result(node, values, world
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("name", list(STRIDED))
 def test_strided_inputs_reach_the_split_without_redistribution(name, world):
-    """Ops keeping a strided dim whole carry it; an equal split of it gives Shard parts."""
+    """Ops keeping a blocked dim whole carry it; a split of it into its blocks (or slices
+    that are its blocks) gives Shard parts."""
     fn, args, placements = STRIDED[name]
     gm, values = _record(fn, args)
     for node, p in zip([n for n in gm.graph.nodes if n.op == "placeholder"], placements):
@@ -137,6 +151,8 @@ def test_strided_inputs_reach_the_split_without_redistribution(name, world):
         assert _check_strategies(node, values, world, actual) >= 1
     splits = [n for n in _ops(gm) if n.target in SPLITS]
     assert all(type(p) is Shard for n in splits for p in n.meta[PLACEMENT])
+    slices = [n for n in _ops(gm) if n.target is torch.ops.aten.slice.Tensor]
+    assert all(type(n.meta[PLACEMENT]) is Shard for n in slices)
 
 
 def _check_strategies(node, values, world, actual=()):

@@ -14,6 +14,7 @@ import fxtp
 from fxtp.gpt_fast import ServeConfig, Transformer, generate, tp_plan
 from fxtp.passes.placement import local_part
 from fxtp.styles import ColwiseParallel, RowwiseParallel
+from tests.conftest import pool_of
 
 BATCH, PROMPT, NEW = 2, 8, 6
 
@@ -58,11 +59,13 @@ def generation_parity(rank, world, config, temperature):
         torch.testing.assert_close(cache, local_part(ref.get_buffer(name), placement, rank,
                                                      world), rtol=1e-12, atol=1e-12)
     assert all(not b.any() for b in caches(model).values()), "the user's model was written"
-    # state_dict() hands out the whole caches (DCP saves every rank's heads), and loading
-    # a single-device state gives each rank its heads again
+    # state_dict() hands out the whole caches (DCP saves every rank's heads) and weights,
+    # and loading a single-device state gives each rank its heads again
     state = gm.state_dict()
     for name in held:
         torch.testing.assert_close(state[name].full_tensor(), ref.get_buffer(name))
+    for name, weight in ref.named_parameters():  # the fused wqkv's blocks gathered whole
+        assert torch.equal(state[name].full_tensor(), weight), name
     fresh = parallelize_for_serving(serving_model(**config))
     fresh.load_state_dict(ref.state_dict())
     for name, cache in caches(fresh).items():
@@ -76,14 +79,17 @@ def generation_parity(rank, world, config, temperature):
             sum(c.numel() for c in held.values()), sum(c.numel() for c in caches(ref).values()))
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("world,temperature", [(2, 0.0), (2, 0.8), (4, 0.0)],
+                         ids=["world2-greedy", "world2-sampled", "world4-greedy"])
 def test_generation_equals_single_device_with_each_rank_holding_its_heads_of_the_cache(
-        ranks, temperature):
+        pools, world, temperature):
+    """gpt-fast's layout (fused ``wqkv``): each rank holds its rows of q, k and v."""
     config = dict(n_heads=8, n_kv_heads=4)
-    decode, prefill, held, whole = ranks.run(generation_parity, config, temperature)[0]
+    decode, prefill, held, whole = pool_of(pools, world).run(generation_parity, config,
+                                                              temperature)[0]
     layers = ServeConfig().n_layers
     assert decode == prefill == {"all_reduce": 2 * layers}  # no k / v gathers
-    assert held * ranks.world == whole
+    assert held * world == whole
 
 
 def test_the_cache_written_by_index_copy_is_sharded_alike(ranks2):
@@ -94,10 +100,11 @@ def test_the_cache_written_by_index_copy_is_sharded_alike(ranks2):
 
 
 def test_a_gqa_cache_follows_the_kv_head_layout_of_the_plan(ranks4):
-    """2 KV heads at 4 ranks: each KV head is held by the 2 ranks whose query heads use
-    it, so each rank's cache is half the whole, and nothing is gathered."""
-    decode, _, held, whole = ranks4.run(generation_parity, dict(n_heads=8, n_kv_heads=2),
-                                        0.0)[0]
+    """2 KV heads at 4 ranks (separate q, k, v projections, torchtitan's layout): each KV
+    head is held by the 2 ranks whose query heads use it, so each rank's cache is half the
+    whole, and nothing is gathered."""
+    decode, _, held, whole = ranks4.run(
+        generation_parity, dict(n_heads=8, n_kv_heads=2, fused_qkv=False), 0.0)[0]
     assert decode == {"all_reduce": 2 * ServeConfig().n_layers}
     assert held * 2 == whole
 
@@ -168,7 +175,7 @@ def hf_generation_parity(rank, world, options):
     gm = fxtp.parallelize_causal_lm(model, batch_size=BATCH, max_cache_len=32, strict=True)
     ids = torch.randint(3, corpus.VOCAB, (BATCH, 5), generator=torch.Generator().manual_seed(1))
     torch.manual_seed(5)
-    tokens = fxtp.generate(gm, ids, max_new_tokens=NEW, **options)
+    tokens = gm.generate(ids, max_new_tokens=NEW, **options)
     torch.manual_seed(5)
     expected = model.generate(ids, max_new_tokens=NEW, **options)
     assert torch.equal(tokens, expected), (tokens, expected)

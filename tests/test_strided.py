@@ -1,8 +1,9 @@
 """Fused projections: one colwise linear for q, k and v, one for SwiGLU's gate and up, whose
-output is split along its sharded dim. Their weights are laid out strided,
-``_StridedShard(d, split_factor=k)`` (each rank holds its piece of every part, as in
-Megatron's fused QKV), so the split needs no communication. A split that cannot be served
-that way still gathers, and is still correct."""
+output is split along its sharded dim. Their weights are laid out in blocks, each sharded
+(each rank holds its piece of every part, as in Megatron's fused QKV and gpt-fast's
+``wqkv``): ``_StridedShard(d, split_factor=k)`` for equal parts, ``BlockShard(d, sizes)``
+for unequal ones (grouped-query attention), so the split needs no communication. A split
+that cannot be served that way still gathers, and is still correct."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -10,7 +11,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 import fxtp
 from fxtp.passes import collectives
-from fxtp.passes.placement import describe
+from fxtp.passes.placement import BlockShard, describe
 from tests import models
 from tests.parity import check_parity, example, local_of, local_part
 
@@ -34,11 +35,20 @@ def test_fused_qkv_and_swiglu_issue_the_megatron_minimum(ranks, dtype, split):
 
 
 @DTYPES
-def test_unequal_fused_split_gathers_it(ranks, dtype):
-    """q, k, v of sizes D, D/2, D/2 (grouped-query attention) cannot come from one strided
-    layout: the fused output is gathered (its backward is a local chunk) and the attention
-    output re-chunked for the rowwise wo (its backward all-gathers). SwiGLU stays minimal."""
-    fwd, bwd = ranks.run(fused, dtype, "gqa")[0]
+def test_an_unequal_fused_split_issues_the_megatron_minimum(ranks2, dtype):
+    """q, k, v of sizes D, D/2, D/2 (grouped-query attention, gpt-fast's ``wqkv``): each
+    rank holds its rows of every part, in blocks of unequal sizes."""
+    fwd, bwd = ranks2.run(fused, dtype, "gqa")[0]
+    assert fwd == {"all_reduce": 2 * L}
+    assert bwd == {"all_reduce": 2 * L}
+
+
+def test_an_unequal_fused_split_with_fewer_kv_heads_than_ranks_gathers_it(ranks4):
+    """2 KV heads at 4 ranks: sharded k and v parts could not be viewed as heads, so the
+    blocked layout would trade one gather for several; the fused output is gathered (its
+    backward is a local chunk) and the attention output re-chunked for the rowwise wo (its
+    backward all-gathers). SwiGLU's equal split stays minimal."""
+    fwd, bwd = ranks4.run(fused, torch.float64, "gqa")[0]
     assert fwd == {"all_reduce": 2 * L, "all_gather": L}
     assert bwd == {"all_reduce": 2 * L, "all_gather": L}
 
@@ -72,46 +82,67 @@ def test_fused_weight_shards_hold_a_piece_of_every_part(fake_group):
                        ffn.w13.weight[[*range(16, 32), *range(48, 64)]])
 
 
-def strided_collectives(rank, world):
-    """Every strided collective against the global tensors it stands for."""
-    group, k, d = dist.group.WORLD.group_name, 3, 1
-    p = _StridedShard(d, split_factor=k)
-    shape = (2, k * world * 2, 3)
+def test_unequal_fused_weight_shards_hold_their_rows_of_every_part(fake_group):
+    """Rank 1 of 2, D = 16, k and v of 8 rows: q, k and v are rows 0-15, 16-23, 24-31 of
+    qkv.weight; rank 1 holds rows 8-15, 20-23 and 28-31, in that order. The weight stays a
+    plain tensor (DTensor has no placement for unequal blocks)."""
+    fake_group(2, rank=1)
+    model = models.FusedStack(1, split="gqa")
+    gm = fxtp.parallelize(model, models.FUSED_PLAN, example_inputs=(example(B, T, D),))
+    assert gm.fxtp.fallbacks == []
+    assert gm.fxtp.param_placements["layers.0.attention.qkv.weight"] == BlockShard(0, (16, 8, 8))
+    rows = [*range(8, 16), *range(20, 24), *range(28, 32)]
+    qkv = model.layers[0].attention.qkv
+    assert torch.equal(gm.get_parameter("layers.0.attention.qkv.weight"), qkv.weight[rows])
+    assert torch.equal(gm.get_parameter("layers.0.attention.qkv.bias"), qkv.bias[rows])
+
+
+def blocked_collectives(rank, world, blocks):
+    """Every blocked collective against the global tensors it stands for: ``blocks`` equal
+    blocks (``_StridedShard``) or blocks of the given sizes, in units of ``2 * world``."""
+    group, d = dist.group.WORLD.group_name, 1
+    if isinstance(blocks, int):
+        p, size, k = _StridedShard(d, split_factor=blocks), blocks * world * 2, blocks
+    else:
+        k = tuple(b * world * 2 for b in blocks)
+        p, size = BlockShard(d, k), sum(k)
+    shape = (2, size, 3)
     full, grad = example(*shape).double(), example(*shape, seed=2).double()
     mine = local_part(full, p, rank, world)
 
     # all-gather reassembles the tensor; its backward keeps this rank's strided piece
     x = mine.clone().requires_grad_()
-    out = collectives.all_gather(x, d, rank, world, group, split_factor=k)
+    out = collectives.all_gather(x, d, rank, world, group, blocks=k)
     torch.testing.assert_close(out, full)
     out.backward(grad)
     torch.testing.assert_close(x.grad, local_part(grad, p, rank, world))
 
     # ... or, when each rank's gradient is a partial sum, reduce-scatters it
     x = mine.clone().requires_grad_()
-    collectives.all_gather(x, d, rank, world, group, True, split_factor=k).backward(
+    collectives.all_gather(x, d, rank, world, group, True, blocks=k).backward(
         grad * (rank + 1))
     total = world * (world + 1) // 2
     torch.testing.assert_close(x.grad, local_part(grad * total, p, rank, world))
 
     # shard keeps this rank's strided piece; its backward all-gathers the pieces
     y = full.clone().requires_grad_()
-    piece = collectives.shard(y, d, rank, world, group, split_factor=k)
+    piece = collectives.shard(y, d, rank, world, group, blocks=k)
     torch.testing.assert_close(piece, mine)
     piece.backward(local_part(grad, p, rank, world))
     torch.testing.assert_close(y.grad, grad)
 
     # reduce-scatter sums the partial tensors and keeps this rank's strided piece
     z = (full * (rank + 1)).requires_grad_()
-    piece = collectives.reduce_scatter(z, d, world, group, split_factor=k)
+    piece = collectives.reduce_scatter(z, d, world, group, blocks=k)
     torch.testing.assert_close(piece, local_part(full * total, p, rank, world))
     piece.backward(local_part(grad, p, rank, world))
     torch.testing.assert_close(z.grad, grad)
     return True
 
 
-def test_strided_collectives_and_their_backward(ranks):
-    assert all(ranks.run(strided_collectives))
+@pytest.mark.parametrize("blocks", [3, (2, 1, 1)], ids=["equal", "unequal"])
+def test_blocked_collectives_and_their_backward(ranks, blocks):
+    assert all(ranks.run(blocked_collectives, blocks))
 
 
 def fused_dynamic(rank, world):
