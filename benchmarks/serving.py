@@ -16,8 +16,10 @@ parallelism done four ways.
 
 gloo, 1 thread per rank, fp32. Each (variant, batch) runs in fresh processes: one generation
 to warm up (and compile), then ``--repeats`` generations of ``--new`` tokens after a
-``--prompt``-token prefill; decode tokens/s = batch x decode steps / decode time (the
-slowest rank's, median over repeats). Results: ``benchmarks/results/serving.json``.
+``--prompt``-token prefill; decode tokens/s = batch / the median decode step over every
+step of every repeat (the slowest rank's): a median, because on a shared 2-core machine
+single steps stall for tens of milliseconds at random, which a total would count.
+Results: ``benchmarks/results/serving.json`` (``--out``).
 
     python -m benchmarks.serving [--quick]
 """
@@ -136,21 +138,23 @@ def build(variant, model, prompt, rank):
 
 @torch.no_grad()
 def timed_generation(model, decode, prompt, new: int):
-    """(prefill s, decode s, tokens) of one generation, without autograd (as servers run)."""
+    """(prefill s, [each decode step's s], tokens) of one generation, without autograd (as
+    servers run)."""
     from fxtp.gpt_fast import sample
     length = prompt.shape[1]
     positions = torch.arange(length + new)
     start = time.perf_counter()
     logits = model(prompt, positions[:length])
     token = sample(logits[:, -1])[:, None]
-    prefilled = time.perf_counter()
-    tokens = [prompt, token]
+    prefill = time.perf_counter() - start
+    tokens, steps = [prompt, token], []
     for i in range(new - 1):
+        start = time.perf_counter()
         logits = decode(token, positions[length + i: length + i + 1])
         token = sample(logits[:, -1])[:, None]
+        steps.append(time.perf_counter() - start)
         tokens.append(token)
-    end = time.perf_counter()
-    return prefilled - start, end - prefilled, torch.cat(tokens, 1)
+    return prefill, steps, torch.cat(tokens, 1)
 
 
 def _rank(rank, world, port, variant, batch, args, out):
@@ -175,7 +179,7 @@ def _rank(rank, world, port, variant, batch, args, out):
         cache = sum(b.numel() * b.element_size() for n, b in module.named_buffers()
                     if n.endswith("_cache"))
         out.put((rank, {"prefill_s": statistics.median(r[0] for r in runs),
-                        "decode_s": statistics.median(r[1] for r in runs),
+                        "decode_step_s": statistics.median(t for r in runs for t in r[1]),
                         "warmup_s": warmup, "cache_bytes": cache,
                         "tokens": runs[-1][2][0, -8:].tolist()}))
     except Exception as e:  # noqa: BLE001 - reported in the results
@@ -189,8 +193,8 @@ def run_one(variant, batch, args) -> dict:
     results = spawn_ranks(_rank, 1 if variant == "single" else WORLD, (variant, batch, args))
     if "error" in results:
         return results
-    decode_s = max(r["decode_s"] for r in results.values())
-    return {"decode_tokens_per_s": batch * (args.new - 1) / decode_s,
+    step = max(r["decode_step_s"] for r in results.values())
+    return {"decode_tokens_per_s": batch / step,
             "prefill_ms": 1e3 * max(r["prefill_s"] for r in results.values()),
             "warmup_s": max(r["warmup_s"] for r in results.values()),
             "cache_bytes_per_rank": results[0]["cache_bytes"],
@@ -205,6 +209,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batches", type=int, nargs="*", default=[1, 8])
     parser.add_argument("--variants", nargs="*", default=VARIANTS, choices=VARIANTS)
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "serving.json")
     args = parser.parse_args()
     report = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
               "setup": f"gloo, {WORLD} ranks of 1 thread, {os.cpu_count()} cores, fp32",
@@ -220,8 +225,8 @@ def main():
             if speed.get(a) and speed.get(b):
                 rows.setdefault("ratios", {})[name] = speed[a] / speed[b]
         print(batch, json.dumps(rows, indent=1), flush=True)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "serving.json").write_text(json.dumps(report, indent=1))
+    args.out.parent.mkdir(exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
