@@ -10,6 +10,9 @@ reported as ``first_call_setup_s``), then the timed one.
     python -m benchmarks.passes_scale           # 8B at 4..32 layers, 70B at 80
     python -m benchmarks.passes_scale --quick   # 8B at 2 and 4 layers
 
+The import times of ``torch`` and of ``fxtp`` (fresh processes, median of 5) are recorded
+beside them (``import_s``).
+
 Results: ``benchmarks/results/passes_scale.json`` and ``passes_scale.png``.
 """
 from __future__ import annotations
@@ -59,6 +62,16 @@ def one(shape: str, layers: int, world: int = 8) -> dict:
             "params_global": sum(p.numel() for p in model.parameters())}
 
 
+def import_seconds(module: str, repeats: int = 5) -> float:
+    """Median wall time of ``import module`` in a fresh Python process."""
+    import statistics
+    code = (f"import time; t = time.perf_counter(); import {module}; "
+            f"print(time.perf_counter() - t)")
+    return statistics.median(
+        float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True).stdout) for _ in range(repeats))
+
+
 def fit(points: list[dict]) -> dict:
     """Least squares ``seconds = a + b * layers`` and its R^2."""
     xs, ys = [p["layers"] for p in points], [p["seconds"] for p in points]
@@ -93,7 +106,10 @@ def main(argv=None):
     line = fit([p for p in points if p["shape"] == "8B"])
     print(f"8B: {line['seconds_per_layer']:.3f} s/layer + {line['intercept_s']:.2f} s "
           f"(R^2 {line['r2']:.4f})")
-    report = {"world": 8, "points": points, "fit_8B": line, "target_8B_s": TARGET_8B_S}
+    imports = {module: import_seconds(module) for module in ("torch", "fxtp")}
+    print("import: " + ", ".join(f"{m} {t:.2f} s" for m, t in imports.items()))
+    report = {"world": 8, "points": points, "fit_8B": line, "target_8B_s": TARGET_8B_S,
+              "import_s": imports}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "passes_scale.json").write_text(json.dumps(report, indent=2))
     plot(points, line, RESULTS / "passes_scale.png")

@@ -1,27 +1,48 @@
-"""fxtp: tensor parallelism for PyTorch as a compiler pass over torch.fx graphs."""
+"""fxtp: tensor parallelism for PyTorch as a compiler pass over torch.fx graphs.
+
+``import fxtp`` loads the plan vocabulary (styles, placements, errors) only; the names that
+trace, rewrite or compile (``fxtp.parallelize``, ``fxtp.explain``, ...) load their modules,
+and with them ``torch.export`` and dynamo, on first use. The ``"fxtp"`` torch.compile
+backend is a ``torch_dynamo_backends`` entry point (setup.cfg): ``torch.compile(...,
+backend="fxtp")`` finds it by name.
+"""
+import importlib
+
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from .causal_lm import generate, parallelize_causal_lm
-from .checkpoint import full_state_dict, load_full_state_dict, load_state_dict, state_dict
-from .clip import clip_grad_norm_
 from .comm_count import count_collectives
 from .passes.errors import FxtpError, InputError, PlanError, ShardingError, TraceError
-from .explain import explain
-from .loss import cross_entropy
-from .materialize import init_weights
-from .parallelize import parallelize
 from .report import Report
 from .styles import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
                      PrepareModuleInputOutput, PrepareModuleOutput, RowwiseParallel,
                      SequenceParallel)
+
+_ON_FIRST_USE = {
+    "parallelize": ".parallelize", "explain": ".explain", "cross_entropy": ".loss",
+    "state_dict": ".checkpoint", "load_state_dict": ".checkpoint",
+    "full_state_dict": ".checkpoint", "load_full_state_dict": ".checkpoint",
+    "clip_grad_norm_": ".clip", "init_weights": ".materialize",
+    "parallelize_causal_lm": ".causal_lm", "generate": ".causal_lm",
+}
+"""Public name -> the module that defines it, imported when the name is first read."""
 
 __all__ = [
     "parallelize", "explain", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
     "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "ParallelStyle",
     "Shard", "Replicate", "Partial", "count_collectives", "cross_entropy", "Report",
     "state_dict", "load_state_dict", "full_state_dict", "load_full_state_dict",
-    "clip_grad_norm_", "init_weights", "parallelize_causal_lm", "generate", "FxtpError", "InputError", "PlanError",
-    "ShardingError", "TraceError",
+    "clip_grad_norm_", "init_weights", "parallelize_causal_lm", "generate", "FxtpError",
+    "InputError", "PlanError", "ShardingError", "TraceError",
 ]
 
-from . import backend  # noqa: E402,F401 - registers the "fxtp" torch.compile backend
+
+def __getattr__(name: str):
+    if name not in _ON_FIRST_USE:
+        raise AttributeError(f"module 'fxtp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_ON_FIRST_USE[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_ON_FIRST_USE))

@@ -1,5 +1,5 @@
-"""The ``"fxtp"`` torch.compile backend (registered on ``import fxtp``): fxtp's graph
-passes, then inductor.
+"""The ``"fxtp"`` torch.compile backend (a ``torch_dynamo_backends`` entry point, see
+setup.cfg, which torch.compile loads by name): fxtp's graph passes, then inductor.
 
 * ``torch.compile(gm, backend="fxtp")`` with ``gm = fxtp.parallelize(...)``: training and
   inference. Dynamo's graph of ``gm`` calls fxtp's collectives; the passes of
@@ -11,20 +11,20 @@ passes, then inductor.
 """
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
+from .passes.collectives import allow_in_dynamo_graphs
 from .passes.optimize import optimize
 
 from .passes.errors import FxtpError
 
-NAME = "fxtp"
 INDUCTOR_CONFIG = {"reorder_for_peak_memory": False}
 """Inductor's peak-memory reordering would move the compute placed between a collective and
 its wait (by :mod:`fxtp.passes.schedule`) back before the collective."""
 
 
 def fxtp_backend(gm: fx.GraphModule, example_inputs, options=None, mode=None):
+    allow_in_dynamo_graphs()
     if mode is not None:
         raise FxtpError(f"backend='fxtp' takes no mode (got mode={mode!r}); leave it out")
     options = dict(options or {})
@@ -44,5 +44,3 @@ def fxtp_backend(gm: fx.GraphModule, example_inputs, options=None, mode=None):
     return compile_fx(gm, example_inputs, config_patches=INDUCTOR_CONFIG | {
         "post_grad_custom_post_pass": OverlapCollectives()})
 
-
-torch._dynamo.register_backend(fxtp_backend, name=NAME)

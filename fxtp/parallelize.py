@@ -14,6 +14,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .passes.collectives import allow_in_dynamo_graphs
 from .passes.buffers import shard_written_buffers
 from .passes.localize import localize
 from .passes.modules import outline_modules, scope_of
@@ -124,6 +125,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
     still give global results; torch's own tools would see one rank's shard): whole-program
     ``torch.compile`` of a graph with checkpointed regions needs it in torch 2.13.
     """
+    allow_in_dynamo_graphs()  # the result may be compiled: its collectives stay calls
     check_fresh(model)
     shardings = resolve_plan(model, plan, strict)
     checkpointed = module_fqns(model, checkpoint, "checkpoint pattern")

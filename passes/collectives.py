@@ -44,6 +44,7 @@ traces through them when the graph is lowered.
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
@@ -339,5 +340,11 @@ BUCKETS = {all_reduce: all_reduce_bucket, grad_sync: grad_sync_bucket,
            shard: shard_bucket}
 """Collective -> its bucketed form."""
 
-for _fn in COLLECTIVES:
-    torch.compiler.allow_in_graph(_fn)
+
+@functools.cache
+def allow_in_dynamo_graphs() -> None:
+    """Have dynamo keep each of :data:`COLLECTIVES` as one call in its graphs
+    (``allow_in_graph``). ``parallelize`` and the backend call it, so that importing fxtp
+    does not import dynamo."""
+    for fn in COLLECTIVES:
+        torch.compiler.allow_in_graph(fn)

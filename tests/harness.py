@@ -88,8 +88,8 @@ class RankPool:
         for p, q in zip(self.procs, self.tasks):
             if graceful:
                 q.put(None)
-        for p in self.procs:
-            p.join(timeout=10 if graceful else 0.1)
+        for p in self.procs:  # a rank still exiting after 3 s (a compile worker pool) is killed
+            p.join(timeout=3 if graceful else 0.1)
             if p.is_alive():
                 p.kill()
                 p.join()

@@ -27,7 +27,6 @@ def _llama_with_loss():
 # name -> (model, plan, inputs[, input placements])
 CASES = {
     "mlp": (models.MLP, models.MLP_PLAN, [_x(B, T, D)]),
-    "attention_block": (lambda: models.Stack(n_layers=1), models.STACK_PLAN, [_x(B, T, D)]),
     "llama": (lambda: tm.Llama(tm.LlamaConfig(n_layers=1)), llama_plan(), [TOKENS]),
     # sequence + loss parallel with the loss inside the graph
     "llama_sp_loss": (_llama_with_loss,

@@ -36,7 +36,7 @@ def gpt2_parity(rank, world):
     return counts, gm.fxtp.param_placements
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, 4])
 def test_gpt2_vocabulary_and_six_heads_at_parity(pools, world):
     """Vocab-parallel embedding, colwise head with gathered logits (tied), attention and
     MLP: parity in fp64 with no fallback (strict) and Megatron's counts."""
@@ -57,9 +57,9 @@ def nanogpt_parity(rank, world):
 
 
 def test_loss_parallel_on_an_uneven_vocabulary(pools):
-    """nanoGPT's loss on 50257 classes dealt over 3 ranks (16753, 16753, 16751), never
-    gathered: its 3 all-reduces count each class once."""
-    fwd, bwd = pool_of(pools, 3).run(nanogpt_parity)[0]
+    """nanoGPT's loss on 50257 classes dealt over 2 ranks (25129, 25128), never gathered:
+    its 3 all-reduces count each class once."""
+    fwd, bwd = pool_of(pools, 2).run(nanogpt_parity)[0]
     assert fwd == {"all_reduce": 2 * L + 1 + 3}
     assert bwd == {"all_reduce": 2 * L + 1}
 

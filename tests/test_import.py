@@ -1,0 +1,29 @@
+"""Importing fxtp is light: the plan vocabulary loads, the passes and dynamo do not until a
+name that traces or compiles is used; the "fxtp" torch.compile backend is found by name through the
+installed package's entry point, without importing fxtp."""
+import subprocess
+import sys
+
+
+def run(code: str) -> str:
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip()
+
+
+def test_import_fxtp_loads_neither_dynamo_nor_the_passes():
+    assert run("import sys, fxtp\n"
+               "print('torch._dynamo' in sys.modules, 'fxtp.parallelize' in sys.modules, "
+               "'parallelize' in dir(fxtp))\n"
+               "print(fxtp.parallelize.__module__, 'fxtp.parallelize' in sys.modules)\n"
+               "try:\n    fxtp.paralelize\nexcept AttributeError as e:\n    print(e)"
+               ).splitlines() == ["False False True", "fxtp.parallelize True",
+                                  "module 'fxtp' has no attribute 'paralelize'"]
+
+
+def test_the_compile_backend_is_found_by_name_without_importing_fxtp():
+    assert run("import sys; from torch._dynamo.backends.registry import lookup_backend; "
+               "backend = lookup_backend('fxtp'); "
+               "print(backend.__module__, 'fxtp.parallelize' in sys.modules)"
+               ) == "fxtp.backend False"
