@@ -7,6 +7,8 @@ backend is a ``torch_dynamo_backends`` entry point (setup.cfg): ``torch.compile(
 backend="fxtp")`` finds it by name.
 """
 import importlib
+import sys
+import types
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
@@ -46,3 +48,17 @@ def __getattr__(name: str):
 
 def __dir__():
     return sorted(set(globals()) | set(_ON_FIRST_USE))
+
+
+class _Package(types.ModuleType):
+    """fxtp's module type: importing a submodule named like the function it defines
+    (``fxtp.parallelize``, ``fxtp.explain``) binds the function, not the submodule, as the
+    package attribute (the import system sets it after running the submodule)."""
+
+    def __setattr__(self, name, value):
+        if name in _ON_FIRST_USE and isinstance(value, types.ModuleType):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -27,3 +27,11 @@ def test_the_compile_backend_is_found_by_name_without_importing_fxtp():
                "backend = lookup_backend('fxtp'); "
                "print(backend.__module__, 'fxtp.parallelize' in sys.modules)"
                ) == "fxtp.backend False"
+
+
+def test_a_submodule_named_like_its_function_does_not_shadow_it():
+    """``fxtp.parallelize`` and ``fxtp.explain`` stay the functions after their modules
+    are imported (here by ``fxtp.dump``, which imports both)."""
+    assert run("import types, fxtp, fxtp.dump\n"
+               "print([type(getattr(fxtp, n)).__name__ for n in ('parallelize', 'explain')])"
+               ) == "['function', 'function']"
