@@ -49,7 +49,7 @@ from typing import Sequence
 
 import torch
 
-from .placement import UnitShard, local_blocks, local_range
+from .placement import UnitShard, local_range
 
 _c10d = torch.ops._c10d_functional
 
@@ -88,7 +88,7 @@ def _all_gather(x: torch.Tensor, dim: int, world: int, group: str,
     if isinstance(blocks, int):
         out = out.unflatten(dim + 1, (blocks, -1))
         return out.movedim(0, dim + 1).flatten(dim, dim + 2).contiguous()
-    pieces = out.split(local_blocks(blocks, 0, world), dim + 1)
+    pieces = out.split([b // world for b in blocks], dim + 1)
     return torch.cat([p.movedim(0, dim).flatten(dim, dim + 1) for p in pieces], dim)
 
 

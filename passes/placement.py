@@ -147,19 +147,18 @@ def cut_in_blocks(dim: int, sizes) -> Placement:
     return BlockShard(dim, sizes)
 
 
+def block_sizes(p, size: int) -> list[int]:
+    """The global size of each block of a dim of ``size`` placed ``p`` (one block for
+    ``Shard``)."""
+    cut = blocks(p)
+    return [size // cut] * cut if isinstance(cut, int) else list(cut)
+
+
 def block_bounds(p, size: int) -> list[tuple[int, int]]:
     """The global ``(start, end)`` of each block of a blocked dim of ``size``."""
-    cut = blocks(p)
-    sizes = [size // cut] * cut if isinstance(cut, int) else list(cut)
+    sizes = block_sizes(p, size)
     ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
     return [(end - b, end) for b, end in zip(sizes, ends)]
-
-
-def local_blocks(sizes, size: int, world: int) -> list[int]:
-    """This rank's length of each block (:func:`blocks` ``sizes``) of a dim of ``size``."""
-    if isinstance(sizes, int):
-        return [size // (sizes * world)] * sizes
-    return [b // world for b in sizes]
 
 
 def with_dim(p, dim: int):
@@ -195,10 +194,9 @@ def local_part(value: torch.Tensor, p, rank: int, world: int) -> torch.Tensor:
         return value
     if isinstance(p, UnitShard):
         return value.narrow(p.dim, *local_range(p, value.shape[p.dim], rank, world))
-    cut = blocks(p)
-    if cut == 1:
+    if blocks(p) == 1:
         return value.chunk(world, p.dim)[rank]
-    sizes = [value.shape[p.dim] // cut] * cut if isinstance(cut, int) else list(cut)
+    sizes = block_sizes(p, value.shape[p.dim])
     if sum(sizes) != value.shape[p.dim] or any(b % world for b in sizes):
         raise ValueError(f"{describe(p)}: dim {p.dim} of size {value.shape[p.dim]} does not "
                          f"divide into blocks {sizes} of {world} shards each")

@@ -28,7 +28,7 @@ def _llama_with_loss():
 CASES = {
     "mlp": (models.MLP, models.MLP_PLAN, [_x(B, T, D)]),
     "llama": (lambda: tm.Llama(tm.LlamaConfig(n_layers=1)), llama_plan(), [TOKENS]),
-    # sequence + loss parallel with the loss inside the graph
+    # tensor + sequence + loss parallel with the loss inside the graph
     "llama_sp_loss": (_llama_with_loss,
                       {f"lm.{k}": v for k, v in tm.llama_sp_plan(loss_parallel=True).items()},
                       [TOKENS, TOKENS.roll(-1, 1)]),
@@ -41,7 +41,10 @@ def train(rank, world, case, backend="inductor", dtype=torch.float32):
                           input_placements=placements[0] if placements else None)
 
 
-@pytest.mark.parametrize("case", CASES)
+# "llama" (TP alone) compiles with inductor in the backend test below and in
+# test_checkpointing.py; here it runs with -m slow only, to keep the suite's time
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "llama" else c
+                                  for c in CASES])
 def test_compiled_training_matches_eager(ranks2, case):
     counts = ranks2.run(train, case)[0]
     assert counts["compiled"] == counts["eager"]  # inductor lowers every collective as is
