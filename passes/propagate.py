@@ -88,8 +88,7 @@ def _propagate_call(node: fx.Node, world: int) -> str | None:
     for ins, out in rule.strategies(node, world, actual):
         if writes and ins[0] != actual[0]:
             continue  # an in-place op writes the caller's tensor, as it is placed
-        cost = sum(transition_cost(a, r, v, world) for a, r, v in zip(actual, ins, in_vals)
-                   if r is not None)
+        cost = inputs_cost(actual, ins, in_vals, world)
         if best is None or cost < best[0]:
             best = (cost, ins, out)
     if best is None:
@@ -181,3 +180,9 @@ def _gathers(node, rule, actual, needed, world, where) -> str | None:
 def _pack(node, outs: tuple):
     return outs if isinstance(val(node), (tuple, list)) else outs[0]
 
+
+def inputs_cost(actual, needed, vals, world: int) -> float:
+    """What turning inputs placed ``actual`` into ``needed`` (``None``: read as is) costs:
+    bytes sent per rank plus a latency term per collective (:func:`transition_cost`)."""
+    return sum(transition_cost(a, r, v, world) for a, r, v in zip(actual, needed, vals)
+               if r is not None)

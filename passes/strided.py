@@ -30,8 +30,8 @@ from torch.distributed.tensor import Shard
 
 from .graph import INPUTS, PLACEMENT, layout, module_fqn, placement_of, tensor_inputs, val
 from .placement import (UnitShard, block_bounds, cut_in_blocks, is_blocked, is_replicate,
-                        transition_cost, with_dim)
-from .propagate import propagate
+                        with_dim)
+from .propagate import inputs_cost, propagate
 from .rules import rule_for
 
 
@@ -75,10 +75,10 @@ def redistribution_costs(gm: fx.GraphModule, world: int) -> Counter:
     costs = Counter()
     for node in gm.graph.nodes:
         needed = node.meta.get(INPUTS) if node.op == "call_function" else None
-        for arg, p in zip(tensor_inputs(node), needed or ()):
-            if p is not None:
-                costs[module_fqn(node)] += transition_cost(placement_of(arg), p, val(arg),
-                                                           world)
+        if needed:
+            args = tensor_inputs(node)
+            costs[module_fqn(node)] += inputs_cost([placement_of(a) for a in args], needed,
+                                                   [val(a) for a in args], world)
     return costs
 
 
@@ -109,8 +109,8 @@ def _users_layout(fused: fx.Node, world: int):
     size = val(fused).shape[wanted[0].dim]
     ends = sorted({end for w in wanted for _, end in block_bounds(w, size)})
     merged = cut_in_blocks(wanted[0].dim, [b - a for a, b in zip([0] + ends, ends)])
-    actual = [merged] + [placement_of(a) for a in tensor_inputs(users[0])[1:]]
-    if all(_wanted(u, world, [merged] + actual[1:]) == merged for u in users):
+    if all(_wanted(u, world, [merged] + [placement_of(a) for a in tensor_inputs(u)[1:]])
+           == merged for u in users):
         return merged
     return None
 
