@@ -68,8 +68,8 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
                 device: Union[str, torch.device, None] = None,
                 dump_dir: Optional[str] = None,
                 checkpoint: Sequence[str] = (), modules: Sequence[str] = (),
-                dtensor_params: bool = True, param_dtype: Optional[torch.dtype] = None
-                ) -> fx.GraphModule:
+                dtensor_params: bool = True, param_dtype: Optional[torch.dtype] = None,
+                stamp_blocks: bool = True) -> fx.GraphModule:
     """Return this rank's tensor-parallel ``GraphModule`` for ``model`` under ``plan``: a
     style, a dict of FQN patterns to styles (or Hugging Face plan strings), or ``"auto"``
     (a Hugging Face model's own plan, :mod:`fxtp.hf_plans`).
@@ -118,6 +118,10 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
     traced as if cast (a trace records the casts its dtypes call for, and drops those that
     are no-ops), while the result keeps the model's parameters in their own dtype.
 
+    ``stamp_blocks``: blocks (elements of ``ModuleList`` s / ``ModuleDict`` s) with the same
+    code, shapes and plan are traced once and copied (:mod:`fxtp.stamping`); ``False``
+    traces every block (the result is the same, slower to get).
+
     ``dtensor_params``: parameters are ``DTensor`` s on the mesh (global shape, this rank's
     shard inside) that the graph reads locally (:mod:`fxtp.dtensor_params`), so
     ``torch.nn.utils.clip_grad_norm_``, ``state_dict()`` with DCP and FSDP2 see the global
@@ -142,7 +146,9 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
         runs_on = _device(None, group) if device.type == "meta" else device
         with swapped(model, fake_tensors({**meta, **recast}, runs_on)):
             gm, calls = trace(model, _cast(example_inputs, param_dtype), example_kwargs,
-                              shardings, dynamic_shapes, checkpointed)
+                              shardings, dynamic_shapes, checkpointed,
+                              _blocks(model) if stamp_blocks else (),
+                              {k: s.style for k, s in shardings.items()})
         for fqn in recast.keys() - meta.keys():  # the model's own tensors, not the recast
             owner, _, name = fqn.rpartition(".")
             gm.get_submodule(owner)._parameters[name] = model.get_parameter(fqn)

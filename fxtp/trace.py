@@ -22,6 +22,7 @@ from torch.amp.autocast_mode import _enter_autocast, _exit_autocast
 
 from .passes.graph import AUTOCAST, ModuleCall
 from .passes.recompute import REGION
+from .stamping import STAMPED, Stamper, Unstampable
 
 
 @torch.library.custom_op("fxtp::boundary", mutates_args=())
@@ -40,7 +41,8 @@ _boundary.register_autograd(lambda ctx, grad: (grad, None, None, None))
 
 
 def trace(model: torch.nn.Module, args: tuple, kwargs: Optional[dict],
-          boundaries: Iterable[str], dynamic_shapes=None, checkpointed: Iterable[str] = ()
+          boundaries: Iterable[str], dynamic_shapes=None, checkpointed: Iterable[str] = (),
+          blocks: Iterable[str] = (), plan: Optional[dict] = None
           ) -> tuple[fx.GraphModule, dict[str, ModuleCall]]:
     """Trace ``model(*args, **kwargs)``; return the graph module and the calls of the
     modules in ``boundaries`` (FQNs; ``""`` is the root, whose inputs are placeholders).
@@ -50,14 +52,36 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: Optional[dict],
     pass through). Activation-checkpoint regions (the model's non-reentrant
     ``torch.utils.checkpoint`` calls, and every call of the modules named in
     ``checkpointed``) are marked on their nodes for :mod:`fxtp.passes.recompute`; their
-    options are ``gm.meta[REGION]``."""
+    options are ``gm.meta[REGION]``.
+
+    ``blocks`` (FQNs) that are equivalent under ``plan`` (FQN -> style) are traced once
+    and stamped (:mod:`fxtp.stamping`); ``gm.meta[STAMPED]``: block -> the block it was
+    copied from."""
     boundaries = tuple(b for b in boundaries if b)
+    checkpointed = tuple(checkpointed)
+    blocks = list(blocks)
+    while True:
+        stamper = Stamper(model, blocks, plan or {}, (*boundaries, *checkpointed))
+        try:
+            gm, calls = _trace(model, args, kwargs, boundaries, dynamic_shapes, checkpointed,
+                               stamper)
+        except Unstampable as e:  # that kind of block is traced in full
+            blocks = [b for b in blocks if b not in stamper.same_kind(e.fqn)]
+            continue
+        for fqn in boundaries:
+            if fqn not in calls:
+                raise TraceError(f"module '{fqn}' is named by the plan but was not called "
+                                 f"while tracing; is it called in forward()?")
+        return gm, calls
+
+
+def _trace(model, args, kwargs, boundaries, dynamic_shapes, checkpointed, stamper):
     regions: dict[int, dict] = {}
     shapes: dict[str, tuple[int, int]] = {}
     try:
         with fx_traceback.preserve_node_meta(), \
                 _marking_checkpoints(model, checkpointed, regions), \
-                _marking_boundaries(model, boundaries, shapes):
+                _marking_boundaries(model, boundaries, shapes), stamper.tracing():
             ep = torch.export.export(model, tuple(args), kwargs=kwargs or {}, strict=False,
                                      dynamic_shapes=dynamic_shapes)
     except Exception as e:  # noqa: BLE001 - re-raised with a hint
@@ -79,16 +103,13 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: Optional[dict],
         gm = ep.module()
     _read_buffers_by_name(gm, model)
     _inline_regions(gm)
+    stamped = stamper.expand(gm, shapes, regions)
     _reject_higher_order_ops(gm)
     _drop_export_guards(gm)
     gm = fx.GraphModule(gm, gm.graph)  # without export's input-shape check hooks
     gm.meta[REGION] = regions
-    calls = _take_boundaries(gm.graph, shapes)
-    for fqn in boundaries:
-        if fqn not in calls:
-            raise TraceError(f"module '{fqn}' is named by the plan but was not called while "
-                             f"tracing; is it called in forward()?")
-    return gm, calls
+    gm.meta[STAMPED] = stamped
+    return gm, _take_boundaries(gm.graph, shapes)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,442 @@
+"""Tracing each distinct block once.
+
+A model's blocks (the elements of its ``ModuleList`` s and ``ModuleDict`` s) are mostly
+copies of one another. While ``torch.export`` traces the model, the first call of each
+kind of block is traced as usual (its *reference*), and every later call of an
+equivalent block becomes one ``fxtp::stamp`` node standing for it. After tracing,
+:meth:`Stamper.expand` replaces each stamp node by a copy of the reference's nodes that
+reads the block's own parameters and buffers, so the graph is the one a full trace gives:
+every pass after it sees every block.
+
+Blocks are equivalent when nothing a trace depends on differs:
+
+* the same class, parameters and buffers (names, shapes, dtypes, ``requires_grad``, ties),
+  submodules (names and classes), plan styles, checkpointed and kept modules (relative to
+  the block), and no hooks on its submodules;
+* the plain attributes the reference's forward *read* (``layer_idx``, ``is_sliding``, a
+  config object) are equal;
+* the call's arguments have the same structure, tensor metadata (symbolic sizes compared
+  as expressions) and non-tensor values.
+
+A call that fails a check is traced in full. A reference whose nodes do not form a closed
+region (a value kept on ``self`` and read outside, a graph input read directly, a
+higher-order op with subgraphs) makes the whole model traced again without stamping
+(:class:`Unstampable`).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Iterable, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from .passes.recompute import REGION
+
+STAMPED = "fxtp_stamped"  # gm.meta key: block FQN -> the FQN of the block it was copied from
+_OUTPUTS: dict[str, list[tuple]] = {}  # stamp key -> the reference's output tensor metadata
+_MODULE_STATE = frozenset(nn.Module().__dict__)  # nn.Module's bookkeeping, not attributes
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+          torch.memory_format)
+
+
+@torch.library.custom_op("fxtp::stamp", mutates_args=())
+def _stamp(inputs: list[torch.Tensor], key: str) -> list[torch.Tensor]:
+    """Stands for a call of a block equivalent to the reference ``key`` while tracing;
+    never left in a traced graph."""
+    raise RuntimeError("fxtp::stamp only exists while tracing")
+
+
+@_stamp.register_fake
+def _(inputs, key):
+    return [torch.empty_strided(shape, stride, dtype=dtype, device=device)
+            for shape, stride, dtype, device, _ in _OUTPUTS[key.rpartition(":")[0]]]
+
+
+_stamp.register_autograd(lambda ctx, grads: (None, None))
+
+
+class Unstampable(Exception):
+    """Block ``fqn``'s traced nodes cannot be copied for other blocks (``why``): its kind
+    is traced again without stamping."""
+
+    def __init__(self, fqn: str, why: str):
+        super().__init__(f"block '{fqn}' {why}")
+        self.fqn = fqn
+
+
+@dataclasses.dataclass
+class _Reference:
+    fqn: str
+    module: nn.Module
+    in_spec: pytree.TreeSpec
+    in_leaves: list  # non-tensor leaves as they are, tensors as their metadata
+    out_spec: Optional[pytree.TreeSpec] = None
+    out_leaves: list = dataclasses.field(default_factory=list)
+    reads: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # path -> attrs
+
+
+class Stamper:
+    """Stamps equivalent blocks of ``model`` while it is traced (:meth:`tracing`), then
+    expands the stamps in the traced graph (:meth:`expand`). ``blocks``: candidate FQNs;
+    ``plan``: FQN -> style; ``kept``: FQNs of modules whose calls must stay marked."""
+
+    def __init__(self, model: nn.Module, blocks: Iterable[str], plan: dict,
+                 kept: Iterable[str]):
+        self.model = model
+        self.key = f"{id(self)}"
+        kept = set(kept)
+        kinds: dict[tuple, list[str]] = {}
+        for fqn in dict.fromkeys(blocks):
+            signature = _signature(model, fqn, plan, kept)
+            if signature is not None:
+                kinds.setdefault(signature, []).append(fqn)
+        self.kind = {fqn: i for i, fqns in enumerate(kinds.values()) if len(fqns) > 1
+                     for fqn in fqns}
+        self.references: dict[int, _Reference] = {}
+        self.stamped: dict[str, str] = {}  # block FQN -> its reference's FQN
+        self._depth = 0  # > 0 inside a reference's forward: nested blocks trace in full
+        self._names = {}
+        for fqn, t in [*model.named_parameters(remove_duplicate=False),
+                       *model.named_buffers(remove_duplicate=False)]:
+            self._names.setdefault(id(t), fqn)
+        self.canonical = {fqn: self._names[id(t)] for fqn, t in
+                          [*model.named_parameters(remove_duplicate=False),
+                           *model.named_buffers(remove_duplicate=False)]}
+
+    def same_kind(self, fqn: str) -> list[str]:
+        """The blocks stamped from one trace with ``fqn``."""
+        return [f for f, kind in self.kind.items() if kind == self.kind.get(fqn)]
+
+    @contextlib.contextmanager
+    def tracing(self):
+        patched = []
+        for fqn in self.kind:
+            module = self.model.get_submodule(fqn)
+            if "forward" not in module.__dict__:
+                module.forward = self._forward(fqn, module, module.forward)
+                patched.append(module)
+        try:
+            yield self
+        finally:
+            for module in patched:
+                del module.forward
+            for kind in self.references:
+                _OUTPUTS.pop(f"{self.key}:{kind}", None)
+
+    def _forward(self, fqn: str, module: nn.Module, forward):
+        kind = self.kind[fqn]
+
+        def call(*args, **kwargs):
+            if self._depth:
+                return forward(*args, **kwargs)
+            reference = self.references.get(kind)
+            if reference is None:
+                return self._trace_reference(kind, fqn, module, forward, args, kwargs)
+            if reference.out_spec is None or not self._matches(reference, module, args,
+                                                                kwargs):
+                return forward(*args, **kwargs)
+            self.stamped[fqn] = reference.fqn
+            flat, _ = pytree.tree_flatten((args, kwargs))
+            outs = iter(torch.ops.fxtp.stamp(
+                [x for x in flat if isinstance(x, torch.Tensor)], f"{self.key}:{kind}:{fqn}"))
+            return pytree.tree_unflatten(
+                [next(outs) if isinstance(leaf, _Meta) else leaf
+                 for leaf in reference.out_leaves], reference.out_spec)
+        return call
+
+    def _trace_reference(self, kind, fqn, module, forward, args, kwargs):
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        reference = _Reference(fqn, module, spec, [_meta_or_value(x) for x in flat])
+        self.references[kind] = reference
+        tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+        if not tensors:
+            return forward(*args, **kwargs)  # no region to mark: never stamped
+        marks = iter(range(len(tensors)))
+        args, kwargs = pytree.tree_unflatten(
+            [torch.ops.fxtp.boundary(x, fqn, "stamp-in", str(next(marks)))
+             if isinstance(x, torch.Tensor) else x for x in flat], spec)
+        self._depth += 1
+        try:
+            with _recording_reads(module, reference.reads):
+                out = forward(*args, **kwargs)
+        finally:
+            self._depth -= 1
+        leaves, out_spec = pytree.tree_flatten(out)
+        if not any(isinstance(x, torch.Tensor) for x in leaves):
+            return out
+        reference.out_spec = out_spec
+        reference.out_leaves = [_meta_or_value(x) for x in leaves]
+        _OUTPUTS[f"{self.key}:{kind}"] = [m for m in reference.out_leaves
+                                          if isinstance(m, _Meta)]
+        marks = iter(range(len(leaves)))
+        return pytree.tree_unflatten(
+            [torch.ops.fxtp.boundary(x, fqn, "stamp-out", str(next(marks)))
+             if isinstance(x, torch.Tensor) else x for x in leaves], out_spec)
+
+    def _matches(self, reference: _Reference, module: nn.Module, args, kwargs) -> bool:
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        if spec != reference.in_spec:
+            return False
+        if not all(_same(_meta_or_value(x), r) for x, r in zip(flat, reference.in_leaves)):
+            return False
+        for path, names in reference.reads.items():
+            mine, theirs = module.get_submodule(path), reference.module.get_submodule(path)
+            if not all(_same(mine.__dict__.get(n, _MISSING), theirs.__dict__.get(n, _MISSING))
+                       for n in names):
+                return False
+        return True
+
+    # --- after tracing ---------------------------------------------------------------------
+
+    def expand(self, gm: fx.GraphModule, shapes: dict, regions: dict) -> dict[str, str]:
+        """Replace every stamp node in ``gm`` by a copy of its reference's nodes; extend
+        ``shapes`` (marked module calls) and ``regions`` (checkpoint regions) for the copies;
+        return block FQN -> reference FQN of the blocks stamped."""
+        graph = gm.graph
+        stamps = [n for n in graph.nodes if n.target is torch.ops.fxtp.stamp.default]
+        if not stamps:
+            self._unmark(graph)
+            return {}
+        spans = self._regions(graph)
+        attrs = {n.target: n for n in graph.nodes if n.op == "get_attr"}
+        first = next(iter(graph.nodes))
+        for stamp in stamps:
+            _, kind, fqn = stamp.args[1].split(":", 2)
+            reference = self.references[int(kind)]
+            self._copy(graph, stamp, fqn, reference, spans[reference.fqn], attrs, first,
+                       shapes, regions)
+        self._unmark(graph)
+        graph.lint()
+        return dict(self.stamped)
+
+    def _regions(self, graph: fx.Graph) -> dict[str, list[fx.Node]]:
+        """Each stamped reference's nodes, from its first input mark to its last output
+        mark; a :class:`Unstampable` unless they form a closed region."""
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        marks: dict[str, list[fx.Node]] = {}
+        for node in graph.nodes:
+            if node.target is torch.ops.fxtp.boundary.default and \
+                    node.args[2] in ("stamp-in", "stamp-out"):
+                marks.setdefault(node.args[1], []).append(node)
+        spans = {}
+        for reference in self.references.values():
+            if reference.fqn not in marks or reference.fqn not in self.stamped.values():
+                continue
+            found = marks[reference.fqn]
+            begin = min(order[n] for n in found if n.args[2] == "stamp-in")
+            end = max(order[n] for n in found if n.args[2] == "stamp-out")
+            nodes = [n for n in graph.nodes if begin <= order[n] <= end]
+            inside = set(nodes)
+            prefix = reference.fqn + "."
+            for node in nodes:
+                if node.target is torch.ops.fxtp.boundary.default and \
+                        node.args[2] in ("stamp-in", "stamp-out") and \
+                        node.args[1] != reference.fqn:
+                    raise Unstampable(reference.fqn, f"overlaps '{node.args[1]}'")
+                is_in = node.target is torch.ops.fxtp.boundary.default and \
+                    node.args[2] == "stamp-in"
+                for arg in node.all_input_nodes:
+                    if arg.op == "get_attr" and isinstance(getattr_path(graph, arg.target),
+                                                           fx.GraphModule):
+                        raise Unstampable(reference.fqn, "calls a higher-order op")
+                    if arg not in inside and not is_in and arg.op != "get_attr":
+                        raise Unstampable(reference.fqn, f"reads '{arg.name}', which is "
+                                          f"not among its arguments")
+                    if arg.op == "get_attr" and not arg.target.startswith(prefix) and \
+                            arg.target in self.canonical:
+                        raise Unstampable(reference.fqn, f"reads '{arg.target}', another "
+                                          f"module's state")
+                if not (node.target is torch.ops.fxtp.boundary.default and
+                        node.args[2] == "stamp-out"):
+                    for user in node.users:
+                        if user not in inside:
+                            raise Unstampable(reference.fqn, f"leaves '{node.name}' to be "
+                                              f"read outside its outputs")
+            spans[reference.fqn] = nodes
+        return spans
+
+    def _copy(self, graph, stamp, fqn, reference, nodes, attrs, first, shapes, regions):
+        """Put a copy of ``nodes`` (the reference's) in place of ``stamp`` (block ``fqn``)."""
+        inputs = stamp.args[0]
+        env: dict[fx.Node, object] = {}
+        outs: list = []
+        marked: set[str] = set()  # modules whose first call this copy marks
+        prefix = reference.fqn + "."
+        outer = _region(next(n for n in nodes if n.args[2:3] == ("stamp-in",)))
+        fresh: dict = {outer: _region(stamp)}
+
+        def outside(arg: fx.Node) -> fx.Node:
+            if arg.op != "get_attr" or not arg.target.startswith(prefix):
+                return arg
+            target = self.canonical[fqn + "." + arg.target[len(prefix):]]
+            if target not in attrs:
+                with graph.inserting_before(first):
+                    attrs[target] = graph.get_attr(target)
+                attrs[target].meta = dict(arg.meta)
+            return attrs[target]
+
+        with graph.inserting_before(stamp):
+            for node in nodes:
+                if node.target is torch.ops.fxtp.boundary.default:
+                    value, owner, kind, key = node.args
+                    if kind == "stamp-in":
+                        env[node] = inputs[int(key)]
+                        continue
+                    if kind == "stamp-out":
+                        outs.append(env[value] if value in env else outside(value))
+                        continue
+                    mine = fqn + owner[len(reference.fqn):]
+                    if mine in shapes and mine not in marked:  # a later call: unmarked
+                        env[node] = env[value] if value in env else outside(value)
+                        continue
+                    shapes[mine] = shapes[owner]
+                    marked.add(mine)
+                copy = graph.node_copy(node, lambda a: env[a] if a in env else outside(a))
+                if copy.target is torch.ops.fxtp.boundary.default:
+                    copy.args = (copy.args[0], fqn + owner[len(reference.fqn):], *copy.args[2:])
+                copy.meta = self._meta(node.meta, stamp, reference.fqn, fqn, fresh, regions)
+                env[node] = copy
+        for user in list(stamp.users):
+            out = outs[user.args[1]]
+            if getattr(out.meta.get("val"), "requires_grad", None) != \
+                    getattr(user.meta.get("val"), "requires_grad", None):
+                raise Unstampable(reference.fqn, f"output {user.args[1]} of '{fqn}': "
+                                  f"gradient flags differ")
+            user.replace_all_uses_with(out)
+            graph.erase_node(user)
+        graph.erase_node(stamp)
+
+    def _meta(self, meta: dict, stamp: fx.Node, reference: str, fqn: str, fresh: dict,
+              regions: dict) -> dict:
+        """A copied node's meta: its module stack moved under ``fqn``, its checkpoint
+        region the stamp's own (the reference's outer region) or a new one per copy."""
+        meta = dict(meta)
+        stack = list((stamp.meta.get("nn_module_stack") or {}).items())
+        inner = list((meta.get("nn_module_stack") or {}).items())
+        at = next((i for i, (_, (path, _)) in enumerate(inner) if path == reference), None)
+        if at is not None:
+            moved = [(key[:len(key) - len(path)] + fqn + path[len(reference):]
+                      if key.endswith(path) else key, (fqn + path[len(reference):], kind))
+                     for key, (path, kind) in inner[at + 1:]]
+            meta["nn_module_stack"] = dict(stack + moved)
+        custom = meta.get("custom")
+        if custom and REGION in custom:
+            region = custom[REGION]
+            if region not in fresh:
+                fresh[region] = len(regions)
+                regions[fresh[region]] = regions[region]
+            meta["custom"] = {**custom, REGION: fresh[region]}
+            if fresh[region] is None:
+                del meta["custom"][REGION]
+        return meta
+
+    @staticmethod
+    def _unmark(graph: fx.Graph) -> None:
+        for node in list(graph.nodes):
+            if node.target is torch.ops.fxtp.boundary.default and \
+                    node.args[2] in ("stamp-in", "stamp-out"):
+                node.replace_all_uses_with(node.args[0])
+                graph.erase_node(node)
+
+
+def _region(node: fx.Node):
+    return (node.meta.get("custom") or {}).get(REGION)
+
+
+def getattr_path(graph: fx.Graph, target: str):
+    obj = graph.owning_module
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+# --- equivalence ---------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Meta:
+    shape: tuple
+    stride: tuple
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+
+    def __iter__(self):
+        return iter((self.shape, self.stride, self.dtype, self.device, self.requires_grad))
+
+
+_MISSING = object()
+
+
+def _meta_or_value(x):
+    if isinstance(x, torch.Tensor):
+        return _Meta(tuple(x.shape), tuple(x.stride()), x.dtype, x.device, x.requires_grad)
+    return x
+
+
+def _same(a, b) -> bool:
+    """Equal as a trace sees them, without guarding on symbolic sizes."""
+    if a is b:
+        return True
+    if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
+        return isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt) and \
+            a.node.expr == b.node.expr
+    if isinstance(a, _Meta) and isinstance(b, _Meta):
+        return all(_same(x, y) for x, y in zip((a.shape, a.stride), (b.shape, b.stride))) \
+            and (a.dtype, a.device, a.requires_grad) == (b.dtype, b.device, b.requires_grad)
+    if isinstance(a, (tuple, list)) and type(a) is type(b):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and isinstance(a, _PLAIN) and a == b
+
+
+def _signature(model: nn.Module, fqn: str, plan: dict, kept: set) -> Optional[tuple]:
+    """What two blocks must share to be stamped from one trace; ``None``: never stamped
+    (hooks on its submodules, which a stamp would not run)."""
+    block = model.get_submodule(fqn)
+    prefix = fqn + "."
+    for name, sub in block.named_modules():
+        if name and (sub._forward_hooks or sub._forward_pre_hooks or
+                     sub._backward_hooks or sub._backward_pre_hooks):
+            return None
+    if nn.modules.module._global_forward_hooks or \
+            nn.modules.module._global_forward_pre_hooks:
+        return None
+    first: dict[int, str] = {}
+    state = tuple((name, tuple(t.shape), t.dtype, t.requires_grad, type(t),
+                   first.setdefault(id(t), name))
+                  for name, t in [*block.named_parameters(remove_duplicate=False),
+                                  *block.named_buffers(remove_duplicate=False)])
+    modules = tuple((name, type(m)) for name, m in block.named_modules())
+    styles = tuple(sorted((k[len(prefix):], repr(v)) for k, v in plan.items()
+                          if k.startswith(prefix) or k == fqn))
+    marked = tuple(sorted(k[len(prefix):] for k in kept if k.startswith(prefix) or k == fqn))
+    return type(block), state, modules, styles, marked
+
+
+@contextlib.contextmanager
+def _recording_reads(block: nn.Module, reads: dict[str, set[str]]):
+    """Record, per submodule path, the plain attributes read on ``block``'s modules."""
+    swapped = []
+    for path, module in block.named_modules():
+        cls = type(module)
+        seen = reads.setdefault(path, set())
+
+        def get(self, name, _cls=cls, _seen=seen):
+            if name not in _MODULE_STATE and name in object.__getattribute__(self, "__dict__"):
+                _seen.add(name)
+            return _cls.__getattribute__(self, name)
+        try:
+            module.__class__ = type(cls.__name__, (cls,), {
+                "__getattribute__": get, "__module__": cls.__module__,
+                "__qualname__": cls.__qualname__})
+        except TypeError:
+            continue
+        swapped.append((module, cls))
+    try:
+        yield
+    finally:
+        for module, cls in swapped:
+            module.__class__ = cls

@@ -1,0 +1,205 @@
+"""Blocks traced once and stamped (:mod:`fxtp.stamping`): the program is the one tracing
+every block gives (each module's code, collectives forward and backward, numerics), and
+a block that differs in shape, plan or a value its forward reads gets its own trace."""
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+import fxtp
+from fxtp.llama import (Llama, LlamaConfig, TransformerBlock, llama_sp_plan,
+                        llama_tp_plan)
+from fxtp.stamping import STAMPED
+from tests.parity import check_parity
+
+LAYERS = 4
+TOKENS = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+def llama():
+    return Llama(LlamaConfig(n_layers=LAYERS, n_heads=8, n_kv_heads=8))
+
+
+def llama_with_an_odd_middle_block():
+    """Layer 2 has grouped-query attention (4 KV heads), the others do not: its k and v
+    projections are half as wide."""
+    model = llama()
+    model.layers[2] = TransformerBlock(LlamaConfig(n_heads=8, n_kv_heads=4))
+    return model
+
+
+class ScaledBlock(TransformerBlock):
+    """Reads ``self.layer_idx`` in forward: blocks equal in shape, not in program."""
+
+    def __init__(self, cfg, layer_idx):
+        super().__init__(cfg)
+        self.layer_idx = layer_idx
+
+    def forward(self, x, freqs):
+        return super().forward(x, freqs) * (1.0 + 0.5 * self.layer_idx)
+
+
+def llama_reading_layer_idx():
+    model = llama()
+    cfg = LlamaConfig(n_heads=8, n_kv_heads=8)
+    model.layers = nn.ModuleList(ScaledBlock(cfg, i) for i in range(LAYERS))
+    return model
+
+
+class Stash(nn.Module):
+    """A block keeping a value on ``self`` that its parent reads after the loop."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(32, 32)
+
+    def forward(self, x):
+        self.seen = x.sum(-1)
+        return self.proj(x).relu()
+
+
+class StashingStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(Stash() for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x + self.layers[1].seen.unsqueeze(-1)
+
+
+def programs(gm: fx.GraphModule) -> dict[str, list[str]]:
+    """Each graph module's program, nodes named by position (a copy's node names follow
+    the nodes around it)."""
+    def program(graph):
+        names = {n: f"v{i}" for i, n in enumerate(graph.nodes)}
+        return [f"{names[n]} = {n.op} {'' if n.op == 'placeholder' else n.target} "
+                f"{fx.node.map_arg((n.args, n.kwargs), names.__getitem__)}"
+                for n in graph.nodes]
+    return {name: program(m.graph) for name, m in gm.named_modules()
+            if isinstance(m, fx.GraphModule)}
+
+
+def collectives(gm, inputs):
+    with fxtp.count_collectives() as fwd:
+        out = gm(*inputs)
+    with fxtp.count_collectives() as bwd:
+        out.float().square().sum().backward()
+    return dict(fwd.counts), dict(bwd.counts)
+
+
+def stamped_and_traced(make_model, plan, world, inputs=(TOKENS,), **kwargs):
+    torch.manual_seed(0)
+    model = make_model()
+    return [fxtp.parallelize(model, plan, example_inputs=inputs, stamp_blocks=stamp,
+                             **kwargs) for stamp in (True, False)]
+
+
+@pytest.mark.parametrize("plan", [llama_tp_plan(), llama_sp_plan()], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_identical_blocks_are_traced_once_into_the_traced_program(fake_group, plan, world):
+    fake_group(world)
+    stamped, traced = stamped_and_traced(llama, plan, world)
+    assert stamped.meta[STAMPED] == {f"layers.{i}": "layers.0" for i in range(1, LAYERS)}
+    assert traced.meta[STAMPED] == {}
+    assert programs(stamped) == programs(traced)
+    assert list(stamped.state_dict()) == list(traced.state_dict())
+    counts = collectives(stamped, (TOKENS,))
+    assert counts == collectives(traced, (TOKENS,))
+    if len(plan) == len(llama_sp_plan()):
+        # per layer: 2 gathers in, 2 scatters out, one bucket of norm-weight gradients;
+        # the embedding's scatter, the head's gathers and the final norm's bucket
+        assert counts == ({"all_gather": 2 * LAYERS + 2, "reduce_scatter": 2 * LAYERS + 1},
+                          {"all_gather": 2 * LAYERS + 1, "reduce_scatter": 2 * LAYERS + 1,
+                           "all_reduce": LAYERS + 1})
+    else:  # per layer 2 all-reduces each way; the embedding's, the head's
+        assert counts == ({"all_reduce": 2 * LAYERS + 1, "all_gather": 1},
+                          {"all_reduce": 2 * LAYERS + 1})
+    assert stamped.fxtp.fallbacks == []
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_block_of_another_shape_gets_its_own_trace(fake_group, world):
+    fake_group(world)
+    stamped, traced = stamped_and_traced(llama_with_an_odd_middle_block, llama_tp_plan(),
+                                         world)
+    assert stamped.meta[STAMPED] == {"layers.1": "layers.0", "layers.3": "layers.0"}
+    assert programs(stamped) == programs(traced)
+    assert collectives(stamped, (TOKENS,)) == collectives(traced, (TOKENS,))
+    wk = dict(stamped.named_parameters())
+    assert wk["layers.2.attention.wk.weight"].shape[0] == \
+        wk["layers.1.attention.wk.weight"].shape[0] // 2
+
+
+def test_a_block_planned_differently_gets_its_own_trace(fake_group):
+    """Layer 1's feed-forward is left replicated: one all-reduce fewer each way."""
+    fake_group(2)
+    plan = {k.replace("*", str(i)): v for i in range(LAYERS) for k, v in
+            llama_tp_plan().items() if "*" in k and not (i == 1 and "feed_forward" in k)}
+    plan.update({k: v for k, v in llama_tp_plan().items() if "*" not in k})
+    stamped, traced = stamped_and_traced(llama, plan, 2)
+    assert stamped.meta[STAMPED] == {"layers.2": "layers.0", "layers.3": "layers.0"}
+    assert programs(stamped) == programs(traced)
+    counts = collectives(stamped, (TOKENS,))
+    assert counts == collectives(traced, (TOKENS,))
+    assert counts == ({"all_reduce": 2 * LAYERS, "all_gather": 1},
+                      {"all_reduce": 2 * LAYERS})
+
+
+def test_blocks_differing_in_an_attribute_their_forward_reads_are_each_traced(fake_group):
+    fake_group(2)
+    stamped, traced = stamped_and_traced(llama_reading_layer_idx, llama_tp_plan(), 2)
+    assert stamped.meta[STAMPED] == {}
+    assert programs(stamped) == programs(traced)
+
+
+def test_an_attribute_no_forward_reads_does_not_prevent_stamping(fake_group):
+    fake_group(2)
+
+    def model():
+        m = llama()
+        for i, layer in enumerate(m.layers):
+            layer.layer_idx = i  # set, never read
+        return m
+    stamped, traced = stamped_and_traced(model, llama_tp_plan(), 2)
+    assert stamped.meta[STAMPED] == {f"layers.{i}": "layers.0" for i in range(1, LAYERS)}
+    assert programs(stamped) == programs(traced)
+
+
+def test_a_block_whose_values_escape_is_traced_in_full(fake_group):
+    """``self.seen``, read by the parent, is not among the block's outputs: stamping
+    would lose it, so every block is traced."""
+    fake_group(2)
+    x = torch.randn(2, 8, 32)
+    plan = {"layers.*.proj": fxtp.ColwiseParallel()}
+    stamped, traced = stamped_and_traced(StashingStack, plan, 2, inputs=(x,))
+    assert stamped.meta[STAMPED] == {}
+    assert programs(stamped) == programs(traced)
+
+
+def test_checkpointed_blocks_are_stamped_with_a_region_each(fake_group):
+    fake_group(2)
+    stamped, traced = stamped_and_traced(llama, llama_sp_plan(), 2,
+                                         checkpoint=["layers.*"])
+    assert len(stamped.meta[STAMPED]) == LAYERS - 1
+    assert programs(stamped) == programs(traced)
+    assert collectives(stamped, (TOKENS,)) == collectives(traced, (TOKENS,))
+
+
+def odd_block_parity(rank, world, dtype):
+    counts = check_parity(rank, world, llama_with_an_odd_middle_block, llama_sp_plan(),
+                          [TOKENS], dtype=dtype, input_grads=False)
+    stamped = fxtp.parallelize(llama_with_an_odd_middle_block(), llama_sp_plan(),
+                               example_inputs=(TOKENS,)).meta[STAMPED]
+    return counts, stamped
+
+
+def test_stamped_blocks_train_like_single_device(ranks):
+    """Forward, every gradient and 3 AdamW steps (fp64) on the model with an odd middle
+    block, stamped, against the single-device model."""
+    (fwd, bwd), stamped = ranks.run(odd_block_parity, torch.float64)[0]
+    assert stamped == {"layers.1": "layers.0", "layers.3": "layers.0"}
+    assert fwd == {"all_gather": 2 * LAYERS + 2, "reduce_scatter": 2 * LAYERS + 1}
+    assert bwd == {"all_gather": 2 * LAYERS + 1, "reduce_scatter": 2 * LAYERS + 1,
+                   "all_reduce": LAYERS + 1}
