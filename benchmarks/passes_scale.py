@@ -1,17 +1,20 @@
-"""How fxtp's passes scale: wall time and peak host memory of ``parallelize`` for Llama-3-8B
-and -70B shapes built on the meta device, at world size 8 on a fake process group (no data
-moves; the shards stay on the meta device: the passes alone are measured), and how time grows with the layer count (a
-least-squares line, with its R^2).
+"""How fxtp's passes scale: wall time and peak host memory of ``parallelize`` for Llama-3-8B,
+-70B and -405B shapes built on the meta device, under torchtitan's plan (TP + sequence
+parallel), at world size 8 on a fake process group (no data moves; the shards stay on the
+meta device: the passes alone are measured), and how time grows with the layer count (a
+least-squares line, with its R^2). Identical blocks are traced once and stamped
+(:mod:`fxtp.stamping`).
 
 Each point runs in a fresh process, so its peak RSS is its own; a 1-layer model is
 parallelized first (the first call in a process pays torch.export's one-time set-up,
 reported as ``first_call_setup_s``), then the timed one.
 
-    python -m benchmarks.passes_scale           # 8B at 4..32 layers, 70B at 80
+    python -m benchmarks.passes_scale           # 8B at 4..32 layers, 70B at 80, 405B at 126
     python -m benchmarks.passes_scale --quick   # 8B at 2 and 4 layers
 
 The import times of ``torch`` and of ``fxtp`` (fresh processes, median of 5) are recorded
-beside them (``import_s``).
+beside them (``import_s``), and the end-to-end time of ``python -m fxtp explain`` on the 8B
+shape (``explain_cli_s``).
 
 Results: ``benchmarks/results/passes_scale.json`` and ``passes_scale.png``.
 """
@@ -29,8 +32,12 @@ SHAPES = {  # Meta's Llama-3 configurations
                ffn_dim_multiplier=1.3),
     "70B": dict(dim=8192, n_heads=64, n_kv_heads=8, vocab_size=128256, multiple_of=4096,
                 ffn_dim_multiplier=1.3),
+    "405B": dict(dim=16384, n_heads=128, n_kv_heads=8, vocab_size=128256, multiple_of=4096,
+                 ffn_dim_multiplier=1.2),
 }
-TARGET_8B_S = 10.0
+TARGETS_S = {"8B": 3.0, "70B": 5.0, "405B": 8.0}  # at full depth: 32, 80, 126 layers
+TARGET_SLOPE_S = 0.02  # per extra identical layer
+TARGET_EXPLAIN_S = 6.0
 
 
 def one(shape: str, layers: int, world: int = 8) -> dict:
@@ -43,18 +50,18 @@ def one(shape: str, layers: int, world: int = 8) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import fxtp
-    from fxtp.llama import Llama, LlamaConfig, llama_tp_plan
+    from fxtp.llama import Llama, LlamaConfig, llama_sp_plan
     dist.init_process_group("fake", store=FakeStore(), rank=world - 1, world_size=world)
     tokens = torch.randint(0, 100, (1, 16))
     start = time.perf_counter()  # first use in a process: torch.export's one-time set-up
     with torch.device("meta"):
         small = Llama(LlamaConfig(n_layers=1, max_seq_len=64, **SHAPES[shape]))
-    fxtp.parallelize(small, llama_tp_plan(), example_inputs=(tokens,), device="meta")
+    fxtp.parallelize(small, llama_sp_plan(), example_inputs=(tokens,), device="meta")
     warm_up = time.perf_counter() - start
     with torch.device("meta"):
         model = Llama(LlamaConfig(n_layers=layers, max_seq_len=64, **SHAPES[shape]))
     start = time.perf_counter()
-    gm = fxtp.parallelize(model, llama_tp_plan(), example_inputs=(tokens,), device="meta")
+    gm = fxtp.parallelize(model, llama_sp_plan(), example_inputs=(tokens,), device="meta")
     seconds = time.perf_counter() - start
     return {"shape": shape, "layers": layers, "seconds": seconds, "first_call_setup_s": warm_up,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -70,6 +77,22 @@ def import_seconds(module: str, repeats: int = 5) -> float:
     return statistics.median(
         float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              check=True).stdout) for _ in range(repeats))
+
+
+def explain_cli_seconds(repeats: int = 3) -> float:
+    """Median wall time of the README's ``python -m fxtp explain`` of the 8B shape (a new
+    process each: imports included)."""
+    import statistics
+    import time
+    command = [sys.executable, "-m", "fxtp", "explain", "--model",
+               "benchmarks.explain_llama:model", "--plan", "benchmarks.explain_llama:plan",
+               "--world-size", "8", "--input", "1x8192:int64", "--seq-parallel"]
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        subprocess.run(command, capture_output=True, check=True)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def fit(points: list[dict]) -> dict:
@@ -92,7 +115,7 @@ def main(argv=None):
         print(json.dumps(one(args.one[0], int(args.one[1]))))
         return None
     runs = [("8B", 2), ("8B", 4)] if args.quick else \
-        [("8B", n) for n in (4, 8, 16, 32)] + [("70B", 80)]
+        [("8B", n) for n in (4, 8, 16, 32)] + [("70B", 80), ("405B", 126)]
     points = []
     for shape, layers in runs:
         out = subprocess.run([sys.executable, "-m", "benchmarks.passes_scale", "--one", shape,
@@ -108,8 +131,11 @@ def main(argv=None):
           f"(R^2 {line['r2']:.4f})")
     imports = {module: import_seconds(module) for module in ("torch", "fxtp")}
     print("import: " + ", ".join(f"{m} {t:.2f} s" for m, t in imports.items()))
-    report = {"world": 8, "points": points, "fit_8B": line, "target_8B_s": TARGET_8B_S,
-              "import_s": imports}
+    cli = explain_cli_seconds()
+    print(f"python -m fxtp explain, 8B shape, world 8, sequence parallel: {cli:.2f} s")
+    report = {"world": 8, "plan": "llama_sp_plan", "points": points, "fit_8B": line,
+              "targets_s": TARGETS_S, "target_slope_s": TARGET_SLOPE_S,
+              "import_s": imports, "explain_cli_s": cli, "target_explain_s": TARGET_EXPLAIN_S}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "passes_scale.json").write_text(json.dumps(report, indent=2))
     plot(points, line, RESULTS / "passes_scale.png")
@@ -121,14 +147,14 @@ def plot(points: list[dict], line: dict, path: pathlib.Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
-    for shape, marker in (("8B", "o"), ("70B", "s")):
+    for shape, marker in (("8B", "o"), ("70B", "s"), ("405B", "^")):
         mine = [p for p in points if p["shape"] == shape]
         ax.plot([p["layers"] for p in mine], [p["seconds"] for p in mine], marker,
                 label=f"Llama-3-{shape} shapes")
     top = max(p["layers"] for p in points)
     ax.plot([0, top], [line["intercept_s"], line["intercept_s"] + line["seconds_per_layer"] * top],
             "--", label=f"fit (8B): {line['seconds_per_layer']:.3f} s/layer")
-    ax.axhline(TARGET_8B_S, color="grey", lw=0.5)
+    ax.axhline(TARGETS_S["8B"], color="grey", lw=0.5)
     ax.set_xlabel("layers")
     ax.set_ylabel("parallelize wall time (s)")
     ax.set_title("fxtp passes, world 8 (fake group), meta device")

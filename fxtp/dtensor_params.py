@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .passes.collectives import _all_gather, _gather_units
-from .passes.graph import attr
+from .passes.graph import attr, recompile_alone
 from .passes.placement import (BlockShard, UnitShard, dtensor_placement, is_sharded, is_whole,
                                local_part)
 
@@ -141,7 +141,7 @@ def _read_locally(gm: fx.GraphModule) -> None:
                 local.meta["nn_module_stack"] = dict(users[0].meta.get("nn_module_stack", {}))
             node.replace_all_uses_with(local, delete_user_cb=lambda u: u is not local)
     graph.lint()
-    gm.recompile()
+    recompile_alone(gm)
 
 
 def _holds_dtensor(gm: fx.GraphModule, target: str) -> bool:

@@ -56,7 +56,9 @@ class Dumper:
         self.files: dict[str, str] = {}
 
     def code(self, stage: str, gm: fx.GraphModule) -> None:
-        self._add(f"{stage}.py", gm.code.lstrip("\n"))
+        """The code of ``gm``'s graph as it is now (passes leave recompiling to the end)."""
+        if self.directory is not None:
+            self._add(f"{stage}.py", gm.graph.python_code("self").src.lstrip("\n"))
 
     def placements(self, gm: fx.GraphModule) -> None:
         if self.directory is None:

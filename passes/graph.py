@@ -81,6 +81,16 @@ def module_fqn(node: fx.Node) -> str:
     return fqns[-1] if fqns else ""
 
 
+def recompile_alone(gm: fx.GraphModule) -> None:
+    """``gm.recompile()`` for a pass that edited ``gm``'s graph alone: the code of the
+    graph modules below it is left as it is (``recompile`` regenerates all of it)."""
+    gm.__dict__["_recompile_submodules"] = list  # called with no arguments: []
+    try:
+        gm.recompile()
+    finally:
+        del gm.__dict__["_recompile_submodules"]
+
+
 def attr(module: torch.nn.Module, target: str):
     """What a ``get_attr`` target (a dotted path) names in ``module``."""
     owner, _, name = target.rpartition(".")

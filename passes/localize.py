@@ -29,7 +29,9 @@ aten = torch.ops.aten
 
 
 def localize(gm: fx.GraphModule, group) -> None:
-    """``group``: the :class:`~fxtp.mesh.Group` the module runs on."""
+    """``group``: the :class:`~fxtp.mesh.Group` the module runs on. Edits ``gm.graph``
+    (and recompiles the ``torch.cond`` branches it edits); recompiling ``gm`` is left to
+    the caller, which edits it further."""
     rank, world = group.rank, group.world
     graph = gm.graph
     localized: set[str] = set()
@@ -37,6 +39,7 @@ def localize(gm: fx.GraphModule, group) -> None:
     for node in list(graph.nodes):
         for branch in branches(gm, node):  # torch.cond: each branch is localized alike
             localize(branch, group)
+            branch.recompile()
         if node.op == "call_function":
             rule = rule_for(node.target)
             if rule is not None:
@@ -50,7 +53,6 @@ def localize(gm: fx.GraphModule, group) -> None:
             localized.add(node.target)
             _localize_attr(gm, node.target, node.meta.get(PLACEMENT), rank, world, shards)
     graph.lint()
-    gm.recompile()
 
 
 def _globalize_size(graph, node, world):

@@ -22,7 +22,7 @@ from typing import Iterable, Optional
 import torch.fx as fx
 import torch.nn as nn
 
-from .graph import COLLECTIVE, attr
+from .graph import COLLECTIVE, attr, recompile_alone
 from .recompute import call_submodule, run_checkpointed
 
 
@@ -62,7 +62,7 @@ def outline_modules(gm: fx.GraphModule, fqns: Iterable[str], model: nn.Module) -
     _rebuild_containers(gm, model)
     _follow_order(gm, model)
     gm.graph.lint()
-    gm.recompile()
+    recompile_alone(gm)
     return sorted(skipped)
 
 
@@ -81,17 +81,23 @@ def _outline(gm: fx.GraphModule, base: str, outlined: set, names: dict, model) -
     below = {f for f in outlined if not base or f.startswith(base + ".")}
     children = {f for f in below if not any(a in below for a in _ancestors(f))}
     owner = _owners(gm.graph, children)
+    parts: dict[str, list[fx.Node]] = {}  # in the order of their first nodes
+    for node in gm.graph.nodes:
+        if owner.get(node) is not None:
+            parts.setdefault(owner[node], []).append(node)
     skipped: list[str] = []
-    for child in sorted(children, key=lambda c: _first(gm.graph, owner, c)):
-        part = [n for n in gm.graph.nodes if owner.get(n) == child]
-        if not part or not _convex(gm.graph, set(part)):
+    for child in sorted(children - parts.keys()):  # no nodes of its own
+        skipped += [child] + [f for f in below if f.startswith(child + ".")]
+    for child, part in parts.items():
+        part.sort()  # in the graph's order (an extraction may have moved nodes after it)
+        if not _convex(part):
             skipped += [child] + [f for f in below if f.startswith(child + ".")]
             continue
         sub = _extract(gm, part, base, child, names, type(model.get_submodule(child)))
         skipped += _outline(sub, child, outlined, names, model)
     if children:
         gm.graph.lint()
-        gm.recompile()
+        recompile_alone(gm)
     return skipped
 
 
@@ -122,18 +128,18 @@ def _owners(graph: fx.Graph, children: set) -> dict[fx.Node, Optional[str]]:
     return owner
 
 
-def _first(graph, owner, child) -> int:
-    return next(i for i, n in enumerate(graph.nodes) if owner.get(n) == child) \
-        if any(o == child for o in owner.values()) else 0
-
-
-def _convex(graph: fx.Graph, part: set) -> bool:
-    """No value leaves ``part`` and flows back into it."""
+def _convex(part: list[fx.Node]) -> bool:
+    """No value leaves ``part`` and flows back into it. Such a path runs between the
+    part's first and last nodes, so only the nodes in between are looked at."""
+    inside = set(part)
+    first, last = min(part), max(part)
     tainted: set[fx.Node] = set()
-    for node in graph.nodes:
-        reached = any(a in part or a in tainted for a in node.all_input_nodes)
-        if node in part:
-            if any(a in tainted for a in node.all_input_nodes):
+    node = first
+    while node is not last:
+        node = node.next
+        reached = [a for a in node.all_input_nodes if a in inside or a in tainted]
+        if node in inside:
+            if any(a in tainted for a in reached):
                 return False
         elif reached:
             tainted.add(node)
@@ -196,18 +202,21 @@ def _local_name(gm, target: str, base: str, prefix: str, names: dict) -> Optiona
 def _call(graph: fx.Graph, part: list, inputs: list, outputs: list, target: str) -> None:
     """Replace ``part`` by one ``call_module``: placed after its last input, with the
     nodes in between that use its results moved after it."""
-    nodes = list(graph.nodes)
-    position = {n: i for i, n in enumerate(nodes)}
     inside = set(part)
-    start = max([position[part[0]]] + [position[a] + 1 for a in inputs])
+    last_input = max(inputs, default=None)
     later: list[fx.Node] = []
-    tainted = set(inside)
-    for node in nodes[position[part[0]]:start]:
-        if node not in inside and any(a in tainted for a in node.all_input_nodes):
-            tainted.add(node)
-            later.append(node)
-    anchor = nodes[start] if start < len(nodes) else None
-    with graph.inserting_before(anchor) if anchor is not None else graph.inserting_after():
+    if last_input is None or last_input < part[0]:
+        where = graph.inserting_before(part[0])
+    else:
+        where = graph.inserting_before(last_input.next)
+        tainted = set(inside)
+        node = part[0]
+        while node is not last_input:
+            node = node.next
+            if node not in inside and any(a in tainted for a in node.all_input_nodes):
+                tainted.add(node)
+                later.append(node)
+    with where:
         call = graph.call_module(target, tuple(inputs))
         call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
         results = [call] if len(outputs) == 1 else \

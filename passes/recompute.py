@@ -29,6 +29,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts, noop_context_fn)
 
 from .collectives import KINDS
+from .graph import recompile_alone
 from .rewrite import computed_from_parameters
 
 REGION = "fxtp_checkpoint"
@@ -70,7 +71,7 @@ def outline_checkpoints(gm: fx.GraphModule, options: dict[int, dict]) -> list[nn
         called += _outline(gm, span, options.get(region, {}), f"{PREFIX}{i}")
     if spans:
         gm.graph.lint()
-        gm.recompile()
+        recompile_alone(gm)
     return called
 
 

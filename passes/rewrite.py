@@ -37,7 +37,9 @@ def rewrite(gm: fx.GraphModule, group: str, rank: int, world: int,
     gradient syncs of replicated values given partial gradients. ``scope(node)``: the FQN
     of the outermost module the program keeps as a submodule around ``node``
     (:mod:`fxtp.passes.modules`); parameters' gradient syncs are bucketed per scope, at its
-    start, so each such module reads only its own parameters."""
+    start, so each such module reads only its own parameters. Edits ``gm.graph`` (and
+    recompiles the ``torch.cond`` branches it edits); recompiling ``gm`` is left to the
+    caller, which edits it further."""
     graph = gm.graph
     made: dict[tuple[fx.Node, str], fx.Node] = {}
 
@@ -70,9 +72,9 @@ def rewrite(gm: fx.GraphModule, group: str, rank: int, world: int,
             graph.erase_node(node)
         for branch in branches(gm, node):  # torch.cond: each branch is rewritten alike
             rewrite(branch, group, rank, world)
+            branch.recompile()
     _sync_partial_grads(graph, group, scope or (lambda node: ""))
     graph.lint()
-    gm.recompile()
 
 
 _KINDS = {"all_reduce": collectives.all_reduce, "reduce_scatter": collectives.reduce_scatter,
