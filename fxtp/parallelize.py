@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .passes.collectives import allow_in_dynamo_graphs
 from .passes.buffers import shard_written_buffers
 from .passes.localize import localize
-from .passes.modules import outline_modules, scope_of
+from .passes.modules import generate_code, outline_modules, scope_of
 from .passes.graph import PLACEMENT
 from .passes.propagate import propagate
 from .passes.recompute import REGION, outline_checkpoints
@@ -170,7 +170,8 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
         dump.placements(gm)
         for message in fallbacks:
             warnings.warn("fxtp: " + message, stacklevel=2)
-        rewrite(gm, group.name, group.rank, group.world, lambda n: scope_of(n, blocks))
+        outlined = frozenset(blocks)
+        rewrite(gm, group.name, group.rank, group.world, lambda n: scope_of(n, outlined))
         dump.code("rewritten", gm)
         localize(gm, group)
         attrs = [n for n in gm.graph.nodes if n.op == "get_attr" and PLACEMENT in n.meta]
@@ -189,6 +190,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
             if id(module) not in recomputed:
                 for called in outline_checkpoints(module, gm.meta[REGION]):
                     recomputed.update(id(m) for m in called.modules())
+        generate_code(gm)
         dump.code("localized", gm)
         gm.fxtp = _info(gm, model, shardings, group, fallbacks, placements, shapes,
                         device_mesh)

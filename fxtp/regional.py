@@ -13,6 +13,7 @@ from typing import Iterable, Optional
 
 import torch.fx as fx
 import torch.nn as nn
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 
 def compile_blocks(gm: nn.Module, blocks: Optional[Iterable[str]] = None,
@@ -60,6 +61,12 @@ def _share_classes(block: nn.Module, like: nn.Module) -> None:
     """Give each graph module of ``block`` the class of its counterpart in ``like`` (the
     classes ``GraphModule`` makes per instance, holding the generated ``forward``)."""
     for (_, mine), (_, theirs) in zip(block.named_modules(), like.named_modules()):
-        if isinstance(mine, fx.GraphModule) and type(mine).__bases__ == (fx.GraphModule,) \
-                and type(theirs).__bases__ == (fx.GraphModule,):
+        if isinstance(mine, fx.GraphModule) and _generated(type(mine)) and \
+                _generated(type(theirs)):
             mine.__class__ = type(theirs)
+
+
+def _generated(cls: type) -> bool:
+    """Is ``cls`` the class a graph module was made with (not one wrapping it, e.g.
+    FSDP's)?"""
+    return cls.__bases__ in ((fx.GraphModule,), (_LazyGraphModule,))

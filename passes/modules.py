@@ -9,6 +9,10 @@ names. So ``gm.layers[0]`` is a module whose ``forward`` runs inside the parent'
 original model. Containers the model never calls (``nn.ModuleList`` / ``ModuleDict``) are
 rebuilt as such; other modules that are not outlined hold only tensors.
 
+Outlined modules generate their code when first called (``torch.fx``'s lazy graph
+modules), so the passes after this one edit them without regenerating it each time;
+:func:`generate_code` generates it once they are done.
+
 A module is outlined when it is named, called exactly once, and its nodes can be one call
 (no path leaves them and comes back); otherwise its nodes stay in its parent's graph and
 its FQN is returned as not outlined. A tensor is read by the graph of the module holding
@@ -17,10 +21,11 @@ it, or passed in as an argument where another module reads it (a tied weight).
 from __future__ import annotations
 
 import operator
-from typing import Iterable, Optional
+from typing import AbstractSet, Iterable, Optional
 
 import torch.fx as fx
 import torch.nn as nn
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from .graph import COLLECTIVE, attr, recompile_alone
 from .recompute import call_submodule, run_checkpointed
@@ -36,9 +41,8 @@ def called_modules(graph: fx.Graph) -> dict[str, int]:
     return {path: len(k) for path, k in keys.items()}
 
 
-def scope_of(node: fx.Node, outlined: Iterable[str]) -> str:
+def scope_of(node: fx.Node, outlined: AbstractSet[str]) -> str:
     """The outermost of ``outlined`` the node was traced in (``""``: the root)."""
-    outlined = set(outlined)
     return next((path for path in _paths(node) if path in outlined), "")
 
 
@@ -57,13 +61,25 @@ def outline_modules(gm: fx.GraphModule, fqns: Iterable[str], model: nn.Module) -
     names: dict[int, list[str]] = {}
     for name, t in tensors.items():
         names.setdefault(id(t), []).append(name)
-    skipped += _outline(gm, "", outlined, names, model)
+    children: dict[str, set[str]] = {}  # FQN ("": the root) -> the outlined just below it
+    for f in outlined:
+        parent = next((a for a in reversed(_ancestors(f)) if a in outlined), "")
+        children.setdefault(parent, set()).add(f)
+    skipped += _outline(gm, "", children, names, model)
     _place_tensors(gm, tensors, outlined - set(skipped), persistent)
     _rebuild_containers(gm, model)
     _follow_order(gm, model)
     gm.graph.lint()
     recompile_alone(gm)
     return sorted(skipped)
+
+
+def generate_code(gm: nn.Module) -> None:
+    """Generate the code of every outlined module below ``gm`` whose graph changed since
+    (each once: a parent's recompile only marks its children)."""
+    for module in gm.modules():
+        if isinstance(module, _LazyGraphModule):
+            module.real_recompile()
 
 
 def _ancestors(fqn: str) -> list[str]:
@@ -75,11 +91,13 @@ def _paths(node: fx.Node) -> list[str]:
     return [path for path, _ in (node.meta.get("nn_module_stack") or {}).values() if path]
 
 
-def _outline(gm: fx.GraphModule, base: str, outlined: set, names: dict, model) -> list[str]:
-    """Outline the outermost modules of ``outlined`` below ``base`` (``gm``'s FQN) in
-    ``gm``, then theirs in each; returns the FQNs left inline."""
-    below = {f for f in outlined if not base or f.startswith(base + ".")}
-    children = {f for f in below if not any(a in below for a in _ancestors(f))}
+def _outline(gm: fx.GraphModule, base: str, tree: dict[str, set[str]], names: dict, model
+             ) -> list[str]:
+    """Outline ``tree[base]`` (the modules to outline just below ``base``, ``gm``'s FQN)
+    in ``gm``, then theirs in each; returns the FQNs left inline."""
+    def left_inline(child):
+        return [child] + [f for c in tree.get(child, ()) for f in left_inline(c)]
+    children = tree.get(base, set())
     owner = _owners(gm.graph, children)
     parts: dict[str, list[fx.Node]] = {}  # in the order of their first nodes
     for node in gm.graph.nodes:
@@ -87,14 +105,14 @@ def _outline(gm: fx.GraphModule, base: str, outlined: set, names: dict, model) -
             parts.setdefault(owner[node], []).append(node)
     skipped: list[str] = []
     for child in sorted(children - parts.keys()):  # no nodes of its own
-        skipped += [child] + [f for f in below if f.startswith(child + ".")]
+        skipped += left_inline(child)
     for child, part in parts.items():
         part.sort()  # in the graph's order (an extraction may have moved nodes after it)
         if not _convex(part):
-            skipped += [child] + [f for f in below if f.startswith(child + ".")]
+            skipped += left_inline(child)
             continue
         sub = _extract(gm, part, base, child, names, type(model.get_submodule(child)))
-        skipped += _outline(sub, child, outlined, names, model)
+        skipped += _outline(sub, child, tree, names, model)
     if children:
         gm.graph.lint()
         recompile_alone(gm)
@@ -170,7 +188,7 @@ def _extract(gm: fx.GraphModule, part: list, base: str, fqn: str, names: dict, c
             attrs[held[n]] = attr(gm, n.target)
             env[n].target = held[n]
     body.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[o] for o in outputs))
-    sub = fx.GraphModule(attrs, body, class_name=cls.__name__)
+    sub = _LazyGraphModule(attrs, body, class_name=cls.__name__)  # code: see generate_code
     relative = fqn[len(base) + 1:] if base else fqn
     try:  # the holder it replaces: its tensors move along
         held = gm.get_submodule(relative)
@@ -240,7 +258,7 @@ def _place_tensors(gm: fx.GraphModule, tensors: dict, outlined: set, persistent:
     """Every parameter and buffer under each of its names, held by the deepest outlined
     module above it (those the graphs do not read included: nothing is dropped)."""
     for name, t in tensors.items():
-        holder = max((f for f in outlined if name.startswith(f + ".")), key=len, default="")
+        holder = next((a for a in reversed(_ancestors(name)) if a in outlined), "")
         module: nn.Module = gm.get_submodule(holder) if holder else gm
         _hold(module, name[len(holder) + 1:] if holder else name, t, name in persistent)
 
