@@ -143,7 +143,11 @@ def main(argv=None):
 
 
 def plot(points: list[dict], line: dict, path: pathlib.Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed: no {path.name}")
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))

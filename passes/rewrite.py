@@ -168,8 +168,13 @@ def _sync_partial_grads(graph: fx.Graph, group: str, scope) -> None:
     scoped: dict[str, dict] = {}
     for param, users in params.items():
         scoped.setdefault(scope(users[0]), {})[param] = users
+    in_scope: dict[str, list[fx.Node]] = {}  # each scope's computing nodes, in order
+    for node in graph.nodes:
+        if node.op not in ("placeholder", "get_attr"):
+            in_scope.setdefault(scope(node), []).append(node)
     for where, members in scoped.items():
-        _bucket_param_grad_syncs(graph, members, group, where, scope)
+        _bucket_param_grad_syncs(graph, members, group, where,
+                                 in_scope.get(where, ()) if where else graph.nodes)
 
 
 def computed_from_parameters(graph: fx.Graph) -> set:
@@ -193,12 +198,12 @@ def _pure(target) -> bool:
 
 
 def _bucket_param_grad_syncs(graph: fx.Graph, params: dict, group: str, where: str,
-                             scope) -> None:
+                             nodes) -> None:
     """One ``grad_sync_bucket`` for the replicated parameters (and values computed from
     parameters alone) read by sharded ops in scope ``where`` (sequence-parallel norm
     weights, rowwise biases added to sequence shards): they are computed at the scope's
-    start, and their partial users read the bucket's outputs."""
-    position = {n: i for i, n in enumerate(graph.nodes)}
+    start (the first of ``nodes``, its computing nodes, that is not one of them), and their
+    partial users read the bucket's outputs."""
     hoisted: set[fx.Node] = set()
     todo = list(params)
     while todo:
@@ -206,10 +211,10 @@ def _bucket_param_grad_syncs(graph: fx.Graph, params: dict, group: str, where: s
         if node not in hoisted:
             hoisted.add(node)
             todo += node.all_input_nodes
-    first = next(n for n in graph.nodes if n.op not in ("placeholder", "get_attr") and
-                 n not in hoisted and (not where or scope(n) == where))
+    first = next(n for n in nodes if n.op not in ("placeholder", "get_attr") and
+                 n not in hoisted)
     stack = stack_upto(next(iter(params.values()))[0], where)
-    for node in sorted(hoisted, key=position.__getitem__):
+    for node in sorted(hoisted):  # in the graph's order
         first.prepend(node)
         if node.op == "call_function":
             node.meta["nn_module_stack"] = dict(stack)
