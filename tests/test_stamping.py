@@ -96,8 +96,9 @@ def stamped_and_traced(make_model, plan, world, inputs=(TOKENS,), **kwargs):
                              **kwargs) for stamp in (True, False)]
 
 
-@pytest.mark.parametrize("plan", [llama_tp_plan(), llama_sp_plan()], ids=["tp", "tp+sp"])
-@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("plan, world", [(llama_tp_plan(), 2), (llama_sp_plan(), 2),
+                                         (llama_sp_plan(), 4), (llama_sp_plan(), 8)],
+                         ids=["tp-world2", "tp+sp-world2", "tp+sp-world4", "tp+sp-world8"])
 def test_identical_blocks_are_traced_once_into_the_traced_program(fake_group, plan, world):
     fake_group(world)
     stamped, traced = stamped_and_traced(llama, plan, world)
