@@ -16,17 +16,19 @@ Blocks are equivalent when nothing a trace depends on differs:
 * the plain attributes the reference's forward *read* (``layer_idx``, ``is_sliding``, a
   config object) are equal;
 * the call's arguments have the same structure, tensor metadata (symbolic sizes compared
-  as expressions) and non-tensor values.
+  as expressions) and non-tensor values, under the same grad mode and autocast state.
 
-A call that fails a check is traced in full. A reference whose nodes do not form a closed
-region (a value kept on ``self`` and read outside, a graph input read directly, a
-higher-order op with subgraphs) makes the whole model traced again without stamping
-(:class:`Unstampable`).
+A call that matches no reference of its kind is traced in full and becomes another
+reference (Gemma-2's sliding-window and global layers alternate: each stamps its own). A
+reference whose nodes do not form a closed region (a value kept on ``self`` and read
+outside, a graph input read directly, another module's state, a higher-order op with
+subgraphs) makes its kind traced again without stamping (:class:`Unstampable`).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import Iterable, Optional
 
 import torch
@@ -38,7 +40,8 @@ from .passes.recompute import REGION
 
 STAMPED = "fxtp_stamped"  # gm.meta key: block FQN -> the FQN of the block it was copied from
 _OUTPUTS: dict[str, list[tuple]] = {}  # stamp key -> the reference's output tensor metadata
-_MODULE_STATE = frozenset(nn.Module().__dict__)  # nn.Module's bookkeeping, not attributes
+# nn.Module's bookkeeping (``training`` is an attribute a forward reads)
+_MODULE_STATE = frozenset(nn.Module().__dict__) - {"training"}
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
           torch.memory_format)
 
@@ -71,9 +74,11 @@ class Unstampable(Exception):
 @dataclasses.dataclass
 class _Reference:
     fqn: str
+    kind: int
     module: nn.Module
     in_spec: pytree.TreeSpec
     in_leaves: list  # non-tensor leaves as they are, tensors as their metadata
+    modes: tuple  # grad mode and autocast state at the call
     out_spec: Optional[pytree.TreeSpec] = None
     out_leaves: list = dataclasses.field(default_factory=list)
     reads: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # path -> attrs
@@ -96,7 +101,7 @@ class Stamper:
                 kinds.setdefault(signature, []).append(fqn)
         self.kind = {fqn: i for i, fqns in enumerate(kinds.values()) if len(fqns) > 1
                      for fqn in fqns}
-        self.references: dict[int, _Reference] = {}
+        self.references: list[_Reference] = []  # the first call of each variant of a kind
         self.stamped: dict[str, str] = {}  # block FQN -> its reference's FQN
         self._depth = 0  # > 0 inside a reference's forward: nested blocks trace in full
         self._names = {}
@@ -124,8 +129,8 @@ class Stamper:
         finally:
             for module in patched:
                 del module.forward
-            for kind in self.references:
-                _OUTPUTS.pop(f"{self.key}:{kind}", None)
+            for index in range(len(self.references)):
+                _OUTPUTS.pop(f"{self.key}:{index}", None)
 
     def _forward(self, fqn: str, module: nn.Module, forward):
         kind = self.kind[fqn]
@@ -133,16 +138,18 @@ class Stamper:
         def call(*args, **kwargs):
             if self._depth:
                 return forward(*args, **kwargs)
-            reference = self.references.get(kind)
-            if reference is None:
+            index = next((i for i, r in enumerate(self.references) if r.kind == kind and
+                          r.out_spec is not None and self._matches(r, module, args, kwargs)),
+                         None)
+            if index is None:  # a variant of its kind (a sliding-window layer): traced
+                if any(r.fqn == fqn for r in self.references):  # a later call: as usual
+                    return forward(*args, **kwargs)
                 return self._trace_reference(kind, fqn, module, forward, args, kwargs)
-            if reference.out_spec is None or not self._matches(reference, module, args,
-                                                                kwargs):
-                return forward(*args, **kwargs)
+            reference = self.references[index]
             self.stamped[fqn] = reference.fqn
             flat, _ = pytree.tree_flatten((args, kwargs))
             outs = iter(torch.ops.fxtp.stamp(
-                [x for x in flat if isinstance(x, torch.Tensor)], f"{self.key}:{kind}:{fqn}"))
+                [x for x in flat if isinstance(x, torch.Tensor)], f"{self.key}:{index}:{fqn}"))
             return pytree.tree_unflatten(
                 [next(outs) if isinstance(leaf, _Meta) else leaf
                  for leaf in reference.out_leaves], reference.out_spec)
@@ -150,8 +157,10 @@ class Stamper:
 
     def _trace_reference(self, kind, fqn, module, forward, args, kwargs):
         flat, spec = pytree.tree_flatten((args, kwargs))
-        reference = _Reference(fqn, module, spec, [_meta_or_value(x) for x in flat])
-        self.references[kind] = reference
+        reference = _Reference(fqn, kind, module, spec, [_meta_or_value(x) for x in flat],
+                               _modes())
+        self.references.append(reference)
+        index = len(self.references) - 1
         tensors = [x for x in flat if isinstance(x, torch.Tensor)]
         if not tensors:
             return forward(*args, **kwargs)  # no region to mark: never stamped
@@ -170,8 +179,8 @@ class Stamper:
             return out
         reference.out_spec = out_spec
         reference.out_leaves = [_meta_or_value(x) for x in leaves]
-        _OUTPUTS[f"{self.key}:{kind}"] = [m for m in reference.out_leaves
-                                          if isinstance(m, _Meta)]
+        _OUTPUTS[f"{self.key}:{index}"] = [m for m in reference.out_leaves
+                                           if isinstance(m, _Meta)]
         marks = iter(range(len(leaves)))
         return pytree.tree_unflatten(
             [torch.ops.fxtp.boundary(x, fqn, "stamp-out", str(next(marks)))
@@ -179,7 +188,7 @@ class Stamper:
 
     def _matches(self, reference: _Reference, module: nn.Module, args, kwargs) -> bool:
         flat, spec = pytree.tree_flatten((args, kwargs))
-        if spec != reference.in_spec:
+        if spec != reference.in_spec or _modes() != reference.modes:
             return False
         if not all(_same(_meta_or_value(x), r) for x, r in zip(flat, reference.in_leaves)):
             return False
@@ -205,8 +214,8 @@ class Stamper:
         attrs = {n.target: n for n in graph.nodes if n.op == "get_attr"}
         first = next(iter(graph.nodes))
         for stamp in stamps:
-            _, kind, fqn = stamp.args[1].split(":", 2)
-            reference = self.references[int(kind)]
+            _, index, fqn = stamp.args[1].split(":", 2)
+            reference = self.references[int(index)]
             self._copy(graph, stamp, fqn, reference, spans[reference.fqn], attrs, first,
                        shapes, regions)
         self._unmark(graph)
@@ -223,7 +232,7 @@ class Stamper:
                     node.args[2] in ("stamp-in", "stamp-out"):
                 marks.setdefault(node.args[1], []).append(node)
         spans = {}
-        for reference in self.references.values():
+        for reference in self.references:
             if reference.fqn not in marks or reference.fqn not in self.stamped.values():
                 continue
             found = marks[reference.fqn]
@@ -377,10 +386,21 @@ def _meta_or_value(x):
     return x
 
 
+def _modes() -> tuple:
+    """What a call traces differently under: grad mode and each device's autocast."""
+    return (torch.is_grad_enabled(),) + tuple(
+        (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
+
+
 def _same(a, b) -> bool:
-    """Equal as a trace sees them, without guarding on symbolic sizes."""
+    """Equal as a trace sees them, without guarding on symbolic sizes; objects other than
+    plain values, containers of them and ``functools.partial`` s only if identical."""
     if a is b:
         return True
+    if isinstance(a, functools.partial) and type(a) is type(b):
+        return a.func is b.func and _same(a.args, b.args) and _same(a.keywords, b.keywords)
+    if isinstance(a, dict) and type(a) is type(b):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
         return isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt) and \
             a.node.expr == b.node.expr

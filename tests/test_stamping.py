@@ -69,6 +69,32 @@ class StashingStack(nn.Module):
         return x + self.layers[1].seen.unsqueeze(-1)
 
 
+class Projection(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.proj(x).relu()
+
+
+class AutocastSecond(nn.Module):
+    """The second block runs under autocast (bf16), the others in fp32: the same code,
+    given the same arguments, traces differently."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(Projection() for _ in range(4))
+
+    def forward(self, x):
+        x = self.layers[0](x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            x = self.layers[1](x)
+        for layer in self.layers[2:]:
+            x = layer(x.float())
+        return x
+
+
 def programs(gm: fx.GraphModule) -> dict[str, list[str]]:
     """Each graph module's program, nodes named by position (a copy's node names follow
     the nodes around it)."""
@@ -165,6 +191,35 @@ def test_an_attribute_no_forward_reads_does_not_prevent_stamping(fake_group):
         return m
     stamped, traced = stamped_and_traced(model, llama_tp_plan(), 2)
     assert stamped.meta[STAMPED] == {f"layers.{i}": "layers.0" for i in range(1, LAYERS)}
+    assert programs(stamped) == programs(traced)
+
+
+def gemma2():
+    """Hugging Face's Gemma-2: sliding-window and global attention layers alternate (each
+    reads its own ``sliding_window``), and each MLP holds its own ``functools.partial``
+    activation."""
+    from tests.corpus import _hf
+    return _hf("Gemma2Config", "Gemma2ForCausalLM", attn_implementation="eager",
+               sliding_window=8, query_pre_attn_scalar=4, pad_token_id=0,
+               num_hidden_layers=LAYERS, use_cache=False)
+
+
+def test_alternating_layers_each_stamp_their_own_kind(fake_group):
+    fake_group(2)
+    stamped, traced = stamped_and_traced(gemma2, "auto", 2, inputs=(TOKENS,))
+    assert stamped.meta[STAMPED] == {"model.layers.2": "model.layers.0",
+                                     "model.layers.3": "model.layers.1"}
+    assert programs(stamped) == programs(traced)
+    assert stamped.fxtp.fallbacks == []
+    torch.testing.assert_close(stamped(TOKENS).logits, traced(TOKENS).logits)
+
+
+def test_a_block_called_under_autocast_is_not_stamped_from_one_called_without(fake_group):
+    fake_group(2)
+    x = torch.randn(2, 8, 32)
+    plan = {"layers.*.proj": fxtp.ColwiseParallel()}
+    stamped, traced = stamped_and_traced(AutocastSecond, plan, 2, inputs=(x,))
+    assert stamped.meta[STAMPED] == {"layers.3": "layers.2"}
     assert programs(stamped) == programs(traced)
 
 
