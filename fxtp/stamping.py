@@ -13,8 +13,10 @@ Blocks are equivalent when nothing a trace depends on differs:
 * the same class, parameters and buffers (names, shapes, dtypes, ``requires_grad``, ties),
   submodules (names and classes), plan styles, checkpointed and kept modules (relative to
   the block), and no hooks on its submodules;
-* the plain attributes the reference's forward *read* (``layer_idx``, ``is_sliding``, a
-  config object) are equal;
+* the attributes of their own (``__dict__`` entries, ``__slots__`` slots, ``training``)
+  that the reference's forward *read* (``layer_idx``, ``sliding_window``, a config
+  object) are equal: plain values and ``functools.partial`` s by value, other objects by
+  identity;
 * the call's arguments have the same structure, tensor metadata (symbolic sizes compared
   as expressions) and non-tensor values, under the same grad mode and autocast state.
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import types
 from typing import Iterable, Optional
 
 import torch
@@ -175,8 +178,9 @@ class Stamper:
         finally:
             self._depth -= 1
         leaves, out_spec = pytree.tree_flatten(out)
-        if not any(isinstance(x, torch.Tensor) for x in leaves):
-            return out
+        if UNRECORDED in reference.reads or not any(isinstance(x, torch.Tensor)
+                                                    for x in leaves):
+            return out  # never stamped (its input marks are removed after tracing)
         reference.out_spec = out_spec
         reference.out_leaves = [_meta_or_value(x) for x in leaves]
         _OUTPUTS[f"{self.key}:{index}"] = [m for m in reference.out_leaves
@@ -194,8 +198,7 @@ class Stamper:
             return False
         for path, names in reference.reads.items():
             mine, theirs = module.get_submodule(path), reference.module.get_submodule(path)
-            if not all(_same(mine.__dict__.get(n, _MISSING), theirs.__dict__.get(n, _MISSING))
-                       for n in names):
+            if not all(_same(_own(mine, n), _own(theirs, n)) for n in names):
                 return False
         return True
 
@@ -378,12 +381,23 @@ class _Meta:
 
 
 _MISSING = object()
+UNRECORDED = "\0unrecorded"  # reads key: modules whose reads could not be recorded
 
 
 def _meta_or_value(x):
     if isinstance(x, torch.Tensor):
         return _Meta(tuple(x.shape), tuple(x.stride()), x.dtype, x.device, x.requires_grad)
     return x
+
+
+def _own(module: nn.Module, name: str):
+    """``module``'s own value of attribute ``name`` (its ``__dict__`` or a slot)."""
+    if name in module.__dict__:
+        return module.__dict__[name]
+    try:
+        return object.__getattribute__(module, name)
+    except AttributeError:
+        return _MISSING
 
 
 def _modes() -> tuple:
@@ -438,21 +452,27 @@ def _signature(model: nn.Module, fqn: str, plan: dict, kept: set) -> Optional[tu
 
 @contextlib.contextmanager
 def _recording_reads(block: nn.Module, reads: dict[str, set[str]]):
-    """Record, per submodule path, the plain attributes read on ``block``'s modules."""
+    """Record, per submodule path, the attributes of their own (``__dict__`` entries and
+    ``__slots__`` slots) read on ``block``'s modules; a module whose class cannot be
+    swapped for the recording one (a scripted module) is listed under
+    ``reads[UNRECORDED]``."""
     swapped = []
     for path, module in block.named_modules():
         cls = type(module)
         seen = reads.setdefault(path, set())
 
         def get(self, name, _cls=cls, _seen=seen):
-            if name not in _MODULE_STATE and name in object.__getattribute__(self, "__dict__"):
-                _seen.add(name)
+            if name not in _MODULE_STATE and (
+                    name in object.__getattribute__(self, "__dict__") or
+                    isinstance(getattr(_cls, name, None), types.MemberDescriptorType)):
+                _seen.add(name)  # an attribute of its own, or a __slots__ slot
             return _cls.__getattribute__(self, name)
         try:
             module.__class__ = type(cls.__name__, (cls,), {
                 "__getattribute__": get, "__module__": cls.__module__,
                 "__qualname__": cls.__qualname__})
         except TypeError:
+            reads.setdefault(UNRECORDED, set()).add(path)
             continue
         swapped.append((module, cls))
     try:

@@ -95,6 +95,38 @@ class AutocastSecond(nn.Module):
         return x
 
 
+class SlottedScale(nn.Module):
+    """Keeps its factor in a ``__slots__`` slot."""
+    __slots__ = ("factor",)
+
+    def __init__(self, factor):
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x):
+        return x * self.factor
+
+
+class SlottedBlock(Projection):
+    def __init__(self, factor):
+        super().__init__()
+        self.scale = SlottedScale(factor)
+
+    def forward(self, x):
+        return self.scale(super().forward(x))
+
+
+class SlottedStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(SlottedBlock(1.0 + i) for i in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
 def programs(gm: fx.GraphModule) -> dict[str, list[str]]:
     """Each graph module's program, nodes named by position (a copy's node names follow
     the nodes around it)."""
@@ -220,6 +252,16 @@ def test_a_block_called_under_autocast_is_not_stamped_from_one_called_without(fa
     plan = {"layers.*.proj": fxtp.ColwiseParallel()}
     stamped, traced = stamped_and_traced(AutocastSecond, plan, 2, inputs=(x,))
     assert stamped.meta[STAMPED] == {"layers.3": "layers.2"}
+    assert programs(stamped) == programs(traced)
+
+
+def test_blocks_differing_in_a_slot_their_forward_reads_are_each_traced(fake_group):
+    """Each block's factor sits in a ``__slots__`` slot, outside ``__dict__``."""
+    fake_group(2)
+    x = torch.randn(2, 8, 32)
+    plan = {"layers.*.proj": fxtp.ColwiseParallel()}
+    stamped, traced = stamped_and_traced(SlottedStack, plan, 2, inputs=(x,))
+    assert stamped.meta[STAMPED] == {}
     assert programs(stamped) == programs(traced)
 
 
