@@ -246,34 +246,31 @@ def test_alternating_layers_each_stamp_their_own_kind(fake_group):
     torch.testing.assert_close(stamped(TOKENS).logits, traced(TOKENS).logits)
 
 
+def stamped_projections(make_model) -> dict:
+    """The blocks stamped in a stack of :class:`Projection` s (colwise at world 2), once
+    its program is checked to be the fully traced one."""
+    plan = {"layers.*.proj": fxtp.ColwiseParallel()}
+    stamped, traced = stamped_and_traced(make_model, plan, 2, inputs=(torch.randn(2, 8, 32),))
+    assert programs(stamped) == programs(traced)
+    return stamped.meta[STAMPED]
+
+
 def test_a_block_called_under_autocast_is_not_stamped_from_one_called_without(fake_group):
     fake_group(2)
-    x = torch.randn(2, 8, 32)
-    plan = {"layers.*.proj": fxtp.ColwiseParallel()}
-    stamped, traced = stamped_and_traced(AutocastSecond, plan, 2, inputs=(x,))
-    assert stamped.meta[STAMPED] == {"layers.3": "layers.2"}
-    assert programs(stamped) == programs(traced)
+    assert stamped_projections(AutocastSecond) == {"layers.3": "layers.2"}
 
 
 def test_blocks_differing_in_a_slot_their_forward_reads_are_each_traced(fake_group):
     """Each block's factor sits in a ``__slots__`` slot, outside ``__dict__``."""
     fake_group(2)
-    x = torch.randn(2, 8, 32)
-    plan = {"layers.*.proj": fxtp.ColwiseParallel()}
-    stamped, traced = stamped_and_traced(SlottedStack, plan, 2, inputs=(x,))
-    assert stamped.meta[STAMPED] == {}
-    assert programs(stamped) == programs(traced)
+    assert stamped_projections(SlottedStack) == {}
 
 
 def test_a_block_whose_values_escape_is_traced_in_full(fake_group):
     """``self.seen``, read by the parent, is not among the block's outputs: stamping
     would lose it, so every block is traced."""
     fake_group(2)
-    x = torch.randn(2, 8, 32)
-    plan = {"layers.*.proj": fxtp.ColwiseParallel()}
-    stamped, traced = stamped_and_traced(StashingStack, plan, 2, inputs=(x,))
-    assert stamped.meta[STAMPED] == {}
-    assert programs(stamped) == programs(traced)
+    assert stamped_projections(StashingStack) == {}
 
 
 def test_checkpointed_blocks_are_stamped_with_a_region_each(fake_group):
