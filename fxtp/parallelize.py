@@ -32,7 +32,7 @@ from .passes.errors import PlanError
 from .guards import check_fresh, check_same_on_every_rank, guard_inputs
 from .materialize import fake_tensors, materialize, meta_tensors, swapped
 from .mesh import resolve_group
-from .plan import Plan, module_fqns, resolve_plan, tied_names
+from .plan import Plan, block_fqns, module_fqns, resolve_plan, tied_names
 from .trace import trace
 
 
@@ -133,7 +133,8 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
     check_fresh(model)
     shardings = resolve_plan(model, plan, strict)
     checkpointed = module_fqns(model, checkpoint, "checkpoint pattern")
-    blocks = [*_blocks(model), *checkpointed, *module_fqns(model, modules, "modules pattern")]
+    repeated = block_fqns(model)
+    blocks = [*repeated, *checkpointed, *module_fqns(model, modules, "modules pattern")]
     kept = [*shardings, *blocks]
     group = resolve_group(mesh)
     device = _device(device, group, model)
@@ -147,7 +148,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
         with swapped(model, fake_tensors({**meta, **recast}, runs_on)):
             gm, calls = trace(model, _cast(example_inputs, param_dtype), example_kwargs,
                               shardings, dynamic_shapes, checkpointed,
-                              _blocks(model) if stamp_blocks else (),
+                              repeated if stamp_blocks else (),
                               {k: s.style for k, s in shardings.items()})
         for fqn in recast.keys() - meta.keys():  # the model's own tensors, not the recast
             owner, _, name = fqn.rpartition(".")
@@ -223,12 +224,6 @@ def _recast(model: nn.Module, dtype: Optional[torch.dtype]) -> dict[str, torch.T
 def _cast(inputs: Sequence, dtype: Optional[torch.dtype]) -> tuple:
     return tuple(x.to(dtype) if dtype is not None and isinstance(x, torch.Tensor) and
                  x.is_floating_point() else x for x in inputs)
-
-
-def _blocks(model: nn.Module) -> list[str]:
-    """FQNs of the elements of ``model``'s ``ModuleList`` s and ``ModuleDict`` s."""
-    return [f"{fqn}.{name}" if fqn else name for fqn, m in model.named_modules()
-            if isinstance(m, (nn.ModuleList, nn.ModuleDict)) for name in m._modules]
 
 
 def _device(device, group, model=None) -> torch.device:

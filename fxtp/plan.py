@@ -147,6 +147,13 @@ def _tie_style(module: nn.Module, placement) -> ParallelStyle | None:
     return None
 
 
+def block_fqns(model: nn.Module) -> list[str]:
+    """FQNs of the elements of ``model``'s ``ModuleList`` s and ``ModuleDict`` s: its
+    blocks."""
+    return [f"{fqn}.{name}" if fqn else name for fqn, m in model.named_modules()
+            if isinstance(m, (nn.ModuleList, nn.ModuleDict)) for name in m._modules]
+
+
 def tied_names(model: nn.Module) -> dict[str, list[str]]:
     """Parameter FQN -> all FQNs of that tensor, for tensors registered under several."""
     names: dict[int, list[str]] = {}

@@ -15,6 +15,8 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
+from .plan import block_fqns
+
 
 def compile_blocks(gm: nn.Module, blocks: Optional[Iterable[str]] = None,
                    **options) -> list[str]:
@@ -28,9 +30,7 @@ def compile_blocks(gm: nn.Module, blocks: Optional[Iterable[str]] = None,
     after :func:`fxtp.parallelize` and activation-checkpoint wrapping and before
     ``fully_shard``, as torchtitan orders them. A block's graph edited afterwards must be
     recompiled on a class of its own (``type(m)`` is shared)."""
-    fqns = list(blocks) if blocks is not None else [
-        f"{fqn}.{name}" if fqn else name for fqn, m in gm.named_modules()
-        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) for name in m._modules]
+    fqns = list(blocks) if blocks is not None else block_fqns(gm)
     first: dict[tuple, nn.Module] = {}
     for fqn in fqns:
         block = gm.get_submodule(fqn)

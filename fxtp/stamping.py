@@ -39,6 +39,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from .passes.graph import attr
 from .passes.recompute import REGION
 
 STAMPED = "fxtp_stamped"  # gm.meta key: block FQN -> the FQN of the block it was copied from
@@ -107,11 +108,8 @@ class Stamper:
         self.references: list[_Reference] = []  # the first call of each variant of a kind
         self.stamped: dict[str, str] = {}  # block FQN -> its reference's FQN
         self._depth = 0  # > 0 inside a reference's forward: nested blocks trace in full
-        self._names = {}
-        for fqn, t in [*model.named_parameters(remove_duplicate=False),
-                       *model.named_buffers(remove_duplicate=False)]:
-            self._names.setdefault(id(t), fqn)
-        self.canonical = {fqn: self._names[id(t)] for fqn, t in
+        first: dict[int, str] = {}  # a tensor's first name: the one a trace reads it by
+        self.canonical = {fqn: first.setdefault(id(t), fqn) for fqn, t in
                           [*model.named_parameters(remove_duplicate=False),
                            *model.named_buffers(remove_duplicate=False)]}
 
@@ -231,39 +229,34 @@ class Stamper:
         order = {n: i for i, n in enumerate(graph.nodes)}
         marks: dict[str, list[fx.Node]] = {}
         for node in graph.nodes:
-            if node.target is torch.ops.fxtp.boundary.default and \
-                    node.args[2] in ("stamp-in", "stamp-out"):
+            if _stamp_mark(node):
                 marks.setdefault(node.args[1], []).append(node)
         spans = {}
         for reference in self.references:
             if reference.fqn not in marks or reference.fqn not in self.stamped.values():
                 continue
             found = marks[reference.fqn]
-            begin = min(order[n] for n in found if n.args[2] == "stamp-in")
-            end = max(order[n] for n in found if n.args[2] == "stamp-out")
+            begin = min(order[n] for n in found if _stamp_mark(n) == "stamp-in")
+            end = max(order[n] for n in found if _stamp_mark(n) == "stamp-out")
             nodes = [n for n in graph.nodes if begin <= order[n] <= end]
             inside = set(nodes)
             prefix = reference.fqn + "."
             for node in nodes:
-                if node.target is torch.ops.fxtp.boundary.default and \
-                        node.args[2] in ("stamp-in", "stamp-out") and \
-                        node.args[1] != reference.fqn:
+                mark = _stamp_mark(node)
+                if mark and node.args[1] != reference.fqn:
                     raise Unstampable(reference.fqn, f"overlaps '{node.args[1]}'")
-                is_in = node.target is torch.ops.fxtp.boundary.default and \
-                    node.args[2] == "stamp-in"
                 for arg in node.all_input_nodes:
-                    if arg.op == "get_attr" and isinstance(getattr_path(graph, arg.target),
-                                                           fx.GraphModule):
+                    if arg.op == "get_attr" and isinstance(attr(graph.owning_module,
+                                                                arg.target), fx.GraphModule):
                         raise Unstampable(reference.fqn, "calls a higher-order op")
-                    if arg not in inside and not is_in and arg.op != "get_attr":
+                    if arg not in inside and mark != "stamp-in" and arg.op != "get_attr":
                         raise Unstampable(reference.fqn, f"reads '{arg.name}', which is "
                                           f"not among its arguments")
                     if arg.op == "get_attr" and not arg.target.startswith(prefix) and \
                             arg.target in self.canonical:
                         raise Unstampable(reference.fqn, f"reads '{arg.target}', another "
                                           f"module's state")
-                if not (node.target is torch.ops.fxtp.boundary.default and
-                        node.args[2] == "stamp-out"):
+                if mark != "stamp-out":
                     for user in node.users:
                         if user not in inside:
                             raise Unstampable(reference.fqn, f"leaves '{node.name}' to be "
@@ -278,7 +271,7 @@ class Stamper:
         outs: list = []
         marked: set[str] = set()  # modules whose first call this copy marks
         prefix = reference.fqn + "."
-        outer = _region(next(n for n in nodes if n.args[2:3] == ("stamp-in",)))
+        outer = _region(next(n for n in nodes if _stamp_mark(n) == "stamp-in"))
         fresh: dict = {outer: _region(stamp)}
 
         def outside(arg: fx.Node) -> fx.Node:
@@ -349,8 +342,7 @@ class Stamper:
     @staticmethod
     def _unmark(graph: fx.Graph) -> None:
         for node in list(graph.nodes):
-            if node.target is torch.ops.fxtp.boundary.default and \
-                    node.args[2] in ("stamp-in", "stamp-out"):
+            if _stamp_mark(node):
                 node.replace_all_uses_with(node.args[0])
                 graph.erase_node(node)
 
@@ -359,11 +351,12 @@ def _region(node: fx.Node):
     return (node.meta.get("custom") or {}).get(REGION)
 
 
-def getattr_path(graph: fx.Graph, target: str):
-    obj = graph.owning_module
-    for part in target.split("."):
-        obj = getattr(obj, part, None)
-    return obj
+def _stamp_mark(node: fx.Node) -> Optional[str]:
+    """``"stamp-in"`` / ``"stamp-out"`` on a reference's argument / output mark."""
+    if node.target is torch.ops.fxtp.boundary.default and \
+            node.args[2] in ("stamp-in", "stamp-out"):
+        return node.args[2]
+    return None
 
 
 # --- equivalence ---------------------------------------------------------------------------

@@ -63,8 +63,7 @@ def outline_modules(gm: fx.GraphModule, fqns: Iterable[str], model: nn.Module) -
         names.setdefault(id(t), []).append(name)
     children: dict[str, set[str]] = {}  # FQN ("": the root) -> the outlined just below it
     for f in outlined:
-        parent = next((a for a in reversed(_ancestors(f)) if a in outlined), "")
-        children.setdefault(parent, set()).add(f)
+        children.setdefault(_nearest(f, outlined), set()).add(f)
     skipped += _outline(gm, "", children, names, model)
     _place_tensors(gm, tensors, outlined - set(skipped), persistent)
     _rebuild_containers(gm, model)
@@ -85,6 +84,11 @@ def generate_code(gm: nn.Module) -> None:
 def _ancestors(fqn: str) -> list[str]:
     parts = fqn.split(".")
     return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _nearest(fqn: str, outlined: AbstractSet[str]) -> str:
+    """The deepest of ``outlined`` above ``fqn`` (``""``: the root)."""
+    return next((a for a in reversed(_ancestors(fqn)) if a in outlined), "")
 
 
 def _paths(node: fx.Node) -> list[str]:
@@ -258,7 +262,7 @@ def _place_tensors(gm: fx.GraphModule, tensors: dict, outlined: set, persistent:
     """Every parameter and buffer under each of its names, held by the deepest outlined
     module above it (those the graphs do not read included: nothing is dropped)."""
     for name, t in tensors.items():
-        holder = next((a for a in reversed(_ancestors(name)) if a in outlined), "")
+        holder = _nearest(name, outlined)
         module: nn.Module = gm.get_submodule(holder) if holder else gm
         _hold(module, name[len(holder) + 1:] if holder else name, t, name in persistent)
 
