@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .passes.collectives import allow_in_dynamo_graphs
 from .passes.buffers import shard_written_buffers
 from .passes.localize import localize
-from .passes.modules import generate_code, outline_modules, scope_of
+from .passes.modules import generate_code, outline_modules, scope_of, stamp_modules
 from .passes.graph import PLACEMENT
 from .passes.propagate import propagate
 from .passes.recompute import REGION, outline_checkpoints
@@ -28,11 +28,12 @@ from .passes.units import deal_consumers, deal_sources
 
 from .dump import Dumper
 from .dtensor_params import as_dtensors
-from .passes.errors import PlanError
+from .passes.errors import PlanError, StampMismatch
 from .guards import check_fresh, check_same_on_every_rank, guard_inputs
 from .materialize import fake_tensors, materialize, meta_tensors, swapped
 from .mesh import resolve_group
 from .plan import Plan, block_fqns, module_fqns, resolve_plan, tied_names
+from .stamping import STAMPED, copied_fallbacks
 from .trace import trace
 
 
@@ -119,8 +120,10 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
     are no-ops), while the result keeps the model's parameters in their own dtype.
 
     ``stamp_blocks``: blocks (elements of ``ModuleList`` s / ``ModuleDict`` s) with the same
-    code, shapes and plan are traced once and copied (:mod:`fxtp.stamping`); ``False``
-    traces every block (the result is the same, slower to get).
+    code, shapes and plan are traced and analysed once, and each is a copy of the first
+    one's module holding its own shards (:mod:`fxtp.stamping`; where one's inputs arrive
+    placed otherwise, copies of the first one's traced nodes analysed anew); ``False``
+    traces every block (the same program, slower to get).
 
     ``dtensor_params``: parameters are ``DTensor`` s on the mesh (global shape, this rank's
     shard inside) that the graph reads locally (:mod:`fxtp.dtensor_params`), so
@@ -140,64 +143,96 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
     device = _device(device, group, model)
     meta = meta_tensors(model)
     recast = _recast(model, param_dtype)
-    with Dumper(dump_dir, group) as dump:
-        # a trace records the devices its factory calls ask for (HF's position ids: the
-        # embeddings' device): traced for the device the tensors will have, which for shards
-        # kept on meta is the group's (where to_empty is expected to allocate them)
-        runs_on = _device(None, group) if device.type == "meta" else device
-        with swapped(model, fake_tensors({**meta, **recast}, runs_on)):
-            gm, calls = trace(model, _cast(example_inputs, param_dtype), example_kwargs,
-                              shardings, dynamic_shapes, checkpointed,
-                              repeated if stamp_blocks else (),
-                              {k: s.style for k, s in shardings.items()})
-        for fqn in recast.keys() - meta.keys():  # the model's own tensors, not the recast
-            owner, _, name = fqn.rpartition(".")
-            gm.get_submodule(owner)._parameters[name] = model.get_parameter(fqn)
-        dump.code("traced", gm)
-        draw = int(torch.randint(2 ** 62, (), device="cpu")) if meta else 0  # init seed
-        init_seed = check_same_on_every_rank(group, _device(None, group), shardings, model,
-                                             gm, draw)
-        seed(gm, shardings, calls, group.world, tied_names(model))
-        fallbacks = propagate(gm, group.world)
-        # layouts that serve what would be gathered: fused projections strided, heads that
-        # do not divide by the world size dealt whole (and their consumers alike), buffers
-        # written in place (KV caches) placed as what is written into them
-        for relayout in (stride_fused_splits, deal_sources, deal_consumers,
-                         shard_written_buffers):
-            if relayout(gm, group.world):
-                fallbacks = propagate(gm, group.world)
-        if strict and fallbacks:  # raises on the first
-            propagate(gm, group.world, strict=True)
-        dump.placements(gm)
-        for message in fallbacks:
-            warnings.warn("fxtp: " + message, stacklevel=2)
-        outlined = frozenset(blocks)
-        rewrite(gm, group.name, group.rank, group.world, lambda n: scope_of(n, outlined))
-        dump.code("rewritten", gm)
-        localize(gm, group)
-        attrs = [n for n in gm.graph.nodes if n.op == "get_attr" and PLACEMENT in n.meta]
-        placements = {n.target: n.meta[PLACEMENT] for n in attrs}
-        shapes = {n.target: tuple(n.meta["val"].shape) for n in attrs}
-        device_mesh = group.device_mesh(device.type)
-        if meta:  # on the meta device: shapes only, for fxtp.init_weights after to_empty
-            materialize(gm, model, meta, placements, group, device_mesh, device, init_fn,
-                        init_seed)
-        guard_inputs(gm, group.world)
-        inlined = outline_modules(gm, kept, model)
-        if dtensor_params:
-            as_dtensors(gm, placements, shapes, device_mesh, group.world)
-        recomputed: set[int] = set()  # modules a region of their caller recomputes whole
-        for module in [m for m in gm.modules() if isinstance(m, fx.GraphModule)]:
-            if id(module) not in recomputed:
-                for called in outline_checkpoints(module, gm.meta[REGION]):
-                    recomputed.update(id(m) for m in called.modules())
-        generate_code(gm)
-        dump.code("localized", gm)
-        gm.fxtp = _info(gm, model, shardings, group, fallbacks, placements, shapes,
-                        device_mesh)
-        gm.fxtp.inlined = tuple(inlined)
-        dump.report(gm)
+    def passes(keep_stamps: bool) -> fx.GraphModule:
+        with Dumper(dump_dir, group) as dump:
+            # a trace records the devices its factory calls ask for (HF's position ids: the
+            # embeddings' device): traced for the device the tensors will have, which for
+            # shards kept on meta is the group's (where to_empty is expected to allocate them)
+            runs_on = _device(None, group) if device.type == "meta" else device
+            with swapped(model, fake_tensors({**meta, **recast}, runs_on)):
+                gm, calls = trace(model, _cast(example_inputs, param_dtype), example_kwargs,
+                                  shardings, dynamic_shapes, checkpointed,
+                                  repeated if stamp_blocks else (),
+                                  {k: s.style for k, s in shardings.items()}, keep_stamps)
+            for fqn in recast.keys() - meta.keys():  # the model's own, not the recast
+                owner, _, name = fqn.rpartition(".")
+                gm.get_submodule(owner)._parameters[name] = model.get_parameter(fqn)
+            dump.code("traced", gm)
+            draw = int(torch.randint(2 ** 62, (), device="cpu")) if meta else 0  # init seed
+            init_seed = check_same_on_every_rank(group, _device(None, group), shardings,
+                                                 model, gm, draw)
+            stamped = gm.meta[STAMPED] if keep_stamps else {}
+            seed(gm, _outside(shardings, stamped), calls, group.world, tied_names(model))
+            fallbacks = propagate(gm, group.world)
+            # layouts that serve what would be gathered: fused projections strided, heads
+            # that do not divide by the world size dealt whole (and their consumers alike),
+            # buffers written in place (KV caches) placed as what is written into them
+            for relayout in (stride_fused_splits, deal_sources, deal_consumers,
+                             shard_written_buffers):
+                if relayout(gm, group.world):
+                    fallbacks = propagate(gm, group.world)
+            fallbacks += copied_fallbacks(gm, stamped)
+            if strict and fallbacks:  # raises on the first
+                propagate(gm, group.world, strict=True)
+            dump.placements(gm)
+            outlined = frozenset(blocks)
+            rewrite(gm, group.name, group.rank, group.world, lambda n: scope_of(n, outlined))
+            dump.code("rewritten", gm)
+            copies = _copied_tensors(gm, stamped)
+            localize(gm, group, copies)
+            attrs = [n for n in gm.graph.nodes if n.op == "get_attr" and PLACEMENT in n.meta]
+            placements = {n.target: n.meta[PLACEMENT] for n in attrs}
+            shapes = {n.target: tuple(n.meta["val"].shape) for n in attrs}
+            placements.update({t: placements[like] for t, like in copies.items()})
+            shapes.update({t: shapes[like] for t, like in copies.items()})
+            device_mesh = group.device_mesh(device.type)
+            if meta:  # on the meta device: shapes only, for init_weights after to_empty
+                materialize(gm, model, meta, placements, group, device_mesh, device, init_fn,
+                            init_seed)
+            guard_inputs(gm, group.world)
+            inlined = outline_modules(gm, kept, model, stamped)
+            if dtensor_params:
+                as_dtensors(gm, placements, shapes, device_mesh, group.world)
+            recomputed: set[int] = set()  # modules a region of their caller recomputes whole
+            for module in [m for m in gm.modules() if isinstance(m, fx.GraphModule)]:
+                if id(module) not in recomputed:
+                    for called in outline_checkpoints(module, gm.meta[REGION]):
+                        recomputed.update(id(m) for m in called.modules())
+            generate_code(gm)
+            stamp_modules(gm, stamped)
+            dump.code("localized", gm)
+            gm.fxtp = _info(gm, model, shardings, group, fallbacks, placements, shapes,
+                            device_mesh)
+            gm.fxtp.inlined = tuple(inlined)
+            dump.report(gm)
+        return gm
+
+    gm = None
+    if stamp_blocks:
+        try:  # stamped blocks kept as one call each through the passes
+            gm = passes(keep_stamps=True)
+        except StampMismatch:  # one cannot run its reference's program: each is copied
+            pass
+    gm = gm or passes(keep_stamps=False)
+    for message in gm.fxtp.fallbacks:
+        warnings.warn("fxtp: " + message, stacklevel=2)
     return gm
+
+
+def _outside(shardings: dict, stamped: dict) -> dict:
+    """The plan's modules that are not inside a stamped block (whose modules have no call
+    of their own: their reference's is planned alike)."""
+    inner = tuple(f + "." for f in stamped)
+    return {k: s for k, s in shardings.items() if not (k + ".").startswith(inner)}
+
+
+def _copied_tensors(gm: fx.GraphModule, stamped: dict) -> dict[str, str]:
+    """A stamped block's tensor -> the one its reference's nodes read at the same path."""
+    names = {*dict(gm.named_parameters(remove_duplicate=False)),
+             *dict(gm.named_buffers(remove_duplicate=False))}
+    read = [n.target for n in gm.graph.nodes if n.op == "get_attr" and PLACEMENT in n.meta]
+    return {fqn + t[len(ref):]: t for fqn, ref in stamped.items() for t in read
+            if t.startswith(ref + ".") and fqn + t[len(ref):] in names}
 
 
 def _info(gm, model, shardings, group, fallbacks, placements, shapes, device_mesh

@@ -3,10 +3,16 @@
 A model's blocks (the elements of its ``ModuleList`` s and ``ModuleDict`` s) are mostly
 copies of one another. While ``torch.export`` traces the model, the first call of each
 kind of block is traced as usual (its *reference*), and every later call of an
-equivalent block becomes one ``fxtp::stamp`` node standing for it. After tracing,
-:meth:`Stamper.expand` replaces each stamp node by a copy of the reference's nodes that
-reads the block's own parameters and buffers, so the graph is the one a full trace gives:
-every pass after it sees every block.
+equivalent block becomes one ``fxtp::stamp`` node standing for it. After tracing, either
+
+* :meth:`Stamper.keep` keeps each stamp node as the block's call (``meta[STAMP]``, a
+  :class:`~fxtp.passes.graph.Stamp`): the passes place, rewrite and localize the
+  reference's nodes once, and the block becomes a copy of the reference's module holding
+  its own tensors (:func:`fxtp.passes.modules.stamp_modules`); or
+* :meth:`Stamper.expand` replaces each stamp node by a copy of the reference's nodes that
+  reads the block's own parameters and buffers, so the graph is the one a full trace
+  gives and every pass sees every block (where a stamp cannot run its reference's
+  program as the passes leave it: :class:`~fxtp.passes.errors.StampMismatch`).
 
 Blocks are equivalent when nothing a trace depends on differs:
 
@@ -39,7 +45,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from .passes.graph import attr
+from .passes.graph import FALLBACK, STAMP, Stamp, attr, module_fqn, stamp_edge
 from .passes.recompute import REGION
 
 STAMPED = "fxtp_stamped"  # gm.meta key: block FQN -> the FQN of the block it was copied from
@@ -202,6 +208,49 @@ class Stamper:
 
     # --- after tracing ---------------------------------------------------------------------
 
+    def keep(self, gm: fx.GraphModule) -> dict[str, str]:
+        """Keep every stamp node in ``gm`` as its block's call (``meta[STAMP]``: a
+        :class:`~fxtp.passes.graph.Stamp`), for the passes to treat as that block and
+        :mod:`fxtp.passes.modules` to make a copy of the reference's module; the
+        reference's arguments and results pass through :func:`stamp_edge` nodes. Return
+        block FQN -> reference FQN of the blocks stamped."""
+        graph = gm.graph
+        stamps = [n for n in graph.nodes if n.target is torch.ops.fxtp.stamp.default]
+        kept: dict[str, Stamp] = {}
+        for fqn, nodes in (self._regions(graph) if stamps else {}).items():
+            ends: dict[str, dict[int, fx.Node]] = {"stamp-in": {}, "stamp-out": {}}
+            for node in nodes:
+                if _stamp_mark(node):
+                    with graph.inserting_before(node):
+                        edge = graph.call_function(stamp_edge, (node.args[0],))
+                    edge.meta = dict(node.meta)
+                    node.replace_all_uses_with(edge)
+                    graph.erase_node(node)
+                    ends[node.args[2]][int(node.args[3])] = edge
+            kept[fqn] = Stamp(fqn, *[[found[i] for i in range(len(found))]
+                                     for found in ends.values()])
+        for stamp in stamps:
+            _, index, fqn = stamp.args[1].split(":", 2)
+            reference = self.references[int(index)]
+            stamp.meta[STAMP] = kept[reference.fqn]
+            stamp.args = (stamp.args[0], fqn)  # the same on every rank
+            for user in stamp.users:
+                out = kept[reference.fqn].outputs[user.args[1]]
+                if _requires_grad(out) != _requires_grad(user):
+                    raise Unstampable(reference.fqn, f"output {user.args[1]} of '{fqn}': "
+                                      f"gradient flags differ")
+        self._unmark(graph)
+        graph.lint()
+        return dict(self.stamped)
+
+    def drop_unread(self, gm: fx.GraphModule) -> None:
+        """Remove the reads of the tensors of blocks kept as stamps, which no node uses
+        (``gm`` still holds the tensors)."""
+        inner = tuple(f + "." for f in self.stamped)
+        for node in list(gm.graph.nodes):
+            if node.op == "get_attr" and not node.users and node.target.startswith(inner):
+                gm.graph.erase_node(node)
+
     def expand(self, gm: fx.GraphModule, shapes: dict, regions: dict) -> dict[str, str]:
         """Replace every stamp node in ``gm`` by a copy of its reference's nodes; extend
         ``shapes`` (marked module calls) and ``regions`` (checkpoint regions) for the copies;
@@ -307,8 +356,7 @@ class Stamper:
                 env[node] = copy
         for user in list(stamp.users):
             out = outs[user.args[1]]
-            if getattr(out.meta.get("val"), "requires_grad", None) != \
-                    getattr(user.meta.get("val"), "requires_grad", None):
+            if _requires_grad(out) != _requires_grad(user):
                 raise Unstampable(reference.fqn, f"output {user.args[1]} of '{fqn}': "
                                   f"gradient flags differ")
             user.replace_all_uses_with(out)
@@ -345,6 +393,23 @@ class Stamper:
             if _stamp_mark(node):
                 node.replace_all_uses_with(node.args[0])
                 graph.erase_node(node)
+
+
+def copied_fallbacks(gm: fx.GraphModule, stamped: dict[str, str]) -> list[str]:
+    """The fallbacks of the blocks kept as stamps (block FQN -> reference FQN): their
+    references', each naming the block's own module."""
+    found = []
+    for node in gm.graph.nodes:
+        message, module = node.meta.get(FALLBACK), module_fqn(node)
+        for fqn, reference in stamped.items() if message else ():
+            if module == reference or module.startswith(reference + "."):
+                found.append(message.replace(f"in module '{module}'",
+                                             f"in module '{fqn}{module[len(reference):]}'"))
+    return found
+
+
+def _requires_grad(node: fx.Node):
+    return getattr(node.meta.get("val"), "requires_grad", None)
 
 
 def _region(node: fx.Node):

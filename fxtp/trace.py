@@ -42,7 +42,7 @@ _boundary.register_autograd(lambda ctx, grad: (grad, None, None, None))
 
 def trace(model: torch.nn.Module, args: tuple, kwargs: Optional[dict],
           boundaries: Iterable[str], dynamic_shapes=None, checkpointed: Iterable[str] = (),
-          blocks: Iterable[str] = (), plan: Optional[dict] = None
+          blocks: Iterable[str] = (), plan: Optional[dict] = None, keep_stamps: bool = False
           ) -> tuple[fx.GraphModule, dict[str, ModuleCall]]:
     """Trace ``model(*args, **kwargs)``; return the graph module and the calls of the
     modules in ``boundaries`` (FQNs; ``""`` is the root, whose inputs are placeholders).
@@ -56,7 +56,8 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: Optional[dict],
 
     ``blocks`` (FQNs) that are equivalent under ``plan`` (FQN -> style) are traced once
     and stamped (:mod:`fxtp.stamping`); ``gm.meta[STAMPED]``: block -> the block it was
-    copied from."""
+    copied from. ``keep_stamps``: each stamped block stays one node (:meth:`Stamper.keep`),
+    and its modules have no calls; else it is a copy of its reference's nodes."""
     boundaries = tuple(b for b in boundaries if b)
     checkpointed = tuple(checkpointed)
     blocks = list(blocks)
@@ -64,18 +65,20 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: Optional[dict],
         stamper = Stamper(model, blocks, plan or {}, (*boundaries, *checkpointed))
         try:
             gm, calls = _trace(model, args, kwargs, boundaries, dynamic_shapes, checkpointed,
-                               stamper)
+                               stamper, keep_stamps)
         except Unstampable as e:  # that kind of block is traced in full
             blocks = [b for b in blocks if b not in stamper.same_kind(e.fqn)]
             continue
+        stamped = tuple(f + "." for f in gm.meta[STAMPED]) if keep_stamps else ()
         for fqn in boundaries:
-            if fqn not in calls:
+            if fqn not in calls and not (fqn + ".").startswith(stamped):
                 raise TraceError(f"module '{fqn}' is named by the plan but was not called "
                                  f"while tracing; is it called in forward()?")
         return gm, calls
 
 
-def _trace(model, args, kwargs, boundaries, dynamic_shapes, checkpointed, stamper):
+def _trace(model, args, kwargs, boundaries, dynamic_shapes, checkpointed, stamper,
+           keep_stamps):
     regions: dict[int, dict] = {}
     shapes: dict[str, tuple[int, int]] = {}
     try:
@@ -103,10 +106,12 @@ def _trace(model, args, kwargs, boundaries, dynamic_shapes, checkpointed, stampe
         gm = ep.module()
     _read_buffers_by_name(gm, model)
     _inline_regions(gm)
-    stamped = stamper.expand(gm, shapes, regions)
+    stamped = stamper.keep(gm) if keep_stamps else stamper.expand(gm, shapes, regions)
     _reject_higher_order_ops(gm)
     _drop_export_guards(gm)
     gm = fx.GraphModule(gm, gm.graph)  # without export's input-shape check hooks
+    if keep_stamps:  # after the copy above, which holds only the tensors the graph reads
+        stamper.drop_unread(gm)
     gm.meta[REGION] = regions
     gm.meta[STAMPED] = stamped
     return gm, _take_boundaries(gm.graph, shapes)

@@ -19,3 +19,9 @@ class TraceError(FxtpError, RuntimeError):
 
 class InputError(FxtpError, ValueError):
     """A call's inputs differ from the ones ``parallelize`` traced."""
+
+
+class StampMismatch(FxtpError, RuntimeError):
+    """A stamped block (:class:`fxtp.passes.graph.Stamp`) cannot run its reference's program
+    as the passes left it (its inputs arrive placed differently, or the reference was not
+    outlined): ``parallelize`` traces the blocks in full instead."""

@@ -12,6 +12,8 @@ passes (:class:`ModuleSharding`, :class:`ModuleCall`). Imports no pass.
 ``FALLBACK``    why an op was gathered to Replicate; propagate
 ``AUTOCAST``    on nodes of an inlined ``torch.autocast`` region (between its enter and
                 exit calls): they must stay there; trace
+``STAMP``       on a node standing for a whole block's call that runs the program of an
+                equivalent block traced in full (:class:`Stamp`); trace
 ==============  ==========================================================================
 
 Every node also keeps export's ``val`` (a fake tensor with the *global* shape) and
@@ -34,6 +36,7 @@ BOUNDARY = "fxtp_boundary"
 COLLECTIVE = "fxtp_collective"
 FALLBACK = "fxtp_fallback"
 AUTOCAST = "fxtp_autocast"
+STAMP = "fxtp_stamp"
 
 Layouts = Optional[tuple[Optional[Placement], ...]]
 
@@ -180,3 +183,23 @@ class ModuleCall:
     args: tuple[Optional[fx.Node], ...] = ()
     kwargs: dict[str, Optional[fx.Node]] = field(default_factory=dict)
     outputs: tuple[Optional[fx.Node], ...] = ()
+
+
+@dataclass(eq=False)
+class Stamp:
+    """A block call the trace kept as one node (``meta[STAMP]``): it runs the program of
+    block ``reference``, whose arguments and results pass through the :func:`stamp_edge`
+    nodes ``inputs`` (in the stamp node's argument order) and ``outputs`` (in the stamp's
+    output order). The passes treat the node as that block: its inputs must arrive placed
+    as the reference's did, and its outputs are placed as the reference's are."""
+
+    reference: str
+    inputs: list
+    outputs: list
+
+
+def stamp_edge(x: torch.Tensor) -> torch.Tensor:
+    """Marks a value entering or leaving the program of a block other blocks are stamped
+    from (:class:`Stamp`'s ``inputs`` and ``outputs``); identity, placed as its input,
+    removed before outlining (:func:`~fxtp.passes.modules.outline_modules`)."""
+    return x

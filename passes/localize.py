@@ -5,8 +5,9 @@ rule has a local form on their shards are swapped for it (a vocab-sharded embedd
 a masked lookup, a split of a strided input takes local sizes), reads of a sharded dim's
 size (``sym_size``) are scaled back to the global size so shape arithmetic in user code
 stays global, and parameters and buffers are replaced by copies of this rank's shards
-(:func:`fxtp.passes.placement.local_part`; never the user's tensors). ``node.meta["val"]``
-keeps the global shape.
+(:func:`fxtp.passes.placement.local_part`; never the user's tensors; a meta model's fake
+stand-ins by meta tensors of the local shape, for the caller to allocate).
+``node.meta["val"]`` keeps the global shape.
 
 ``view`` becomes ``reshape``: the trace dropped ``.contiguous()`` calls that were no-ops on
 the single-device strides (CPU attention returns a layout whose transpose is contiguous),
@@ -16,10 +17,12 @@ and local kernels, other devices and collectives may lay out their results diffe
 from __future__ import annotations
 
 import operator
+from typing import Optional
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .graph import INPUTS, PLACEMENT, branches
 from .placement import is_sharded, local_part
@@ -28,14 +31,17 @@ from .rules import rule_for
 aten = torch.ops.aten
 
 
-def localize(gm: fx.GraphModule, group) -> None:
-    """``group``: the :class:`~fxtp.mesh.Group` the module runs on. Edits ``gm.graph``
+def localize(gm: fx.GraphModule, group, copies: Optional[dict[str, str]] = None) -> None:
+    """``group``: the :class:`~fxtp.mesh.Group` the module runs on; ``copies``: tensors no
+    node reads (a stamped block's, :class:`~fxtp.passes.graph.Stamp`) -> the tensor read in
+    their place, whose placement they take. Edits ``gm.graph``
     (and recompiles the ``torch.cond`` branches it edits); recompiling ``gm`` is left to
     the caller, which edits it further."""
     rank, world = group.rank, group.world
     graph = gm.graph
     localized: set[str] = set()
     shards: dict[int, torch.Tensor] = {}  # id(global tensor) -> local tensor, keeps ties
+    placed: dict[str, object] = {}  # get_attr target -> its placement
     for node in list(graph.nodes):
         for branch in branches(gm, node):  # torch.cond: each branch is localized alike
             localize(branch, group)
@@ -51,7 +57,10 @@ def localize(gm: fx.GraphModule, group) -> None:
                 _globalize_size(graph, node, world)
         elif node.op == "get_attr" and node.target not in localized:
             localized.add(node.target)
-            _localize_attr(gm, node.target, node.meta.get(PLACEMENT), rank, world, shards)
+            placed[node.target] = node.meta.get(PLACEMENT)
+            _localize_attr(gm, node.target, placed[node.target], rank, world, shards)
+    for target, like in (copies or {}).items():
+        _localize_attr(gm, target, placed[like], rank, world, shards)
     graph.lint()
 
 
@@ -73,7 +82,11 @@ def _localize_attr(gm, target: str, placement, rank: int, world: int, shards: di
         return
     local = shards.get(id(value))
     if local is None:
-        local = local_part(value, placement, rank, world).clone()
+        whole = value
+        if isinstance(value, FakeTensor):  # a meta model's stand-in: a meta one, of the
+            whole = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
+                                        device="meta")  # local shape, is as good and quick
+        local = local_part(whole, placement, rank, world).clone()
         if isinstance(value, nn.Parameter):
             local = nn.Parameter(local, requires_grad=value.requires_grad)
         shards[id(value)] = local

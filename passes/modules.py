@@ -17,6 +17,11 @@ A module is outlined when it is named, called exactly once, and its nodes can be
 (no path leaves them and comes back); otherwise its nodes stay in its parent's graph and
 its FQN is returned as not outlined. A tensor is read by the graph of the module holding
 it, or passed in as an argument where another module reads it (a tied weight).
+
+A block whose call is one stamp node (:class:`~fxtp.passes.graph.Stamp`) is called as
+its reference's module is, and :func:`stamp_modules` (once the reference's module is
+final) makes it a copy of that module: the same class, graph and code, the block's own
+tensors, hooks of its own.
 """
 from __future__ import annotations
 
@@ -25,9 +30,11 @@ from typing import AbstractSet, Iterable, Optional
 
 import torch.fx as fx
 import torch.nn as nn
+from torch.nn.modules.module import _WrappedHook
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from .graph import COLLECTIVE, attr, recompile_alone
+from .errors import StampMismatch
+from .graph import COLLECTIVE, STAMP, Stamp, attr, recompile_alone, stamp_edge
 from .recompute import call_submodule, run_checkpointed
 
 
@@ -46,12 +53,18 @@ def scope_of(node: fx.Node, outlined: AbstractSet[str]) -> str:
     return next((path for path in _paths(node) if path in outlined), "")
 
 
-def outline_modules(gm: fx.GraphModule, fqns: Iterable[str], model: nn.Module) -> list[str]:
+def outline_modules(gm: fx.GraphModule, fqns: Iterable[str], model: nn.Module,
+                    stamped: Optional[dict[str, str]] = None) -> list[str]:
     """Outline each module of ``fqns`` (and every called module above one) in ``gm``, in
-    place; ``model`` gives the classes of the rebuilt containers. Returns the FQNs left
-    inline."""
+    place; ``model`` gives the classes of the rebuilt containers. ``stamped``: block FQN ->
+    reference FQN of the blocks whose call is a stamp node (:class:`Stamp`): each is called
+    as its reference's module is, and holds its own tensors until :func:`stamp_modules`
+    makes it a copy of that module. Returns the FQNs left inline."""
+    stamped = stamped or {}
+    _drop_stamp_edges(gm.graph)
     calls = called_modules(gm.graph)
-    wanted = {f for f in fqns if f}
+    copied = tuple(f + "." for f in stamped)  # their modules are the references' copies
+    wanted = {f for f in fqns if f and not f.startswith(copied)}
     wanted |= {a for f in wanted for a in _ancestors(f) if a in calls}
     skipped = sorted(f for f in wanted if calls.get(f) != 1)
     outlined = {f for f in wanted if calls.get(f) == 1}
@@ -64,7 +77,9 @@ def outline_modules(gm: fx.GraphModule, fqns: Iterable[str], model: nn.Module) -
     children: dict[str, set[str]] = {}  # FQN ("": the root) -> the outlined just below it
     for f in outlined:
         children.setdefault(_nearest(f, outlined), set()).add(f)
-    skipped += _outline(gm, "", children, names, model)
+    skipped += _outline(gm, "", children, names, model, stamped, {})
+    skipped += [fqn + f[len(ref):] for fqn, ref in stamped.items() for f in list(skipped)
+                if f.startswith(ref + ".")]
     _place_tensors(gm, tensors, outlined - set(skipped), persistent)
     _rebuild_containers(gm, model)
     _follow_order(gm, model)
@@ -95,10 +110,11 @@ def _paths(node: fx.Node) -> list[str]:
     return [path for path, _ in (node.meta.get("nn_module_stack") or {}).values() if path]
 
 
-def _outline(gm: fx.GraphModule, base: str, tree: dict[str, set[str]], names: dict, model
-             ) -> list[str]:
+def _outline(gm: fx.GraphModule, base: str, tree: dict[str, set[str]], names: dict, model,
+             stamped: dict[str, str], done: dict) -> list[str]:
     """Outline ``tree[base]`` (the modules to outline just below ``base``, ``gm``'s FQN)
-    in ``gm``, then theirs in each; returns the FQNs left inline."""
+    in ``gm``, then theirs in each; returns the FQNs left inline. ``done``: FQN -> the
+    values an outlined module reads and returns, in its call's order."""
     def left_inline(child):
         return [child] + [f for c in tree.get(child, ()) for f in left_inline(c)]
     children = tree.get(base, set())
@@ -112,11 +128,15 @@ def _outline(gm: fx.GraphModule, base: str, tree: dict[str, set[str]], names: di
         skipped += left_inline(child)
     for child, part in parts.items():
         part.sort()  # in the graph's order (an extraction may have moved nodes after it)
+        if child in stamped:
+            _call_stamp(gm.graph, part, child, done.get(stamped[child]),
+                        child[len(base) + 1:] if base else child)
+            continue
         if not _convex(part):
             skipped += left_inline(child)
             continue
-        sub = _extract(gm, part, base, child, names, type(model.get_submodule(child)))
-        skipped += _outline(sub, child, tree, names, model)
+        sub = _extract(gm, part, base, child, names, type(model.get_submodule(child)), done)
+        skipped += _outline(sub, child, tree, names, model, stamped, done)
     if children:
         gm.graph.lint()
         recompile_alone(gm)
@@ -168,8 +188,8 @@ def _convex(part: list[fx.Node]) -> bool:
     return True
 
 
-def _extract(gm: fx.GraphModule, part: list, base: str, fqn: str, names: dict, cls
-             ) -> fx.GraphModule:
+def _extract(gm: fx.GraphModule, part: list, base: str, fqn: str, names: dict, cls,
+             done: dict) -> fx.GraphModule:
     """Move ``part`` into a new submodule at ``fqn`` (relative to ``base``) and call it."""
     graph, inside = gm.graph, set(part)
     prefix = fqn + "."
@@ -205,8 +225,101 @@ def _extract(gm: fx.GraphModule, part: list, base: str, fqn: str, names: dict, c
             _hold(sub, f"{owner}.{name}" if owner else name, t,
                   name not in module._non_persistent_buffers_set)
     gm.add_submodule(relative, sub)
+    done[fqn] = (inputs, outputs)
     _call(graph, [n for n in part if n in inside], inputs, outputs, relative)
     return sub
+
+
+def _call_stamp(graph: fx.Graph, part: list, fqn: str, reference, target: str) -> None:
+    """Replace a stamped block's call (``part``: its stamp node and the stamp's outputs) by
+    a call of its module at ``target``, passing and taking what its reference's module
+    (``reference``: the values it reads and returns) does, in that order."""
+    stamp = next(n for n in part if STAMP in n.meta)
+    given: Stamp = stamp.meta[STAMP]
+    outputs = {n.args[1]: n for n in part if n is not stamp and n.args[0] is stamp}
+    if reference is None or len(part) != 1 + len(outputs):
+        raise StampMismatch(f"block '{fqn}' is stamped from '{given.reference}', which "
+                            f"{'has nodes of its own' if reference else 'was left inline'}")
+    reads, gives = reference
+    if not all(r in given.inputs for r in reads) or \
+            not all(given.outputs[i] in gives for i in outputs):
+        raise StampMismatch(f"block '{fqn}' is stamped from '{given.reference}', whose "
+                            f"module reads or returns other values than the block's")
+    args = [stamp.args[0][given.inputs.index(r)] for r in reads]
+    with graph.inserting_before(stamp):
+        call = graph.call_module(target, tuple(args))
+        results = [call] if len(gives) == 1 else \
+            [graph.call_function(operator.getitem, (call, i)) for i in range(len(gives))]
+    call.meta = {"val": tuple(g.meta.get("val") for g in gives),
+                 "nn_module_stack": dict(stamp.meta.get("nn_module_stack", {}))}
+    for i, out in outputs.items():
+        result = results[gives.index(given.outputs[i])]
+        result.meta.update(out.meta)
+        out.replace_all_uses_with(result)
+        graph.erase_node(out)
+    graph.erase_node(stamp)
+
+
+def _drop_stamp_edges(graph: fx.Graph) -> None:
+    """Remove the :func:`stamp_edge` marks; each :class:`Stamp` then names the values its
+    reference's program reads and gives."""
+    resolved: dict[fx.Node, fx.Node] = {}
+    for node in list(graph.nodes):
+        if node.target is stamp_edge:
+            resolved[node] = resolved.get(node.args[0], node.args[0])
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+            continue
+        stamp = node.meta.get(STAMP)
+        if stamp is not None:
+            stamp.inputs[:] = [resolved.get(n, n) for n in stamp.inputs]
+            stamp.outputs[:] = [resolved.get(n, n) for n in stamp.outputs]
+
+
+def stamp_modules(gm: nn.Module, stamped: dict[str, str]) -> None:
+    """Each stamped block (FQN -> reference FQN), a holder of its own tensors, becomes a
+    copy of its reference's module: the same class, graph and generated code, holding the
+    block's tensors (and their state-dict hooks) at the same paths."""
+    for fqn, reference in stamped.items():
+        owner, _, name = fqn.rpartition(".")
+        parent = gm.get_submodule(owner)
+        parent._modules[name] = _copy_module(gm.get_submodule(reference),
+                                             parent._modules[name], fqn)
+        parent._modules[name].meta[STAMP] = reference  # read by inline_program
+
+
+_HELD = ("_parameters", "_buffers", "_non_persistent_buffers_set", "_fxtp_plain",
+         "_fxtp_buffers")  # a module's own tensors and what fxtp keeps about them
+
+
+def _copy_module(like: nn.Module, holder: nn.Module, fqn: str) -> nn.Module:
+    """A module of ``like``'s class, graph and hooks (its own, those given the module
+    called with the copy) holding ``holder``'s tensors."""
+    copy = object.__new__(like.__class__)  # its class: GraphModule.__new__ makes a new one
+    copy.__dict__.update({k: type(v)(v) if isinstance(v, (dict, set, list)) else v
+                          for k, v in like.__dict__.items()})
+    for key, hooks in copy.__dict__.items():
+        if key.endswith("hooks") and isinstance(hooks, dict):
+            hooks.update({k: _WrappedHook(h.hook, copy) for k, h in hooks.items()
+                          if isinstance(h, _WrappedHook) and h.with_module and
+                          h.module() is like})
+    for key in _HELD:
+        if key in holder.__dict__:
+            copy.__dict__[key] = holder.__dict__[key]
+        else:
+            copy.__dict__.pop(key, None)
+    for kind in ("_parameters", "_buffers"):
+        if set(getattr(copy, kind, ())) != set(getattr(like, kind, ())):
+            raise StampMismatch(f"module '{fqn}' holds {sorted(getattr(copy, kind, ()))} "
+                                f"where the module it is stamped from holds "
+                                f"{sorted(getattr(like, kind, ()))}")
+    if set(holder._modules) - set(like._modules):
+        raise StampMismatch(f"module '{fqn}' holds modules the module it is stamped from "
+                            f"lacks: {sorted(set(holder._modules) - set(like._modules))}")
+    copy._modules = {name: _copy_module(child, holder._modules.get(name) or nn.Module(),
+                                        f"{fqn}.{name}")
+                     for name, child in like._modules.items()}
+    return copy
 
 
 def _local_name(gm, target: str, base: str, prefix: str, names: dict) -> Optional[str]:
@@ -316,9 +429,11 @@ def inline_program(gm: fx.GraphModule) -> fx.Graph:
     return graph
 
 
-def _inline(gm: fx.GraphModule, prefix: str, graph: fx.Graph, env: dict, args) -> object:
+def _inline(gm: fx.GraphModule, prefix: str, graph: fx.Graph, env: dict, args,
+            move: tuple = ()) -> object:
     """Copy ``gm``'s nodes into ``graph``, its placeholders bound to ``args`` (``None``: to
-    new placeholders); returns what its output returns."""
+    new placeholders); returns what its output returns. ``move``: (reference FQN, FQN) of
+    the stamped block being inlined, whose nodes' module stacks name its reference."""
     placeholders = iter(args or ())
     for node in gm.graph.nodes:
         if node.op == "placeholder" and args is not None:
@@ -329,26 +444,41 @@ def _inline(gm: fx.GraphModule, prefix: str, graph: fx.Graph, env: dict, args) -
             graph.node_copy(node, env.__getitem__)
         elif node.op == "call_module" and isinstance(gm.get_submodule(node.target),
                                                      fx.GraphModule):
-            env[node] = _inline(gm.get_submodule(node.target), prefix + node.target + ".",
-                                graph, env, fx.node.map_arg(node.args, env.__getitem__))
+            sub = gm.get_submodule(node.target)
+            env[node] = _inline(sub, prefix + node.target + ".", graph, env,
+                                fx.node.map_arg(node.args, env.__getitem__),
+                                (sub.meta[STAMP], prefix + node.target) if STAMP in sub.meta
+                                else move)
         elif node.target is run_checkpointed:
             region = attr(gm, node.args[0].target)
             env[node] = _inline(region, prefix, graph, env,
-                                fx.node.map_arg(node.args[1:], env.__getitem__))
+                                fx.node.map_arg(node.args[1:], env.__getitem__), move)
         elif node.op == "call_function" and node.target is operator.getitem and \
                 isinstance(env.get(node.args[0]), tuple):
             env[node] = env[node.args[0]][node.args[1]]
         elif node.target is call_submodule:
             module, prefix_ = env[node.args[0]]
             env[node] = _inline(module, prefix_, graph, env,
-                                fx.node.map_arg(node.args[1:], env.__getitem__))
+                                fx.node.map_arg(node.args[1:], env.__getitem__), move)
         elif node.op == "get_attr" and isinstance(attr(gm, node.target), fx.GraphModule):
             env[node] = (attr(gm, node.target), prefix + node.target + ".")
         else:
             env[node] = graph.node_copy(node, env.__getitem__)
             if node.op == "get_attr":
                 env[node].target = prefix + node.target
+            if move and "nn_module_stack" in node.meta:
+                env[node].meta["nn_module_stack"] = moved_stack(node.meta["nn_module_stack"],
+                                                                *move)
     return None
+
+
+def moved_stack(stack: dict, reference: str, fqn: str) -> dict:
+    """A module stack of ``reference``'s nodes as block ``fqn``'s copy of them has it."""
+    def move(path):
+        return fqn + path[len(reference):] if path == reference or \
+            path.startswith(reference + ".") else path
+    return {(key[:len(key) - len(path)] + move(path) if key.endswith(path) else key):
+            (move(path), kind) for key, (path, kind) in stack.items()}
 
 
 def _follow_order(gm: nn.Module, model: nn.Module) -> None:

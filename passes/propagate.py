@@ -19,8 +19,8 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial
 
 from .errors import ShardingError
-from .graph import (FALLBACK, INPUTS, PLACEMENT, branches, layout, module_fqn, output_vals,
-                    placement_of, tensor_inputs, val)
+from .graph import (FALLBACK, INPUTS, PLACEMENT, STAMP, branches, layout, module_fqn,
+                    output_vals, placement_of, tensor_inputs, val)
 from .placement import (R, describe, is_narrowing, is_replicate, is_sharded,
                         transition_cost)
 from .dimspec import indivisible
@@ -56,6 +56,11 @@ def _propagate_call(node: fx.Node, world: int) -> str | None:
     if node.target is layout:
         node.meta[INPUTS] = (node.args[1],)
         node.meta[PLACEMENT] = node.args[1]
+        return None
+    stamp = node.meta.get(STAMP)
+    if stamp is not None:  # its block runs the reference's program: placed as it is there
+        node.meta[INPUTS] = tuple(placement_of(a) for a in stamp.inputs)
+        node.meta[PLACEMENT] = tuple(placement_of(o) for o in stamp.outputs)
         return None
     if node.target in PASSTHROUGH:
         source = placement_of(node.args[0])

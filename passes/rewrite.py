@@ -22,8 +22,9 @@ from torch.distributed.tensor import Replicate
 
 from . import collectives
 from .gradients import gradient_carriers
-from .graph import (AUTOCAST, COLLECTIVE, INPUTS, PLACEMENT, branches, layout, placement_of,
-                    stack_upto, tensor_inputs, val)
+from .errors import StampMismatch
+from .graph import (AUTOCAST, COLLECTIVE, INPUTS, PLACEMENT, STAMP, branches, layout,
+                    placement_of, stack_upto, tensor_inputs, val)
 from .placement import (UnitShard, blocks, describe, is_replicate, is_sharded,
                         local_range, transition_steps)
 from .rules import writes_first_input
@@ -59,6 +60,8 @@ def rewrite(gm: fx.GraphModule, group: str, rank: int, world: int,
         if needed is None:
             continue
         inputs = iter(zip(tensor_inputs(node), needed))
+        if STAMP in node.meta:
+            _check_stamp(node, needed)
 
         def swap(arg):
             if arg is not None and hasattr(val(arg), "shape"):
@@ -75,6 +78,16 @@ def rewrite(gm: fx.GraphModule, group: str, rank: int, world: int,
             branch.recompile()
     _sync_partial_grads(graph, group, scope or (lambda node: ""))
     graph.lint()
+
+
+def _check_stamp(node: fx.Node, needed) -> None:
+    """A stamped block runs its reference's program, which takes its inputs as they are."""
+    for i, (src, dst) in enumerate(zip(tensor_inputs(node), needed)):
+        if placement_of(src) != dst:
+            raise StampMismatch(
+                f"input {i} of the block stamped as node '{node.name}' arrives "
+                f"{describe(placement_of(src))}, where its reference "
+                f"'{node.meta[STAMP].reference}' took {describe(dst)}")
 
 
 _KINDS = {"all_reduce": collectives.all_reduce, "reduce_scatter": collectives.reduce_scatter,
@@ -127,8 +140,8 @@ def _contributes_partial_grad(user: fx.Node) -> bool:
     """Does ``user`` hand a replicated input a per-rank partial gradient? Either it touches
     sharded or partial values, or it is a replicated view whose users all do (the gradient
     is then synchronized before the view, on its input)."""
-    if user.op != "call_function" or user.target is collectives.shard:
-        return False
+    if user.op != "call_function" or user.target is collectives.shard or STAMP in user.meta:
+        return False  # a stamped block syncs its inputs' gradients inside, as its reference
     placements = list(user.meta.get(INPUTS) or ()) + [user.meta.get(PLACEMENT)]
     flat = [p for q in placements for p in (q if isinstance(q, tuple) else (q,))]
     return any(p is not None and not is_replicate(p) for p in flat) or _forwards_partial(user)

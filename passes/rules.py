@@ -30,7 +30,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
 from .dimspec import DimSpec, fixed_label, parse, strategies
-from .graph import is_tensor_node, output_vals, tensor_inputs, val
+from .graph import is_tensor_node, output_vals, stamp_edge, tensor_inputs, val
 from .local_ops import mean_of_shard, sharded_dropout, vocab_parallel_embedding
 from .loss_parallel import class_sharded, cross_entropy_spec, loss_parallel
 from .placement import (UnitShard, block_bounds, cut_in_blocks, is_blocked, is_sharded,
@@ -1031,7 +1031,7 @@ RULES.update({
     aten.new_full.default: Rule(_ignore_input),
 })
 
-PASSTHROUGH = {operator.getitem}
+PASSTHROUGH = {operator.getitem, stamp_edge}
 
 _POINTWISE = pointwise()
 

@@ -226,6 +226,40 @@ def test_an_attribute_no_forward_reads_does_not_prevent_stamping(fake_group):
     assert programs(stamped) == programs(traced)
 
 
+def test_stamped_blocks_share_their_reference_program_and_hold_their_own_tensors(
+        fake_group):
+    """Each stamped block is a copy of its reference's module (one class, one graph, one
+    generated code) holding its own shards; hooks and the report are its own."""
+    fake_group(2)
+    stamped, traced = stamped_and_traced(llama, llama_sp_plan(), 2)
+    first = stamped.layers[0]
+    for block in list(stamped.layers)[1:]:
+        assert type(block) is type(first) and block.graph is first.graph
+        assert type(block.attention) is type(first.attention)
+        assert block.attention.wq.weight is not first.attention.wq.weight
+        assert block.attention.wq.weight.placements == first.attention.wq.weight.placements
+    assert fxtp.explain(stamped).summary == fxtp.explain(traced).summary
+    traced.load_state_dict(stamped.state_dict())
+    torch.testing.assert_close(stamped(TOKENS), traced(TOKENS))
+    called = []
+    stamped.layers[2].register_forward_hook(lambda *_: called.append(2))
+    stamped(TOKENS)
+    assert called == [2]
+
+
+def test_a_block_whose_input_arrives_placed_otherwise_is_copied_in_full(fake_group):
+    """Without the embedding's sequence sharding, layer 0 takes its input replicated and
+    gives it sequence-sharded, so the later layers, whose input arrives sharded, cannot
+    run layer 0's program: each gets a copy of its nodes, placed anew."""
+    fake_group(2)
+    plan = {k: v for k, v in llama_sp_plan().items() if k != "tok_embeddings"}
+    stamped, traced = stamped_and_traced(llama, plan, 2)
+    assert len(stamped.meta[STAMPED]) == LAYERS - 1
+    assert stamped.layers[1].graph is not stamped.layers[0].graph
+    assert programs(stamped) == programs(traced)
+    assert collectives(stamped, (TOKENS,)) == collectives(traced, (TOKENS,))
+
+
 def gemma2():
     """Hugging Face's Gemma-2: sliding-window and global attention layers alternate (each
     reads its own ``sliding_window``), and each MLP holds its own ``functools.partial``
