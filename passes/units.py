@@ -128,11 +128,13 @@ _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
 
 
 def _slice_before_use(graph: fx.Graph, param: fx.Node, placement) -> None:
-    """Keep ``param`` whole and feed its users this rank's ``placement`` rows of it."""
+    """Keep ``param`` whole and feed its users this rank's ``placement`` rows of it, sliced
+    in the module reading it (so its gradient is synchronized with that block's)."""
     param.meta[PLACEMENT] = Replicate()
+    reader = next(iter(param.users), param)
     with graph.inserting_after(param):
         marker = graph.call_function(layout, (param, placement))
-    marker.meta.update(val=val(param), nn_module_stack=dict(param.meta.get("nn_module_stack", {})))
+    marker.meta.update(val=val(param), nn_module_stack=dict(reader.meta.get("nn_module_stack", {})))
     marker.meta[BOUNDARY] = f"the heads of {param.target}"
     param.replace_all_uses_with(marker, delete_user_cb=lambda u: u is not marker)
 

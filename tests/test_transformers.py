@@ -82,11 +82,11 @@ def test_collective_bytes_are_the_megatron_formula(ranks):
 @pytest.mark.parametrize("repeat_mode", ["expand", "repeat_interleave"])
 def test_llama_with_fewer_kv_heads_than_ranks_gathers_no_keys_or_values(ranks4, repeat_mode):
     """2 KV heads on 4 ranks: each rank computes the KV head its query heads use (the KV
-    weights stay whole; their gradients join one bucketed all-reduce): no k / v gathers,
-    whichever way the heads are repeated."""
+    weights stay whole; their gradients join each block's bucketed all-reduce): no k / v
+    gathers, whichever way the heads are repeated."""
     fwd, bwd = ranks4.run(llama, torch.float64, "real", repeat_mode, 2)[0]
     assert fwd == {"all_reduce": 2 * L + 1, "all_gather": 1}
-    assert bwd == {"all_reduce": 2 * L + 2}
+    assert bwd == {"all_reduce": 3 * L + 1}
 
 
 def torch_reference_plan(local_output_for_attn):
