@@ -1,8 +1,9 @@
 """fxtp: tensor parallelism for PyTorch as a compiler pass over torch.fx graphs.
 
-``import fxtp`` loads the plan vocabulary (styles, placements, errors) only; the names that
-trace, rewrite or compile (``fxtp.parallelize``, ``fxtp.explain``, ...) load their modules,
-and with them ``torch.export`` and dynamo, on first use. The ``"fxtp"`` torch.compile
+``import fxtp`` loads its errors only; every other name loads its module on first use:
+the plan vocabulary (styles, placements) with ``torch.distributed.tensor``, the names that
+trace, rewrite or compile (``fxtp.parallelize``, ``fxtp.explain``, ...) with
+``torch.export`` and dynamo. The ``"fxtp"`` torch.compile
 backend is a ``torch_dynamo_backends`` entry point (setup.cfg): ``torch.compile(...,
 backend="fxtp")`` finds it by name.
 """
@@ -10,16 +11,13 @@ import importlib
 import sys
 import types
 
-from torch.distributed.tensor import Partial, Replicate, Shard
-
-from .comm_count import count_collectives
 from .passes.errors import FxtpError, InputError, PlanError, ShardingError, TraceError
-from .report import Report
-from .styles import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
-                     PrepareModuleInputOutput, PrepareModuleOutput, RowwiseParallel,
-                     SequenceParallel)
 
 _ON_FIRST_USE = {
+    **dict.fromkeys(["ColwiseParallel", "RowwiseParallel", "SequenceParallel",
+                     "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput",
+                     "ParallelStyle", "Shard", "Replicate", "Partial"], ".styles"),
+    "count_collectives": ".comm_count", "Report": ".report",
     "parallelize": ".parallelize", "explain": ".explain", "cross_entropy": ".loss",
     "state_dict": ".checkpoint", "load_state_dict": ".checkpoint",
     "full_state_dict": ".checkpoint", "load_full_state_dict": ".checkpoint",

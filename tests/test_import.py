@@ -1,5 +1,5 @@
-"""Importing fxtp is light: the plan vocabulary loads, the passes and dynamo do not until a
-name that traces or compiles is used; the "fxtp" torch.compile backend is found by name through the
+"""Importing fxtp is light: torch does not load until a name is used, the passes and dynamo
+not until a name that traces or compiles is used; the "fxtp" torch.compile backend is found by name through the
 installed package's entry point, without importing fxtp."""
 import subprocess
 import sys
@@ -20,6 +20,16 @@ def test_import_fxtp_loads_neither_dynamo_nor_the_passes():
                "try:\n    fxtp.paralelize\nexcept AttributeError as e:\n    print(e)"
                ).splitlines() == ["False False True", "fxtp.parallelize True",
                                   "module 'fxtp' has no attribute 'paralelize'"]
+
+
+def test_import_fxtp_loads_no_torch_until_a_name_is_used():
+    assert run("import sys, fxtp\n"
+               "print('torch' in sys.modules, 'torch.distributed.tensor' in sys.modules)\n"
+               "from fxtp import Shard, ColwiseParallel\n"
+               "print(Shard.__module__, ColwiseParallel.__module__,"
+               " 'fxtp.parallelize' in sys.modules)"
+               ).splitlines() == ["False False", "torch.distributed.tensor.placement_types "
+                                  "fxtp.styles False"]
 
 
 def test_the_compile_backend_is_found_by_name_without_importing_fxtp():
