@@ -12,8 +12,9 @@ reported as ``first_call_setup_s``), then the timed one.
     python -m benchmarks.passes_scale           # 8B at 4..32 layers, 70B at 80, 405B at 126
     python -m benchmarks.passes_scale --quick   # 8B at 2 and 4 layers
 
-The import times of ``torch`` and of ``fxtp`` (fresh processes, median of 5) are recorded
-beside them (``import_s``), and the end-to-end time of ``python -m fxtp explain`` on the 8B
+The import times of ``torch``, of ``fxtp`` alone and of ``fxtp`` with its plan vocabulary
+(which loads torch and ``torch.distributed.tensor``; fresh processes, median of 5) are
+recorded beside them (``import_s``), and the end-to-end time of ``python -m fxtp explain`` on the 8B
 shape (``explain_cli_s``).
 
 Results: ``benchmarks/results/passes_scale.json`` and ``passes_scale.png``.
@@ -69,10 +70,14 @@ def one(shape: str, layers: int, world: int = 8) -> dict:
             "params_global": sum(p.numel() for p in model.parameters())}
 
 
-def import_seconds(module: str, repeats: int = 5) -> float:
-    """Median wall time of ``import module`` in a fresh Python process."""
+IMPORTS = {"torch": "import torch", "fxtp": "import fxtp",  # fxtp loads torch on first use
+           "fxtp+styles": "import fxtp; fxtp.ColwiseParallel"}  # what a plan needs
+
+
+def import_seconds(statement: str, repeats: int = 5) -> float:
+    """Median wall time of ``statement`` (imports) in a fresh Python process."""
     import statistics
-    code = (f"import time; t = time.perf_counter(); import {module}; "
+    code = (f"import time; t = time.perf_counter(); {statement}; "
             f"print(time.perf_counter() - t)")
     return statistics.median(
         float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -129,7 +134,7 @@ def main(argv=None):
     line = fit([p for p in points if p["shape"] == "8B"])
     print(f"8B: {line['seconds_per_layer']:.3f} s/layer + {line['intercept_s']:.2f} s "
           f"(R^2 {line['r2']:.4f})")
-    imports = {module: import_seconds(module) for module in ("torch", "fxtp")}
+    imports = {name: import_seconds(statement) for name, statement in IMPORTS.items()}
     print("import: " + ", ".join(f"{m} {t:.2f} s" for m, t in imports.items()))
     cli = explain_cli_seconds()
     print(f"python -m fxtp explain, 8B shape, world 8, sequence parallel: {cli:.2f} s")

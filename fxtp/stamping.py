@@ -72,6 +72,15 @@ def _(inputs, key):
 _stamp.register_autograd(lambda ctx, grads: (None, None))
 
 
+class Shown(Exception):
+    """Block ``fqn``, whose tensors were held back from the trace, has to be traced: the
+    trace starts over with them."""
+
+    def __init__(self, fqn: str):
+        super().__init__(f"block '{fqn}' is traced")
+        self.fqn = fqn
+
+
 class Unstampable(Exception):
     """Block ``fqn``'s traced nodes cannot be copied for other blocks (``why``): its kind
     is traced again without stamping."""
@@ -100,7 +109,7 @@ class Stamper:
     ``plan``: FQN -> style; ``kept``: FQNs of modules whose calls must stay marked."""
 
     def __init__(self, model: nn.Module, blocks: Iterable[str], plan: dict,
-                 kept: Iterable[str]):
+                 kept: Iterable[str], shown: Iterable[str] = ()):
         self.model = model
         self.key = f"{id(self)}"
         kept = set(kept)
@@ -118,6 +127,10 @@ class Stamper:
         self.canonical = {fqn: first.setdefault(id(t), fqn) for fqn, t in
                           [*model.named_parameters(remove_duplicate=False),
                            *model.named_buffers(remove_duplicate=False)]}
+        firsts = set({kind: fqn for fqn, kind in reversed(self.kind.items())}.values())
+        self.hidden = _hideable(model, [f for f in self.kind
+                                        if f not in firsts and f not in set(shown)])
+        self.held_back: list[tuple] = []  # (FQN, tensor, parameter?, persistent?)
 
     def same_kind(self, fqn: str) -> list[str]:
         """The blocks stamped from one trace with ``fqn``."""
@@ -125,15 +138,34 @@ class Stamper:
 
     @contextlib.contextmanager
     def tracing(self):
+        """Stamp while tracing. The tensors of the blocks expected to be stamped (all but
+        the first of each kind) are held back from the trace meanwhile (so the exported
+        program does not lift them; :meth:`hand_back` registers them in the result); one
+        that has to be traced after all raises :class:`Shown`."""
         patched = []
         for fqn in self.kind:
             module = self.model.get_submodule(fqn)
             if "forward" not in module.__dict__:
                 module.forward = self._forward(fqn, module, module.forward)
                 patched.append(module)
+        stashed = {}
+        for fqn in self.hidden:
+            for path, module in self.model.get_submodule(fqn).named_modules(
+                    remove_duplicate=False):
+                prefix = f"{fqn}.{path}." if path else f"{fqn}."
+                self.held_back += [(prefix + name, t, True, True)
+                                   for name, t in module._parameters.items() if t is not None]
+                self.held_back += [(prefix + name, t, False,
+                                    name not in module._non_persistent_buffers_set)
+                                   for name, t in module._buffers.items() if t is not None]
+                if id(module) not in stashed:
+                    stashed[id(module)] = (module, module._parameters, module._buffers)
+                    module.__dict__.update(_parameters={}, _buffers={})
         try:
             yield self
         finally:
+            for module, parameters, buffers in stashed.values():
+                module.__dict__.update(_parameters=parameters, _buffers=buffers)
             for module in patched:
                 del module.forward
             for index in range(len(self.references)):
@@ -144,11 +176,15 @@ class Stamper:
 
         def call(*args, **kwargs):
             if self._depth:
+                if fqn in self.hidden:  # traced after all: its tensors are needed
+                    raise Shown(fqn)
                 return forward(*args, **kwargs)
             index = next((i for i, r in enumerate(self.references) if r.kind == kind and
                           r.out_spec is not None and self._matches(r, module, args, kwargs)),
                          None)
             if index is None:  # a variant of its kind (a sliding-window layer): traced
+                if fqn in self.hidden:
+                    raise Shown(fqn)
                 if any(r.fqn == fqn for r in self.references):  # a later call: as usual
                     return forward(*args, **kwargs)
                 return self._trace_reference(kind, fqn, module, forward, args, kwargs)
@@ -242,6 +278,22 @@ class Stamper:
         self._unmark(graph)
         graph.lint()
         return dict(self.stamped)
+
+    def hand_back(self, gm: fx.GraphModule) -> None:
+        """Register in ``gm`` the tensors held back from the trace, at their FQNs."""
+        for fqn, t, parameter, persistent in self.held_back:
+            *path, name = fqn.split(".")
+            owner: nn.Module = gm
+            for part in path:
+                if part not in owner._modules:
+                    owner.add_module(part, nn.Module())
+                owner = owner._modules[part]
+            if parameter:
+                owner._parameters[name] = t
+            else:
+                owner._buffers[name] = t
+                if not persistent:
+                    owner._non_persistent_buffers_set.add(name)
 
     def drop_unread(self, gm: fx.GraphModule) -> None:
         """Remove the reads of the tensors of blocks kept as stamps, which no node uses
@@ -506,6 +558,16 @@ def _signature(model: nn.Module, fqn: str, plan: dict, kept: set) -> Optional[tu
                           if k.startswith(prefix) or k == fqn))
     marked = tuple(sorted(k[len(prefix):] for k in kept if k.startswith(prefix) or k == fqn))
     return type(block), state, modules, styles, marked
+
+
+def _hideable(model: nn.Module, fqns: list[str]) -> list[str]:
+    """The blocks of ``fqns`` whose modules appear nowhere else in ``model`` (a module
+    shared with another place would lose its tensors there too)."""
+    inside = tuple(f + "." for f in fqns)
+    elsewhere = {id(m) for name, m in model.named_modules(remove_duplicate=False)
+                 if not (name + ".").startswith(inside)}
+    return [f for f in fqns
+            if not any(id(m) in elsewhere for m in model.get_submodule(f).modules())]
 
 
 @contextlib.contextmanager

@@ -22,7 +22,7 @@ from torch.amp.autocast_mode import _enter_autocast, _exit_autocast
 
 from .passes.graph import AUTOCAST, ModuleCall
 from .passes.recompute import REGION
-from .stamping import STAMPED, Stamper, Unstampable
+from .stamping import STAMPED, Shown, Stamper, Unstampable
 
 
 @torch.library.custom_op("fxtp::boundary", mutates_args=())
@@ -61,11 +61,15 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: Optional[dict],
     boundaries = tuple(b for b in boundaries if b)
     checkpointed = tuple(checkpointed)
     blocks = list(blocks)
+    shown: set[str] = set()  # blocks traced although their kind is stamped
     while True:
-        stamper = Stamper(model, blocks, plan or {}, (*boundaries, *checkpointed))
+        stamper = Stamper(model, blocks, plan or {}, (*boundaries, *checkpointed), shown)
         try:
             gm, calls = _trace(model, args, kwargs, boundaries, dynamic_shapes, checkpointed,
                                stamper, keep_stamps)
+        except Shown as e:  # with its tensors this time
+            shown.add(e.fqn)
+            continue
         except Unstampable as e:  # that kind of block is traced in full
             blocks = [b for b in blocks if b not in stamper.same_kind(e.fqn)]
             continue
@@ -87,7 +91,11 @@ def _trace(model, args, kwargs, boundaries, dynamic_shapes, checkpointed, stampe
                 _marking_boundaries(model, boundaries, shapes), stamper.tracing():
             ep = torch.export.export(model, tuple(args), kwargs=kwargs or {}, strict=False,
                                      dynamic_shapes=dynamic_shapes)
+    except Shown:
+        raise
     except Exception as e:  # noqa: BLE001 - re-raised with a hint
+        if isinstance(e.__cause__ or e.__context__, Shown):  # raised inside export's code
+            raise e.__cause__ or e.__context__ from None
         if type(e).__name__ == "UncapturedHigherOrderOpError":
             raise TraceError(
                 f"fxtp could not trace {type(model).__name__}: {e}\nHint: a module the plan "
@@ -104,6 +112,8 @@ def _trace(model, args, kwargs, boundaries, dynamic_shapes, checkpointed, stampe
         warnings.filterwarnings("ignore", message=r"A model attribute `\S*lifted_tensor_\d+` "
                                 r"requires gradient")
         gm = ep.module()
+    if not keep_stamps:  # the copies of the reference's nodes read them
+        stamper.hand_back(gm)
     _read_buffers_by_name(gm, model)
     _inline_regions(gm)
     stamped = stamper.keep(gm) if keep_stamps else stamper.expand(gm, shapes, regions)
@@ -112,6 +122,7 @@ def _trace(model, args, kwargs, boundaries, dynamic_shapes, checkpointed, stampe
     gm = fx.GraphModule(gm, gm.graph)  # without export's input-shape check hooks
     if keep_stamps:  # after the copy above, which holds only the tensors the graph reads
         stamper.drop_unread(gm)
+        stamper.hand_back(gm)
     gm.meta[REGION] = regions
     gm.meta[STAMPED] = stamped
     return gm, _take_boundaries(gm.graph, shapes)

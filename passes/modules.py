@@ -411,11 +411,13 @@ def _rebuild_containers(gm: nn.Module, model: nn.Module, prefix: str = "") -> No
         if type(child) is nn.Module and isinstance(original, (nn.ModuleList, nn.ModuleDict)):
             container = type(original)() if isinstance(original, nn.ModuleDict) else \
                 nn.ModuleList()
-            if isinstance(container, nn.ModuleList) and \
-                    list(child._modules) != [str(i) for i in range(len(child._modules))]:
-                continue
-            for key, sub in child._modules.items():
-                container.add_module(key, sub)
+            keys = list(child._modules)
+            if isinstance(container, nn.ModuleList):
+                if set(keys) != {str(i) for i in range(len(keys))}:
+                    continue
+                keys = [str(i) for i in range(len(keys))]
+            for key in keys:
+                container.add_module(key, child._modules[key])
             gm._modules[name] = container
 
 
