@@ -222,6 +222,8 @@ def _marking_checkpoints(model: torch.nn.Module, fqns: Iterable[str], regions: d
         cp._checkpoint_without_reentrant_generator = original
         for hook in hooks:
             hook.remove()
+        while entered:  # a trace stopped inside a module's call (a block to trace after
+            entered.pop().__exit__(None, None, None)  # all): its region mark ends here
 
 
 _HOP = torch.ops.higher_order

@@ -260,6 +260,20 @@ def test_a_block_whose_input_arrives_placed_otherwise_is_copied_in_full(fake_gro
     assert collectives(stamped, (TOKENS,)) == collectives(traced, (TOKENS,))
 
 
+def test_a_trace_restarted_inside_a_checkpointed_block_leaves_no_region_behind(fake_group):
+    """Layer 1 reads its own ``layer_idx``: its tensors, held back for a stamp, are needed,
+    and the trace starts over from inside its checkpointed call. The next trace (of a
+    model with no checkpointing) must not find itself inside that region."""
+    fake_group(2)
+    stamped = fxtp.parallelize(llama_reading_layer_idx(), llama_tp_plan(),
+                               example_inputs=(TOKENS,), checkpoint=["layers.*"])
+    assert stamped.meta[STAMPED] == {}
+    net = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    gm = fxtp.parallelize(net, {"0": fxtp.ColwiseParallel()}, example_inputs=(torch.randn(2, 8),))
+    assert not [name for name, _ in gm.named_modules() if "checkpoint" in name]
+    assert "run_checkpointed" not in gm.code
+
+
 def gemma2():
     """Hugging Face's Gemma-2: sliding-window and global attention layers alternate (each
     reads its own ``sliding_window``), and each MLP holds its own ``functools.partial``
