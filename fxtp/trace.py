@@ -67,8 +67,8 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: Optional[dict],
         try:
             gm, calls = _trace(model, args, kwargs, boundaries, dynamic_shapes, checkpointed,
                                stamper, keep_stamps)
-        except Shown as e:  # with its tensors this time
-            shown.add(e.fqn)
+        except Shown as e:  # with the tensors of its kind this time: where one block is
+            shown.update(stamper.same_kind(e.fqn))  # a variant, the next are likely to be
             continue
         except Unstampable as e:  # that kind of block is traced in full
             blocks = [b for b in blocks if b not in stamper.same_kind(e.fqn)]
