@@ -46,6 +46,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from .passes.graph import FALLBACK, STAMP, Stamp, attr, module_fqn, stamp_edge
+from .passes.modules import hold, moved_stack
 from .passes.recompute import REGION
 
 STAMPED = "fxtp_stamped"  # gm.meta key: block FQN -> the FQN of the block it was copied from
@@ -130,7 +131,7 @@ class Stamper:
         firsts = set({kind: fqn for fqn, kind in reversed(self.kind.items())}.values())
         self.hidden = _hideable(model, [f for f in self.kind
                                         if f not in firsts and f not in set(shown)])
-        self.held_back: list[tuple] = []  # (FQN, tensor, parameter?, persistent?)
+        self.held_back: list[tuple] = []  # (FQN, tensor, persistent?)
 
     def same_kind(self, fqn: str) -> list[str]:
         """The blocks stamped from one trace with ``fqn``."""
@@ -153,9 +154,9 @@ class Stamper:
             for path, module in self.model.get_submodule(fqn).named_modules(
                     remove_duplicate=False):
                 prefix = f"{fqn}.{path}." if path else f"{fqn}."
-                self.held_back += [(prefix + name, t, True, True)
+                self.held_back += [(prefix + name, t, True)
                                    for name, t in module._parameters.items() if t is not None]
-                self.held_back += [(prefix + name, t, False,
+                self.held_back += [(prefix + name, t,
                                     name not in module._non_persistent_buffers_set)
                                    for name, t in module._buffers.items() if t is not None]
                 if id(module) not in stashed:
@@ -281,19 +282,8 @@ class Stamper:
 
     def hand_back(self, gm: fx.GraphModule) -> None:
         """Register in ``gm`` the tensors held back from the trace, at their FQNs."""
-        for fqn, t, parameter, persistent in self.held_back:
-            *path, name = fqn.split(".")
-            owner: nn.Module = gm
-            for part in path:
-                if part not in owner._modules:
-                    owner.add_module(part, nn.Module())
-                owner = owner._modules[part]
-            if parameter:
-                owner._parameters[name] = t
-            else:
-                owner._buffers[name] = t
-                if not persistent:
-                    owner._non_persistent_buffers_set.add(name)
+        for fqn, t, persistent in self.held_back:
+            hold(gm, fqn, t, persistent)
 
     def drop_unread(self, gm: fx.GraphModule) -> None:
         """Remove the reads of the tensors of blocks kept as stamps, which no node uses
@@ -424,10 +414,8 @@ class Stamper:
         inner = list((meta.get("nn_module_stack") or {}).items())
         at = next((i for i, (_, (path, _)) in enumerate(inner) if path == reference), None)
         if at is not None:
-            moved = [(key[:len(key) - len(path)] + fqn + path[len(reference):]
-                      if key.endswith(path) else key, (fqn + path[len(reference):], kind))
-                     for key, (path, kind) in inner[at + 1:]]
-            meta["nn_module_stack"] = dict(stack + moved)
+            meta["nn_module_stack"] = {**dict(stack),
+                                       **moved_stack(dict(inner[at + 1:]), reference, fqn)}
         custom = meta.get("custom")
         if custom and REGION in custom:
             region = custom[REGION]

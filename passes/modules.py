@@ -219,10 +219,10 @@ def _extract(gm: fx.GraphModule, part: list, base: str, fqn: str, names: dict, c
     except AttributeError:
         held = nn.Module()
     for name, t in held.named_parameters(remove_duplicate=False):
-        _hold(sub, name, t, True)
+        hold(sub, name, t, True)
     for owner, module in held.named_modules(remove_duplicate=False):
         for name, t in module._buffers.items():
-            _hold(sub, f"{owner}.{name}" if owner else name, t,
+            hold(sub, f"{owner}.{name}" if owner else name, t,
                   name not in module._non_persistent_buffers_set)
     gm.add_submodule(relative, sub)
     done[fqn] = (inputs, outputs)
@@ -377,11 +377,12 @@ def _place_tensors(gm: fx.GraphModule, tensors: dict, outlined: set, persistent:
     for name, t in tensors.items():
         holder = _nearest(name, outlined)
         module: nn.Module = gm.get_submodule(holder) if holder else gm
-        _hold(module, name[len(holder) + 1:] if holder else name, t, name in persistent)
+        hold(module, name[len(holder) + 1:] if holder else name, t, name in persistent)
 
 
-def _hold(module: nn.Module, path: str, t, persistent: bool) -> None:
-    """Register ``t`` at ``path`` below ``module`` (holders made as needed), unless there."""
+def hold(module: nn.Module, path: str, t, persistent: bool) -> None:
+    """Register ``t`` at ``path`` below ``module`` (holders made as needed), unless there:
+    a parameter if it is one, else a buffer."""
     *parents, leaf = path.split(".")
     for part in parents:
         if part not in module._modules:
