@@ -212,6 +212,9 @@ def _extract(gm: fx.GraphModule, part: list, base: str, fqn: str, names: dict, c
             attrs[held[n]] = attr(gm, n.target)
             env[n].target = held[n]
     body.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[o] for o in outputs))
+    for stamp in {id(n.meta[STAMP]): n.meta[STAMP] for n in part if STAMP in n.meta}.values():
+        stamp.inputs[:] = [env.get(x, x) for x in stamp.inputs]  # now read in ``body``
+        stamp.outputs[:] = [env.get(x, x) for x in stamp.outputs]
     sub = _LazyGraphModule(attrs, body, class_name=cls.__name__)  # code: see generate_code
     relative = fqn[len(base) + 1:] if base else fqn
     try:  # the holder it replaces: its tensors move along

@@ -294,6 +294,23 @@ def test_alternating_layers_each_stamp_their_own_kind(fake_group):
     torch.testing.assert_close(stamped(TOKENS).logits, traced(TOKENS).logits)
 
 
+def test_hugging_face_blocks_nested_in_an_outlined_model_run_their_reference_copy(
+        fake_group):
+    """``model.layers.N`` sit in ``model``, itself outlined: the stamped layers are still
+    copies of layer 0's module, and the program is the fully traced one."""
+    fake_group(2)
+    from tests.corpus import _hf
+    stamped, traced = stamped_and_traced(
+        lambda: _hf("Qwen2Config", "Qwen2ForCausalLM", num_hidden_layers=LAYERS,
+                    use_cache=False), "auto", 2)
+    assert len(stamped.meta[STAMPED]) == LAYERS - 1
+    layers = stamped.model.layers
+    assert all(layers[i].graph is layers[0].graph for i in range(1, LAYERS))
+    assert programs(stamped) == programs(traced)
+    assert stamped.fxtp.fallbacks == []
+    torch.testing.assert_close(stamped(TOKENS).logits, traced(TOKENS).logits)
+
+
 def stamped_projections(make_model) -> dict:
     """The blocks stamped in a stack of :class:`Projection` s (colwise at world 2), once
     its program is checked to be the fully traced one."""
