@@ -77,7 +77,9 @@ def outline_modules(gm: fx.GraphModule, fqns: Iterable[str], model: nn.Module,
     children: dict[str, set[str]] = {}  # FQN ("": the root) -> the outlined just below it
     for f in outlined:
         children.setdefault(_nearest(f, outlined), set()).add(f)
-    skipped += _outline(gm, "", children, names, model, stamped, {})
+    records = list({id(n.meta[STAMP]): n.meta[STAMP] for n in gm.graph.nodes
+                    if STAMP in n.meta}.values())
+    skipped += _outline(gm, "", children, names, model, stamped, {}, records)
     skipped += [fqn + f[len(ref):] for fqn, ref in stamped.items() for f in list(skipped)
                 if f.startswith(ref + ".")]
     _place_tensors(gm, tensors, outlined - set(skipped), persistent)
@@ -111,10 +113,11 @@ def _paths(node: fx.Node) -> list[str]:
 
 
 def _outline(gm: fx.GraphModule, base: str, tree: dict[str, set[str]], names: dict, model,
-             stamped: dict[str, str], done: dict) -> list[str]:
+             stamped: dict[str, str], done: dict, records: list) -> list[str]:
     """Outline ``tree[base]`` (the modules to outline just below ``base``, ``gm``'s FQN)
     in ``gm``, then theirs in each; returns the FQNs left inline. ``done``: FQN -> the
-    values an outlined module reads and returns, in its call's order."""
+    values an outlined module reads and returns, in its call's order; ``records``: every
+    :class:`Stamp`, kept naming the values as calls replace them."""
     def left_inline(child):
         return [child] + [f for c in tree.get(child, ()) for f in left_inline(c)]
     children = tree.get(base, set())
@@ -130,13 +133,14 @@ def _outline(gm: fx.GraphModule, base: str, tree: dict[str, set[str]], names: di
         part.sort()  # in the graph's order (an extraction may have moved nodes after it)
         if child in stamped:
             _call_stamp(gm.graph, part, child, done.get(stamped[child]),
-                        child[len(base) + 1:] if base else child)
+                        child[len(base) + 1:] if base else child, records)
             continue
         if not _convex(part):
             skipped += left_inline(child)
             continue
-        sub = _extract(gm, part, base, child, names, type(model.get_submodule(child)), done)
-        skipped += _outline(sub, child, tree, names, model, stamped, done)
+        sub = _extract(gm, part, base, child, names, type(model.get_submodule(child)), done,
+                       records)
+        skipped += _outline(sub, child, tree, names, model, stamped, done, records)
     if children:
         gm.graph.lint()
         recompile_alone(gm)
@@ -189,7 +193,7 @@ def _convex(part: list[fx.Node]) -> bool:
 
 
 def _extract(gm: fx.GraphModule, part: list, base: str, fqn: str, names: dict, cls,
-             done: dict) -> fx.GraphModule:
+             done: dict, records: list) -> fx.GraphModule:
     """Move ``part`` into a new submodule at ``fqn`` (relative to ``base``) and call it."""
     graph, inside = gm.graph, set(part)
     prefix = fqn + "."
@@ -212,9 +216,8 @@ def _extract(gm: fx.GraphModule, part: list, base: str, fqn: str, names: dict, c
             attrs[held[n]] = attr(gm, n.target)
             env[n].target = held[n]
     body.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[o] for o in outputs))
-    for stamp in {id(n.meta[STAMP]): n.meta[STAMP] for n in part if STAMP in n.meta}.values():
-        stamp.inputs[:] = [env.get(x, x) for x in stamp.inputs]  # now read in ``body``
-        stamp.outputs[:] = [env.get(x, x) for x in stamp.outputs]
+    _rename({id(n.meta[STAMP]): n.meta[STAMP] for n in part if STAMP in n.meta}.values(),
+            env)  # the stamps called in the block read and give ``body``'s values
     sub = _LazyGraphModule(attrs, body, class_name=cls.__name__)  # code: see generate_code
     relative = fqn[len(base) + 1:] if base else fqn
     try:  # the holder it replaces: its tensors move along
@@ -228,12 +231,13 @@ def _extract(gm: fx.GraphModule, part: list, base: str, fqn: str, names: dict, c
             hold(sub, f"{owner}.{name}" if owner else name, t,
                   name not in module._non_persistent_buffers_set)
     gm.add_submodule(relative, sub)
-    done[fqn] = (inputs, outputs)
-    _call(graph, [n for n in part if n in inside], inputs, outputs, relative)
+    done[fqn] = (inputs, _call(graph, [n for n in part if n in inside], inputs, outputs,
+                               relative, records))
     return sub
 
 
-def _call_stamp(graph: fx.Graph, part: list, fqn: str, reference, target: str) -> None:
+def _call_stamp(graph: fx.Graph, part: list, fqn: str, reference, target: str,
+                records: list) -> None:
     """Replace a stamped block's call (``part``: its stamp node and the stamp's outputs) by
     a call of its module at ``target``, passing and taking what its reference's module
     (``reference``: the values it reads and returns) does, in that order."""
@@ -255,12 +259,21 @@ def _call_stamp(graph: fx.Graph, part: list, fqn: str, reference, target: str) -
             [graph.call_function(operator.getitem, (call, i)) for i in range(len(gives))]
     call.meta = {"val": tuple(g.meta.get("val") for g in gives),
                  "nn_module_stack": dict(stamp.meta.get("nn_module_stack", {}))}
+    renamed = {}
     for i, out in outputs.items():
-        result = results[gives.index(given.outputs[i])]
-        result.meta.update(out.meta)
-        out.replace_all_uses_with(result)
+        renamed[out] = results[gives.index(given.outputs[i])]
+        renamed[out].meta.update(out.meta)
+        out.replace_all_uses_with(renamed[out])
         graph.erase_node(out)
     graph.erase_node(stamp)
+    _rename(records, renamed)
+
+
+def _rename(records: Iterable[Stamp], renamed: dict) -> None:
+    """Make each :class:`Stamp` of ``records`` name ``renamed[v]`` where it named ``v``."""
+    for stamp in records:
+        stamp.inputs[:] = [renamed.get(x, x) for x in stamp.inputs]
+        stamp.outputs[:] = [renamed.get(x, x) for x in stamp.outputs]
 
 
 def _drop_stamp_edges(graph: fx.Graph) -> None:
@@ -337,9 +350,11 @@ def _local_name(gm, target: str, base: str, prefix: str, names: dict) -> Optiona
     return inner[0] if inner else None
 
 
-def _call(graph: fx.Graph, part: list, inputs: list, outputs: list, target: str) -> None:
+def _call(graph: fx.Graph, part: list, inputs: list, outputs: list, target: str,
+          records: list) -> list[fx.Node]:
     """Replace ``part`` by one ``call_module``: placed after its last input, with the
-    nodes in between that use its results moved after it."""
+    nodes in between that use its results moved after it. Returns the nodes that now give
+    ``outputs``."""
     inside = set(part)
     last_input = max(inputs, default=None)
     later: list[fx.Node] = []
@@ -371,6 +386,8 @@ def _call(graph: fx.Graph, part: list, inputs: list, outputs: list, target: str)
         last = node
     for n in reversed(part):
         graph.erase_node(n)
+    _rename(records, dict(zip(outputs, results)))
+    return results
 
 
 def _place_tensors(gm: fx.GraphModule, tensors: dict, outlined: set, persistent: set

@@ -289,6 +289,9 @@ def test_alternating_layers_each_stamp_their_own_kind(fake_group):
     stamped, traced = stamped_and_traced(gemma2, "auto", 2, inputs=(TOKENS,))
     assert stamped.meta[STAMPED] == {"model.layers.2": "model.layers.0",
                                      "model.layers.3": "model.layers.1"}
+    layers = stamped.model.layers  # each kind runs its reference's module copy
+    assert layers[2].graph is layers[0].graph and layers[3].graph is layers[1].graph
+    assert layers[1].graph is not layers[0].graph
     assert programs(stamped) == programs(traced)
     assert stamped.fxtp.fallbacks == []
     torch.testing.assert_close(stamped(TOKENS).logits, traced(TOKENS).logits)
