@@ -10,6 +10,7 @@ strings that only say how a gradient or an output must be reduced
 """
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Mapping
 
 import torch.nn as nn
@@ -38,13 +39,16 @@ NO_STYLE = frozenset({"replicate", "replicated_with_grad_allreduce", "all_reduce
 """Plan strings fxtp needs no style for (it reduces gradients and outputs where needed)."""
 
 UNSUPPORTED = frozenset({"moe_tp_experts", "moe_identity_expert", "mla_kv_a_proj"})
-"""Mixture-of-experts and MLA strings: rejected, naming the string."""
+"""Mixture-of-experts and MLA strings: in a plan dict, a :class:`PlanError` naming the
+string; under ``"auto"``, left out with a warning (:func:`model_plan`)."""
 
 
-def model_plan(model: nn.Module) -> dict[str, str]:
+def model_plan(model: nn.Module, strict: bool = False) -> dict[str, str]:
     """The plan ``model`` carries (``"auto"``): transformers' merged ``model.tp_plan``, or
     ``config.base_model_tp_plan`` under the base model's prefix plus the class's
-    ``_tp_plan``."""
+    ``_tp_plan``. Entries in :data:`UNSUPPORTED` styles (and those below them) are left
+    out with a warning: those modules run replicated, correct but unsharded; with
+    ``strict`` they are a :class:`PlanError`. A plan for the head alone is one too."""
     plan = dict(getattr(model, "tp_plan", None) or {})
     if not plan:
         base = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
@@ -53,10 +57,23 @@ def model_plan(model: nn.Module) -> dict[str, str]:
             else ""
         plan = {f"{under}{key}": style for key, style in base.items()}
         plan.update(getattr(type(model), "_tp_plan", None) or {})
-    if not plan:
+    name = type(model).__name__
+    if not set(plan) - set(getattr(type(model), "_tp_plan", None) or {}):
+        carried = f" a plan only for its head ({', '.join(sorted(plan))})" if plan else " none"
         raise PlanError(f"plan='auto' needs a Hugging Face model that carries a tensor-"
-                        f"parallel plan (config.base_model_tp_plan); {type(model).__name__} "
-                        f"has none: pass a plan dict")
+                        f"parallel plan for its layers (config.base_model_tp_plan); {name} "
+                        f"carries{carried}: pass a plan dict")
+    unsupported = sorted(key for key, style in plan.items() if style in UNSUPPORTED)
+    if unsupported:
+        message = (f"plan='auto': {name}'s plan gives "
+                   f"{', '.join(f'{key!r} {plan[key]!r}' for key in unsupported)}, "
+                   f"mixture-of-experts / MLA styles fxtp does not shard")
+        if strict:
+            raise PlanError(f"{message}; pass a plan dict without them (strict=True)")
+        warnings.warn(f"fxtp: {message}: those modules run replicated (each rank holds and "
+                      f"computes them whole)", stacklevel=4)
+        plan = {key: style for key, style in plan.items()
+                if not any(key == u or key.startswith(u + ".") for u in unsupported)}
     return plan
 
 

@@ -71,7 +71,7 @@ def resolve_plan(model: nn.Module, plan: Plan, strict: bool = False
     if isinstance(plan, (ParallelStyle, TorchStyle)):
         plan = {"": plan}
     if plan == "auto":
-        plan = model_plan(model)
+        plan = model_plan(model, strict)
     if not isinstance(plan, Mapping):
         raise PlanError(f"plan must be a ParallelStyle, a dict FQN -> ParallelStyle (or "
                         f"Hugging Face plan string) or 'auto', got {plan!r}")

@@ -362,6 +362,27 @@ def hf_cohere_tied():
                logit_scale=0.5)
 
 
+def hf_gemma3():
+    """Gemma-3 (text): q_norm / k_norm per head, norms in fp32 (``1 + weight.float()``),
+    sliding-window and global layers in a pattern of its own, tied head."""
+    return _hf("Gemma3TextConfig", "Gemma3ForCausalLM", attn_implementation="eager",
+               sliding_window=8, query_pre_attn_scalar=HIDDEN // HEADS, pad_token_id=0)
+
+
+def hf_mixtral():
+    """Mixtral: a mixture of 4 experts (2 per token) stored as 3-D weights, routed through
+    transformers' traceable grouped-matmul implementation (no fp64 kernel: run it in
+    fp32)."""
+    return _hf("MixtralConfig", "MixtralForCausalLM", num_local_experts=4,
+               num_experts_per_tok=2, pad_token_id=0)
+
+
+def hf_hunyuan_dense():
+    """HunYuan dense: its config carries no ``base_model_tp_plan``, its head class a plan
+    for ``lm_head`` alone."""
+    return _hf("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", pad_token_id=0)
+
+
 def hf_gpt_neox():
     # head dim 8: a quarter of it rotary (the default partial_rotary_factor), 2 features
     import transformers

@@ -15,8 +15,8 @@ transformers = pytest.importorskip("transformers", reason="pip install -e '.[tes
 MEGATRON_TP = ({"all_reduce": 2 * L + 1, "all_gather": 1}, {"all_reduce": 2 * L + 1})
 
 
-def hf_parity(rank, world, make, plan):
-    return check_parity(rank, world, make, plan, [TOKENS], dtype=torch.float64, strict=True,
+def hf_parity(rank, world, make, plan, dtype=torch.float64, strict=True):
+    return check_parity(rank, world, make, plan, [TOKENS], dtype=dtype, strict=strict,
                         input_grads=False, kwargs={"use_cache": False},
                         output=lambda out: out.logits)
 
@@ -63,6 +63,36 @@ def test_auto_uses_the_models_own_plan(pools, world, name):
     assert pool_of(pools, world).run(hf_parity, getattr(corpus, name), "auto")[0] == AUTO[name]
 
 
+def test_auto_on_gemma3_shards_its_per_head_norms_inputs(ranks2):
+    """Gemma-3's q_norm / k_norm act on head shards, in fp32 whatever the model's dtype (so
+    the ranks' partial gradient sums round as fp32 does: compared in fp32): Megatron's
+    forward, and one bucketed all-reduce per block for the norms' partial gradients."""
+    assert ranks2.run(hf_parity, corpus.hf_gemma3, "auto", torch.float32)[0] == \
+        (MEGATRON_TP[0], {"all_reduce": 2 * L + 1 + L})
+
+
+def test_auto_runs_mixture_of_experts_replicated_with_a_warning(ranks2):
+    """Mixtral's plan shards its experts with 'moe_tp_experts', which fxtp does not do:
+    "auto" leaves the experts (and the entries below them) out, says so, and the model
+    trains as on one device, attention sharded (one all-reduce per layer, none for the
+    experts)."""
+    with pytest.warns(UserWarning, match=r"'model\.layers\.\*\.mlp\.experts' 'moe_tp_experts'"
+                                         r".*run replicated"):
+        plan = model_plan(corpus.hf_mixtral())
+    assert not [key for key in plan if ".experts" in key]
+    assert "model.layers.*.self_attn.o_proj" in plan
+    assert ranks2.run(hf_parity, corpus.hf_mixtral, "auto", torch.float32, False)[0] == \
+        ({"all_reduce": L + 1, "all_gather": 1}, {"all_reduce": L + 1})
+
+
+def test_auto_strict_refuses_what_it_would_run_replicated(fake_group):
+    fake_group(2)
+    with pytest.raises(fxtp.PlanError, match=r"MixtralForCausalLM's plan gives "
+                                             r"'model\.layers\.\*\.mlp\.experts' 'moe_tp_experts'"
+                                             r".*plan dict without them"):
+        fxtp.parallelize(corpus.hf_mixtral(), "auto", example_inputs=(TOKENS,), strict=True)
+
+
 def test_the_auto_plan_is_the_base_model_plan_under_its_prefix_plus_the_heads():
     plan = model_plan(corpus.hf_llama())
     assert plan["lm_head"] == "colwise_gather_output"
@@ -100,5 +130,14 @@ def test_moe_strings_and_unknown_strings_are_rejected_naming_them(fake_group):
 
 def test_auto_needs_a_model_that_carries_a_plan(fake_group):
     fake_group(2)
-    with pytest.raises(fxtp.PlanError, match=r"plan='auto'.*GPT2.*has none"):
+    with pytest.raises(fxtp.PlanError, match=r"plan='auto'.*GPT2.*carries none"):
         fxtp.parallelize(corpus.gpt2(), "auto", example_inputs=(TOKENS,))
+
+
+def test_auto_needs_a_plan_for_the_layers_not_only_the_head(fake_group):
+    """HunYuan's config carries no layer plan: "auto" would shard the head alone and run
+    every layer whole, so it is refused rather than done."""
+    fake_group(2)
+    with pytest.raises(fxtp.PlanError, match=r"HunYuanDenseV1ForCausalLM carries a plan only "
+                                             r"for its head \(lm_head\): pass a plan dict"):
+        fxtp.parallelize(corpus.hf_hunyuan_dense(), "auto", example_inputs=(TOKENS,))
