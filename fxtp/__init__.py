@@ -15,6 +15,7 @@ from .passes.errors import FxtpError, InputError, PlanError, ShardingError, Trac
 
 _ON_FIRST_USE = {
     **dict.fromkeys(["ColwiseParallel", "RowwiseParallel", "SequenceParallel",
+                     "ExpertTensorParallel",
                      "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput",
                      "ParallelStyle", "Shard", "Replicate", "Partial"], ".styles"),
     "count_collectives": ".comm_count", "Report": ".report",
@@ -29,6 +30,7 @@ _ON_FIRST_USE = {
 
 __all__ = [
     "parallelize", "explain", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
+    "ExpertTensorParallel",
     "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "ParallelStyle",
     "Shard", "Replicate", "Partial", "count_collectives", "cross_entropy", "Report",
     "state_dict", "load_state_dict", "full_state_dict", "load_full_state_dict",

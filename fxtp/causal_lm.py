@@ -19,9 +19,9 @@ import torch
 import torch.nn as nn
 from torch.export import Dim
 
-from .hf_plans import model_plan
 from .parallelize import parallelize
 from .passes.errors import PlanError
+from .plan import carried_plan
 
 SAMPLING_OPTIONS = ("do_sample", "temperature", "top_k", "top_p", "max_new_tokens",
                     "max_length", "eos_token_id", "pad_token_id")
@@ -45,7 +45,7 @@ def parallelize_causal_lm(model: nn.Module, plan="auto", mesh=None, *, batch_siz
     finally:
         config.use_cache, config.cache_implementation = saved
     if plan == "auto":
-        plan = model_plan(model)
+        plan = carried_plan(model, parallelize_kwargs.get("strict", False))
     if not isinstance(plan, dict):
         raise PlanError("parallelize_causal_lm takes plan='auto' or a dict of FQN patterns "
                         f"under the model, got {plan!r}")

@@ -17,7 +17,8 @@ import torch.nn as nn
 from torch.distributed.tensor import Replicate
 
 from .passes.errors import PlanError
-from .styles import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+from .styles import (ColwiseParallel, ExpertTensorParallel, ParallelStyle, RowwiseParallel,
+                     SequenceParallel)
 
 STYLES: dict[str, Callable[[], ParallelStyle]] = {
     "colwise": ColwiseParallel,
@@ -31,6 +32,7 @@ STYLES: dict[str, Callable[[], ParallelStyle]] = {
     "packed_colwise": ColwiseParallel,  # a fused projection: its split gets a strided layout
     "packed_rowwise": RowwiseParallel,
     "sequence_parallel": SequenceParallel,
+    "moe_tp_experts": ExpertTensorParallel,  # its parameters' own entries are its to say
 }
 """Plan strings with a style: the layouts transformers registers for each."""
 
@@ -38,7 +40,7 @@ NO_STYLE = frozenset({"replicate", "replicated_with_grad_allreduce", "all_reduce
                       "local_params"})
 """Plan strings fxtp needs no style for (it reduces gradients and outputs where needed)."""
 
-UNSUPPORTED = frozenset({"moe_tp_experts", "moe_identity_expert", "mla_kv_a_proj"})
+UNSUPPORTED = frozenset({"moe_identity_expert", "mla_kv_a_proj"})
 """Mixture-of-experts and MLA strings: in a plan dict, a :class:`PlanError` naming the
 string; under ``"auto"``, left out with a warning (:func:`model_plan`)."""
 
@@ -81,7 +83,10 @@ def styles_of(plan: Mapping) -> dict:
     """``plan`` with Hugging Face plan strings replaced by fxtp styles (other values as they
     are); strings that need no style are left out."""
     resolved = {}
+    experts = tuple(f"{key}." for key, value in plan.items() if value == "moe_tp_experts")
     for key, value in plan.items():
+        if key.startswith(experts):  # an experts parameter: ExpertTensorParallel shards it
+            continue
         if not isinstance(value, str):
             resolved[key] = value
         elif value in STYLES:

@@ -111,6 +111,55 @@ class RowwiseParallel(ParallelStyle):
                               desired_outputs=(self.output_layouts,))
 
 
+class ExpertTensorParallel(ParallelStyle):
+    """Shard every expert of a mixture-of-experts module on its intermediate dim (Megatron's
+    expert tensor parallelism; Hugging Face's ``moe_tp_experts``): each expert's input
+    projection colwise, its output projection rowwise. The module holds the experts'
+    weights stacked in 3-D parameters, as Hugging Face's ``*Experts`` do: ``gate_up_proj``
+    (gate and up fused along the intermediate dim) or ``up_proj``, and ``down_proj``, each
+    ``(experts, out, in)``, or ``(experts, in, out)`` where the module says
+    ``is_transposed``; biases ``(experts, out)``. Inputs (the hidden states and the
+    routing) are taken Replicate; the partial output is reduced to ``output_layouts``."""
+
+    _IN = ("gate_up_proj", "up_proj")
+
+    def __init__(self, *, output_layouts: Optional[Placement] = None):
+        self.output_layouts = _check_placement(output_layouts, "output_layouts") or Replicate()
+
+    def shard(self, fqn, module):
+        weights = {n: p for n, p in module.named_parameters(recurse=False)}
+        given = [n for n in self._IN if n in weights]
+        if len(given) != 1 or "down_proj" not in weights or \
+                any(weights[n].dim() != 3 for n in (*given, "down_proj")):
+            raise self._unsupported(fqn, module, "modules holding their experts' weights "
+                                    "as 3-D parameters: gate_up_proj or up_proj, and "
+                                    "down_proj")
+        out, inner = (2, 1) if _experts_transposed(fqn, module, weights[given[0]],
+                                                   weights["down_proj"],
+                                                   2 if given[0] == "gate_up_proj" else 1) \
+            else (1, 2)
+        params = {given[0]: Shard(out), f"{given[0]}_bias": Shard(1),
+                  "down_proj": Shard(inner), "down_proj_bias": Replicate()}
+        return ModuleSharding(fqn, self, params, input_layouts=(Replicate(),),
+                              desired_inputs=(Replicate(),),
+                              desired_outputs=(self.output_layouts,))
+
+
+def _experts_transposed(fqn, module, up, down, fused: int) -> bool:
+    """Whether experts' weights are stored ``(experts, in, out)``: as the module says
+    (``is_transposed``, Hugging Face's experts implementations), else as their shapes do
+    (the input projection's output dim is ``fused`` times the output projection's input)."""
+    if hasattr(module, "is_transposed"):
+        return bool(module.is_transposed)
+    plain = up.shape[1] == fused * down.shape[2] and up.shape[2] == down.shape[1]
+    transposed = up.shape[2] == fused * down.shape[1] and up.shape[1] == down.shape[2]
+    if plain == transposed:
+        raise PlanError(f"ExpertTensorParallel cannot tell how module '{fqn}' stores its "
+                        f"experts' weights (shapes {tuple(up.shape)} and "
+                        f"{tuple(down.shape)}): give it an is_transposed attribute")
+    return transposed
+
+
 class SequenceParallel(ParallelStyle):
     """Run a module whose parameters act elementwise on the hidden dim (LayerNorm, RMSNorm,
     Dropout, ...) on activations sharded along ``sequence_dim``; its parameters stay

@@ -563,6 +563,23 @@ def _matmul_spec(node):
     return parse(f"{a}, {b} -> {out}", [ra, rb], partial="product")
 
 
+_GROUPED_MM = "s! k+, _ k+ n, _ -> s! n"
+"""A grouped matmul of rows grouped by expert (``offs``: each group's end) by a stack of
+expert weights: row i of group e times weight[e]. The rows and the experts stay whole, as
+the grouping needs."""
+
+
+def _grouped_mm_spec(node):
+    """``torch._grouped_mm`` in the form mixture-of-experts layers use (2-D rows, 3-D
+    weights, offsets); its other forms keep every dim whole (a gather, reported)."""
+    ranks = _ranks(node)
+    if ranks == [2, 3, 1] and _arg(node, 3, "bias") is None:
+        return parse(_GROUPED_MM, ranks, partial="product", partial_args=(0, 1))
+    out = val(node).dim()
+    return DimSpec(tuple(tuple(fixed_label() for _ in range(r)) for r in ranks),
+                   (tuple(fixed_label() for _ in range(out)),))
+
+
 def _einsum_spec(node):
     """``torch.einsum(equation, operands)``: letters shared between operands shard together;
     a letter missing from the output is summed (``Partial`` when sharded); broadcast
@@ -898,6 +915,7 @@ RULES.update({
     aten.addmm.default: Rule(_addmm_spec),
     aten.baddbmm.default: Rule(_baddbmm_spec),
     aten.mm.default: einsum("m k+, k+ n -> m n", "product"),
+    aten._grouped_mm.default: Rule(_grouped_mm_spec),
     aten.bmm.default: einsum("b m k+, b k+ n -> b m n", "product"),
     aten.einsum.default: Rule(_einsum_spec),
     aten.embedding.default: Rule(_embedding_spec, local_op=_vocab_parallel, strided=False),
@@ -1036,10 +1054,21 @@ PASSTHROUGH = {operator.getitem, stamp_edge}
 _POINTWISE = pointwise()
 
 
+LIBRARY_RULES: dict[str, Rule] = {
+    # transformers' grouped matmul of mixture-of-experts layers, where torch's is missing
+    "transformers::grouped_mm_fallback": einsum(_GROUPED_MM, "product", (0, 1)),
+}
+"""Rules of other libraries' custom ops, by qualified name (their libraries may not be
+loaded, or not installed)."""
+
+
 def rule_for(target) -> Optional[Rule]:
-    """The rule of ``target``: stated in :data:`RULES`, else the pointwise rule for an ATen
-    op torch tags ``pointwise`` (no Partial pass-through), else ``None``."""
+    """The rule of ``target``: stated in :data:`RULES` (or :data:`LIBRARY_RULES`), else the
+    pointwise rule for an ATen op torch tags ``pointwise`` (no Partial pass-through), else
+    ``None``."""
     rule = RULES.get(target)
+    if rule is None and isinstance(target, torch._ops.OpOverload):
+        rule = LIBRARY_RULES.get(target._schema.name) if target.namespace != "aten" else None
     if rule is None and is_tagged_pointwise(target):
         return _POINTWISE
     return rule

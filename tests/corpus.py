@@ -377,6 +377,20 @@ def hf_mixtral():
                num_experts_per_tok=2, pad_token_id=0)
 
 
+def hf_qwen3_moe():
+    """Qwen3-MoE: 4 experts of intermediate size 32, q_norm / k_norm per head; its plan
+    also names the dense MLPs of the layers a config may leave dense (none here)."""
+    return _hf("Qwen3MoeConfig", "Qwen3MoeForCausalLM", num_experts=4, num_experts_per_tok=2,
+               moe_intermediate_size=32, pad_token_id=0)
+
+
+def hf_llama4():
+    """Llama 4 (text): a shared expert beside 4 routed ones whose weights are stored
+    (experts, in, out) and multiplied by ``bmm``; the router scales the experts' inputs."""
+    return _hf("Llama4TextConfig", "Llama4ForCausalLM", num_local_experts=4,
+               intermediate_size_mlp=64, pad_token_id=0)
+
+
 def hf_hunyuan_dense():
     """HunYuan dense: its config carries no ``base_model_tp_plan``, its head class a plan
     for ``lm_head`` alone."""

@@ -71,26 +71,61 @@ def test_auto_on_gemma3_shards_its_per_head_norms_inputs(ranks2):
         (MEGATRON_TP[0], {"all_reduce": 2 * L + 1 + L})
 
 
-def test_auto_runs_mixture_of_experts_replicated_with_a_warning(ranks2):
-    """Mixtral's plan shards its experts with 'moe_tp_experts', which fxtp does not do:
-    "auto" leaves the experts (and the entries below them) out, says so, and the model
-    trains as on one device, attention sharded (one all-reduce per layer, none for the
-    experts)."""
-    with pytest.warns(UserWarning, match=r"'model\.layers\.\*\.mlp\.experts' 'moe_tp_experts'"
-                                         r".*run replicated"):
-        plan = model_plan(corpus.hf_mixtral())
-    assert not [key for key in plan if ".experts" in key]
-    assert "model.layers.*.self_attn.o_proj" in plan
-    assert ranks2.run(hf_parity, corpus.hf_mixtral, "auto", torch.float32, False)[0] == \
-        ({"all_reduce": L + 1, "all_gather": 1}, {"all_reduce": L + 1})
+MOE = {
+    # experts sharded on their intermediate dim (ExpertTensorParallel): one more forward
+    # all-reduce per layer for the experts' partial sums, and one more backward all-reduce
+    # per layer for the routing weights' partial gradients (Hugging Face's
+    # _AllReduceBackward on top_k_weights)
+    "hf_mixtral": ({"all_reduce": 2 * L + 1, "all_gather": 1}, {"all_reduce": 3 * L + 1}),
+    # and per head q_norm / k_norm, as Qwen3
+    "hf_qwen3_moe": ({"all_reduce": 2 * L + 1, "all_gather": 1}, {"all_reduce": 4 * L + 1}),
+    # a shared expert, rowwise too: three forward all-reduces per layer; the router scales
+    # the inputs, so no routing weight multiplies a partial sum
+    "hf_llama4": ({"all_reduce": 3 * L + 1, "all_gather": 1}, {"all_reduce": 3 * L + 1}),
+}
+MOE_WORLDS = [(2, name) for name in MOE] + [(4, "hf_mixtral")]
 
 
-def test_auto_strict_refuses_what_it_would_run_replicated(fake_group):
+@pytest.mark.parametrize("world,name", MOE_WORLDS, ids=[f"world{w}-{n}" for w, n in MOE_WORLDS])
+def test_auto_shards_every_expert_of_a_mixture_of_experts(pools, world, name):
+    """'moe_tp_experts' is ExpertTensorParallel: each expert's input projection colwise (the
+    fused gate and up in blocks), its output projection rowwise. Parity in fp32 (the grouped
+    matmul has no fp64 kernel), no fallback (strict, which also shows the plan's keys for
+    absent variants, Qwen3-MoE's dense MLPs, are skipped) and the counts above."""
+    assert pool_of(pools, world).run(hf_parity, getattr(corpus, name), "auto",
+                                     torch.float32)[0] == MOE[name]
+
+
+def test_experts_hold_their_share_of_every_expert(fake_group):
     fake_group(2)
-    with pytest.raises(fxtp.PlanError, match=r"MixtralForCausalLM's plan gives "
-                                             r"'model\.layers\.\*\.mlp\.experts' 'moe_tp_experts'"
+    gm = fxtp.parallelize(corpus.hf_mixtral(), "auto", example_inputs=(TOKENS,),
+                          example_kwargs={"use_cache": False}, strict=True)
+    experts = gm.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.to_local().shape == (4, 64, 32)  # (experts, 2 x 64 / 2, hidden)
+    assert experts.down_proj.to_local().shape == (4, 32, 32)  # (experts, hidden, 64 / 2)
+    assert gm.model.layers[0].mlp.gate.weight.to_local().shape == (4, 32)  # the router: whole
+
+
+class CarriesAnMlaPlan(torch.nn.Module):
+    """A model whose own plan has a string fxtp does not shard (DeepSeek-V2's MLA)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.tp_plan = {"proj": "colwise", "attn.kv_a_proj_with_mqa": "mla_kv_a_proj"}
+
+
+def test_auto_leaves_out_what_it_cannot_shard_with_a_warning():
+    with pytest.warns(UserWarning, match=r"'attn\.kv_a_proj_with_mqa' 'mla_kv_a_proj'.*"
+                                         r"run replicated"):
+        assert model_plan(CarriesAnMlaPlan()) == {"proj": "colwise"}
+
+
+def test_auto_strict_refuses_what_it_would_run_replicated():
+    with pytest.raises(fxtp.PlanError, match=r"CarriesAnMlaPlan's plan gives "
+                                             r"'attn\.kv_a_proj_with_mqa' 'mla_kv_a_proj'"
                                              r".*plan dict without them"):
-        fxtp.parallelize(corpus.hf_mixtral(), "auto", example_inputs=(TOKENS,), strict=True)
+        model_plan(CarriesAnMlaPlan(), strict=True)
 
 
 def test_the_auto_plan_is_the_base_model_plan_under_its_prefix_plus_the_heads():
@@ -118,10 +153,14 @@ def test_every_dense_plan_string_has_a_meaning():
         "replicated_with_grad_allreduce"}
 
 
-def test_moe_strings_and_unknown_strings_are_rejected_naming_them(fake_group):
+def test_unsupported_and_unknown_strings_are_rejected_naming_them(fake_group):
     fake_group(2)
     model = corpus.hf_llama()
-    with pytest.raises(fxtp.PlanError, match=r"'moe_tp_experts'.*mixture-of-experts"):
+    with pytest.raises(fxtp.PlanError, match=r"'mla_kv_a_proj'.*mixture-of-experts / MLA"):
+        fxtp.parallelize(model, {"model.layers.*.self_attn.q_proj": "mla_kv_a_proj"},
+                         example_inputs=(TOKENS,))
+    with pytest.raises(fxtp.PlanError, match=r"ExpertTensorParallel cannot shard module "
+                                             r"'model\.layers\.0\.mlp' of type LlamaMLP"):
         fxtp.parallelize(model, {"model.layers.*.mlp": "moe_tp_experts"},
                          example_inputs=(TOKENS,))
     with pytest.raises(fxtp.PlanError, match=r"'colwize' is not a Hugging Face plan string"):
