@@ -41,8 +41,8 @@ def train(rank, world, case, backend="inductor", dtype=torch.float32):
                           input_placements=placements[0] if placements else None)
 
 
-# "llama" (TP alone) compiles with inductor in the backend test below and in
-# test_checkpointing.py; here it runs with -m slow only, to keep the suite's time
+# "llama" (TP alone) compiles with inductor in test_checkpointing.py, and with the backend
+# in the -m slow test below; here it runs with -m slow only, to keep the suite's time
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "llama" else c
                                   for c in CASES])
 def test_compiled_training_matches_eager(ranks2, case):
@@ -50,6 +50,7 @@ def test_compiled_training_matches_eager(ranks2, case):
     assert counts["compiled"] == counts["eager"]  # inductor lowers every collective as is
 
 
+@pytest.mark.slow  # 14-22 s; the tests below (and test_rule_regressions) run the backend
 def test_fxtp_backend_trains_a_megatron_plan_like_eager(ranks2):
     """A Megatron plan leaves the backend's passes nothing to remove: same collectives."""
     counts = ranks2.run(train, "llama", "fxtp")[0]
