@@ -118,8 +118,10 @@ class ExpertTensorParallel(ParallelStyle):
     weights stacked in 3-D parameters, as Hugging Face's ``*Experts`` do: ``gate_up_proj``
     (gate and up fused along the intermediate dim) or ``up_proj``, and ``down_proj``, each
     ``(experts, out, in)``, or ``(experts, in, out)`` where the module says
-    ``is_transposed``; biases ``(experts, out)``. Inputs (the hidden states and the
-    routing) are taken Replicate; the partial output is reduced to ``output_layouts``."""
+    ``is_transposed`` or its shapes do; biases ``(experts, out)``. Inputs (the hidden
+    states and the routing) are taken Replicate; the partial output is reduced to
+    ``output_layouts``. Like every style it only seeds placements: the program computed is
+    the module's own, whatever its layout."""
 
     _IN = ("gate_up_proj", "up_proj")
 
