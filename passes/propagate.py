@@ -9,10 +9,13 @@ has no strategy keeping a sharded input sharded (a head count that does not divi
 world size) gathers that input. Each is reported by a message naming op, module and sizes,
 returned and kept in ``meta[FALLBACK]``, or in strict mode raised as a
 :class:`ShardingError`. An in-place op's written input keeps its placement (gathering it
-would write a copy): where that is impossible, :class:`ShardingError`. Propagation may run
+would write a copy), unless no other value can see the write (a temporary only that op
+reads); where that is impossible, :class:`ShardingError`. Propagation may run
 again after seeds change; each run starts over.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.fx as fx
@@ -75,7 +78,8 @@ def _propagate_call(node: fx.Node, world: int) -> str | None:
         return None
     rule = rule_for(node.target)
     where = f"node '{node.name}' in module '{module_fqn(node) or '<root>'}'"
-    writes = writes_first_input(node.target) and bool(inputs) and inputs[0] is node.args[0]
+    writes = writes_first_input(node.target) and bool(inputs) and \
+        inputs[0] is node.args[0] and _observed(inputs[0])
     if rule is None:
         node.meta[INPUTS] = tuple(R for _ in inputs)
         node.meta[PLACEMENT] = _pack(node, (R,) * len(outs))
@@ -94,15 +98,27 @@ def _propagate_call(node: fx.Node, world: int) -> str | None:
         if writes and ins[0] != actual[0]:
             continue  # an in-place op writes the caller's tensor, as it is placed
         cost = inputs_cost(actual, ins, in_vals, world)
-        if best is None or cost < best[0]:
+        if cost < math.inf and (best is None or cost < best[0]):
             best = (cost, ins, out)
-    if best is None:
+    if best is None and writes:
         raise ShardingError(f"{node.target} ({where}) writes in place into a value placed "
                             f"{describe(actual[0])}, which its rule cannot compute on with "
                             f"inputs {describe(tuple(actual))}; keep that value replicated")
+    if best is None:
+        raise ShardingError(f"{node.target} ({where}): no strategy of its rule takes inputs "
+                            f"{describe(tuple(actual))} by a redistribution fxtp makes")
     node.meta[INPUTS] = best[1]
     node.meta[PLACEMENT] = _pack(node, best[2])
     return _gathers(node, rule, actual, best[1], world, where)
+
+
+def _observed(written: fx.Node) -> bool:
+    """Whether an in-place write into ``written`` can be seen elsewhere: it is an input, a
+    parameter or buffer, a view of another value, or read by more than the writing op.
+    Otherwise (a temporary the writing op alone reads, e.g. a matmul's output a bias is
+    added to in place) the op may write into a redistributed copy."""
+    return written.op != "call_function" or len(written.users) > 1 or \
+        getattr(val(written), "_is_view", lambda: True)()
 
 
 def _propagate_cond(gm: fx.GraphModule, node: fx.Node, world: int, strict: bool) -> list[str]:

@@ -461,6 +461,29 @@ def _blocked_slice(node, world, actual=()):
         yield (cut_in_blocks(d, cut),), (Shard(d),)
 
 
+def _strided_slice(node, world, actual=()):
+    """A slice taking every ``step``-th element of a whole dim from an offset below
+    ``step`` (``x[..., ::2]``, ``x[..., 1::2]``: gpt-oss's interleaved gate and up) keeps
+    that dim sharded where each rank's equal shard is a multiple of ``step``: every shard
+    starts at a multiple of ``step``, so its own slice is its contiguous, equal part of the
+    result."""
+    x = val(node.args[0])
+    d = _arg(node, 1, "dim", 0) % x.dim()
+    size, step = x.shape[d], _arg(node, 4, "step", 1)
+    start, end = _arg(node, 2, "start", None) or 0, _arg(node, 3, "end", None)
+    if not all(isinstance(v, int) for v in (size, step, start)) or step == 1 or \
+            not 0 <= start < step or size % (world * step):
+        return
+    if end is None or (isinstance(end, int) and end >= size):
+        yield (Shard(d),), (Shard(d),)
+
+
+def _sliced(node, world, actual=()):
+    """The slice strategies beyond the spec's: blocked and strided."""
+    yield from _blocked_slice(node, world, actual)
+    yield from _strided_slice(node, world, actual)
+
+
 def _local_slice(node, inputs, output, group):
     """A slice of an input blocked on the sliced dim takes this rank's piece of the block:
     local bounds (blocked on another dim, it slices as is)."""
@@ -1018,7 +1041,7 @@ RULES.update({
     aten.split_with_sizes.default: Rule(_split_spec, local_op=_local_split, extra=_blocked_parts),
     aten.chunk.default: Rule(_split_spec, extra=_blocked_parts),
     aten.unbind.int: Rule(_unbind_spec),
-    aten.slice.Tensor: Rule(_fixed_dim_spec(1).spec, local_op=_local_slice, extra=_blocked_slice),
+    aten.slice.Tensor: Rule(_fixed_dim_spec(1).spec, local_op=_local_slice, extra=_sliced),
     aten.narrow.default: _fixed_dim_spec(1),
     aten.select.int: _fixed_dim_spec(1, drop=True),
     aten.flip.default: _fixed_dim_spec(1, default=None),

@@ -391,6 +391,14 @@ def hf_llama4():
                intermediate_size_mlp=64, pad_token_id=0)
 
 
+def hf_gpt_oss():
+    """gpt-oss: experts with biases and gate and up interleaved (``gate_up[..., ::2]``,
+    ``[..., 1::2]``) added to in place, attention sinks per head, sliding-window layers;
+    eager attention (it refuses SDPA). Its config carries no tensor-parallel plan."""
+    return _hf("GptOssConfig", "GptOssForCausalLM", attn_implementation="eager",
+               num_local_experts=4, num_experts_per_tok=2, sliding_window=8, pad_token_id=0)
+
+
 def hf_hunyuan_dense():
     """HunYuan dense: its config carries no ``base_model_tp_plan``, its head class a plan
     for ``lm_head`` alone."""

@@ -96,6 +96,23 @@ def test_auto_shards_every_expert_of_a_mixture_of_experts(pools, world, name):
                                      torch.float32)[0] == MOE[name]
 
 
+GPT_OSS_PLAN = {"model.embed_tokens": "embedding_rowwise",
+                "model.layers.*.self_attn.[qkv]_proj": "colwise",
+                "model.layers.*.self_attn.o_proj": "rowwise",
+                "model.layers.*.mlp.experts": "moe_tp_experts",
+                "lm_head": "colwise_gather_output"}
+
+
+def test_interleaved_experts_with_biases_under_a_plan_dict(ranks2):
+    """gpt-oss (no plan of its own): the interleaved gate and up slices keep the experts'
+    shards (each rank's shard starts at an even column), the down bias added in place to
+    the experts' partial sums is added once they are reduced. Backward: one all-gather per
+    layer for the attention sinks' gradient (the replicated sinks are sliced to the local
+    heads)."""
+    assert ranks2.run(hf_parity, corpus.hf_gpt_oss, GPT_OSS_PLAN, torch.float32)[0] == \
+        ({"all_reduce": 2 * L + 1, "all_gather": 1}, {"all_reduce": 2 * L + 1, "all_gather": L})
+
+
 def test_experts_hold_their_share_of_every_expert(fake_group):
     fake_group(2)
     gm = fxtp.parallelize(corpus.hf_mixtral(), "auto", example_inputs=(TOKENS,),

@@ -72,6 +72,9 @@ PROGRAMS = {
                lambda: (rand(4, 8, 12), rand(4, 12, 16), rand(12, 16), rand(12), rand(16))),
     "mm_bmm": (lambda a, b, c, d: (torch.mm(a, b), torch.bmm(c, d)),
                lambda: (rand(8, 12), rand(12, 16), rand(4, 8, 12), rand(4, 12, 16))),
+    # every step-th element from an offset below step (gpt-oss's interleaved gate / up)
+    "strided_slice": (lambda x: (x[:, ::2], x[:, 1::2], x[..., 2::4]),
+                      lambda: (rand(4, 12, 16),)),
     # mixture-of-experts rows by expert weights (3 experts of 4, 3, 1 rows; bf16: its only
     # traceable dtype; rows of 16-byte multiples, shards too)
     "grouped_mm": (lambda x, w, offs: torch._grouped_mm(x, w, offs),

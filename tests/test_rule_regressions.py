@@ -134,18 +134,36 @@ def test_an_in_place_op_writes_the_callers_shard(ranks):
 
 
 class InPlaceCumsum(nn.Module):
-    def __init__(self):
+    def __init__(self, read_before: bool):
         super().__init__()
         self.up = nn.Linear(models.DIM, 16)
+        self.read_before = read_before
 
     def forward(self, x):
         h = self.up(x)
+        before = h * 2 if self.read_before else 0
         h.cumsum_(-1)  # along the sharded dim: only a gathered copy could compute it
-        return h
+        return h + before
 
 
-def test_an_in_place_op_that_would_write_a_copy_is_refused(fake_group):
+def test_an_in_place_op_that_would_write_a_copy_others_see_is_refused(fake_group):
     fake_group(2)
     with pytest.raises(fxtp.ShardingError, match=r"aten\.cumsum_\.default.*writes in place"):
-        fxtp.parallelize(InPlaceCumsum(), {"up": fxtp.ColwiseParallel()},
+        fxtp.parallelize(InPlaceCumsum(read_before=True), {"up": fxtp.ColwiseParallel()},
                          example_inputs=(torch.randn(2, 4, models.DIM),))
+
+
+def in_place_temporary(rank, world):
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the gather is a reported fallback
+        return check_parity(rank, world, lambda: InPlaceCumsum(read_before=False),
+                            {"up": fxtp.ColwiseParallel()}, [example(2, 4, models.DIM)],
+                            dtype=torch.float64)
+
+
+def test_an_in_place_op_on_a_temporary_only_it_reads_writes_a_gathered_copy(ranks2):
+    """No other value can see the write, so writing a gathered copy computes what the
+    single device does (the gather is the cumsum's fallback)."""
+    fwd, bwd = ranks2.run(in_place_temporary)[0]
+    assert fwd == {"all_gather": 1}
