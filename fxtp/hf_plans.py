@@ -51,6 +51,7 @@ def model_plan(model: nn.Module, strict: bool = False) -> dict[str, str]:
     ``_tp_plan``. Entries in :data:`UNSUPPORTED` styles (and those below them) are left
     out with a warning: those modules run replicated, correct but unsharded; with
     ``strict`` they are a :class:`PlanError`. A plan for the head alone is one too."""
+    head = getattr(type(model), "_tp_plan", None) or {}
     plan = dict(getattr(model, "tp_plan", None) or {})
     if not plan:
         base = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
@@ -58,9 +59,9 @@ def model_plan(model: nn.Module, strict: bool = False) -> dict[str, str]:
         under = f"{prefix}." if prefix and isinstance(getattr(model, prefix, None), nn.Module) \
             else ""
         plan = {f"{under}{key}": style for key, style in base.items()}
-        plan.update(getattr(type(model), "_tp_plan", None) or {})
+        plan.update(head)
     name = type(model).__name__
-    if not set(plan) - set(getattr(type(model), "_tp_plan", None) or {}):
+    if not set(plan) - set(head):
         carried = f" a plan only for its head ({', '.join(sorted(plan))})" if plan else " none"
         raise PlanError(f"plan='auto' needs a Hugging Face model that carries a tensor-"
                         f"parallel plan for its layers (config.base_model_tp_plan); {name} "

@@ -77,9 +77,7 @@ def outline_modules(gm: fx.GraphModule, fqns: Iterable[str], model: nn.Module,
     children: dict[str, set[str]] = {}  # FQN ("": the root) -> the outlined just below it
     for f in outlined:
         children.setdefault(_nearest(f, outlined), set()).add(f)
-    records = list({id(n.meta[STAMP]): n.meta[STAMP] for n in gm.graph.nodes
-                    if STAMP in n.meta}.values())
-    skipped += _outline(gm, "", children, names, model, stamped, {}, records)
+    skipped += _outline(gm, "", children, names, model, stamped, {}, _stamps(gm.graph.nodes))
     skipped += [fqn + f[len(ref):] for fqn, ref in stamped.items() for f in list(skipped)
                 if f.startswith(ref + ".")]
     _place_tensors(gm, tensors, outlined - set(skipped), persistent)
@@ -216,8 +214,8 @@ def _extract(gm: fx.GraphModule, part: list, base: str, fqn: str, names: dict, c
             attrs[held[n]] = attr(gm, n.target)
             env[n].target = held[n]
     body.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[o] for o in outputs))
-    _rename({id(n.meta[STAMP]): n.meta[STAMP] for n in part if STAMP in n.meta}.values(),
-            env)  # the stamps called in the block read and give ``body``'s values
+    # the stamps called in the block read and give ``body``'s values
+    _rename(_stamps(part), env)
     sub = _LazyGraphModule(attrs, body, class_name=cls.__name__)  # code: see generate_code
     relative = fqn[len(base) + 1:] if base else fqn
     try:  # the holder it replaces: its tensors move along
@@ -267,6 +265,12 @@ def _call_stamp(graph: fx.Graph, part: list, fqn: str, reference, target: str,
         graph.erase_node(out)
     graph.erase_node(stamp)
     _rename(records, renamed)
+
+
+def _stamps(nodes: Iterable[fx.Node]) -> list[Stamp]:
+    """The :class:`Stamp` records of ``nodes``, each once (the stamps of one reference
+    share one)."""
+    return list({id(n.meta[STAMP]): n.meta[STAMP] for n in nodes if STAMP in n.meta}.values())
 
 
 def _rename(records: Iterable[Stamp], renamed: dict) -> None:

@@ -424,17 +424,27 @@ def _fixed_dim_spec(dim_index: int, drop: bool = False, default: int = 0):
     return Rule(spec)
 
 
-def _slice_bounds(node):
-    """``(dim, start, end)`` of a step-1 slice with static bounds inside the dim, else
-    ``None``."""
+def _slice_args(node):
+    """``(dim, size, start, end, step)`` of a slice with static bounds, clamped into the
+    dim, else ``None``."""
     x = val(node.args[0])
     d = _arg(node, 1, "dim", 0) % x.dim()
     size, step = x.shape[d], _arg(node, 4, "step", 1)
     start, end = _arg(node, 2, "start", None), _arg(node, 3, "end", None)
     start, end = 0 if start is None else start, size if end is None else end
-    if not all(isinstance(v, int) for v in (size, start, end)) or step != 1:
+    if not all(isinstance(v, int) for v in (size, start, end, step)):
         return None
     start, end = (min(max(v + size if v < 0 else v, 0), size) for v in (start, end))
+    return d, size, start, end, step
+
+
+def _slice_bounds(node):
+    """``(dim, start, end)`` of a step-1 slice with static bounds inside the dim, else
+    ``None``."""
+    args = _slice_args(node)
+    if args is None or args[4] != 1:
+        return None
+    d, _, start, end, _ = args
     return d, start, end
 
 
@@ -467,14 +477,11 @@ def _strided_slice(node, world, actual=()):
     that dim sharded where each rank's equal shard is a multiple of ``step``: every shard
     starts at a multiple of ``step``, so its own slice is its contiguous, equal part of the
     result."""
-    x = val(node.args[0])
-    d = _arg(node, 1, "dim", 0) % x.dim()
-    size, step = x.shape[d], _arg(node, 4, "step", 1)
-    start, end = _arg(node, 2, "start", None) or 0, _arg(node, 3, "end", None)
-    if not all(isinstance(v, int) for v in (size, step, start)) or step == 1 or \
-            not 0 <= start < step or size % (world * step):
+    args = _slice_args(node)
+    if args is None:
         return
-    if end is None or (isinstance(end, int) and end >= size):
+    d, size, start, end, step = args
+    if step > 1 and start < step and end == size and size % (world * step) == 0:
         yield (Shard(d),), (Shard(d),)
 
 
