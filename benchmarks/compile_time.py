@@ -6,9 +6,12 @@ empty inductor cache, then again in fresh processes with that cache warm, and a 
 compiled. Runs 2 ranks on this machine; prints rank 0's seconds.
 
 ``--depth``: how compile time grows with depth, the demo's width at 2 and 8 layers, for
-the whole program compiled (``torch.compile(gm)``, inductor) against each block compiled
-(:func:`fxtp.compile_blocks`, inductor, the rest eager): the first step with an empty
-cache, and the median of 5 compiled steps. Results: ``results/compile_time.json``.
+the whole program compiled (``torch.compile(gm)``, inductor) against the program compiled
+with each block a nested region (:func:`fxtp.compile`) and each block compiled on its own
+(:func:`fxtp.compile_blocks`, the rest eager): the first step with an empty cache (each
+alone), the median of 20 compiled steps (the three programs' steps alternating in one
+run), and the largest difference of a step's loss from the whole program's. Results:
+``results/compile_time.json``.
 
     OMP_NUM_THREADS=1 python -m benchmarks.compile_time [backend ...]
     OMP_NUM_THREADS=1 python -m benchmarks.compile_time --depth
@@ -29,7 +32,7 @@ WORLD = 2
 RESULTS = pathlib.Path(__file__).parent / "results"
 
 
-def _rank(rank, port, cache_dir, backend, layers, results):
+def _rank(rank, port, cache_dir, backends, layers, steps, results):
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     import dataclasses
     import statistics
@@ -42,54 +45,78 @@ def _rank(rank, port, cache_dir, backend, layers, results):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORLD)
-    torch.manual_seed(0)
     config = dataclasses.replace(CONFIG, n_layers=layers or CONFIG.n_layers)
     batch = next(batches(config, 1, 4, "cpu"))
-    gm = fxtp.parallelize(LanguageModel(config), plan(), example_inputs=batch)
-    if backend == "blocks":
-        fxtp.compile_blocks(gm)
-        compiled = gm
-    else:
-        compiled = torch.compile(gm, backend=backend, fullgraph=True)
-    times = []
-    for _ in range(6):
-        dist.barrier()
-        start = time.perf_counter()
-        compiled(*batch).backward()
-        times.append(time.perf_counter() - start)
+    compiled = {}
+    for backend in backends:
+        torch.manual_seed(0)
+        gm = fxtp.parallelize(LanguageModel(config), plan(), example_inputs=batch)
+        if backend == "blocks":
+            fxtp.compile_blocks(gm)
+            compiled[backend] = gm
+        elif backend == "regions":
+            compiled[backend] = fxtp.compile(gm, fullgraph=True)
+        else:
+            compiled[backend] = torch.compile(gm, backend=backend, fullgraph=True)
+    times = {backend: [] for backend in backends}
+    losses = {backend: [] for backend in backends}
+    for _ in range(steps):  # the backends' steps alternate
+        for backend, module in compiled.items():
+            dist.barrier()
+            start = time.perf_counter()
+            loss = module(*batch)
+            loss.backward()
+            times[backend].append(time.perf_counter() - start)
+            losses[backend].append(loss.item())
     if rank == 0:
-        results.put((times[0], statistics.median(times[1:])))
+        results.put({backend: (times[backend][0], statistics.median(times[backend][1:]),
+                               losses[backend]) for backend in backends})
     dist.destroy_process_group()
 
 
-def measure(backend: str, cache_dir: str, layers: int = 0) -> tuple[float, float]:
-    """(first step, median compiled step) in seconds, rank 0's."""
+def measure(backends: tuple, cache_dir: str, layers: int = 0, steps: int = 6) -> dict:
+    """backend -> (first step, median of the later steps) in seconds and the steps'
+    losses, rank 0's (gradients accumulate, so the losses differ from step to step).
+    Several backends' steps alternate, so their step times are measured side by side;
+    first steps are cold only for the first backend."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     results = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_rank, args=(port, cache_dir, backend, layers, results), nprocs=WORLD)
+    mp.spawn(_rank, args=(port, cache_dir, backends, layers, steps, results), nprocs=WORLD)
     return results.get()
 
 
+NAMES = {"inductor": "whole program", "regions": "fxtp.compile", "blocks": "compile_blocks"}
+
+
 def depth() -> dict:
-    """First step (cold cache) and compiled step at 2 and 8 layers, whole program against
-    per block; the ratios the targets are stated in."""
+    """First step (each alone, cold cache) at 2 and 8 layers and compiled step (the three
+    side by side, 20 steps each), whole program against regions and per block; the ratios
+    the targets are stated in, and each program's largest difference of a step's loss
+    from the whole program's."""
     runs = {}
-    for how in ("inductor", "blocks"):
-        for layers in (2, 8):
+    for layers in (2, 8):
+        for how in NAMES:
             with tempfile.TemporaryDirectory() as cache_dir:
-                first, step = measure(how, cache_dir, layers)
-            runs[f"{how}_{layers}"] = {"first_step_s": first, "step_ms": step * 1e3}
-            print(f"{'whole program' if how == 'inductor' else 'per block':14} {layers} "
-                  f"layers: first step {first:6.1f} s, compiled step {step * 1e3:7.1f} ms",
-                  flush=True)
+                first, _, _ = measure((how,), cache_dir, layers)[how]
+            runs[f"{how}_{layers}"] = {"first_step_s": first}
+            print(f"{NAMES[how]:14} {layers} layers: first step {first:6.1f} s", flush=True)
+        with tempfile.TemporaryDirectory() as cache_dir:
+            side_by_side = measure(tuple(NAMES), cache_dir, layers, steps=21)
+        for how, (_, step, losses) in side_by_side.items():
+            drift = max(abs(a - b) for a, b in zip(losses, side_by_side["inductor"][2]))
+            runs[f"{how}_{layers}"].update(step_ms=step * 1e3, loss_drift=drift)
+            print(f"{NAMES[how]:14} {layers} layers: compiled step {step * 1e3:7.1f} ms, "
+                  f"loss drift from the whole program {drift:.1e}", flush=True)
+
     def ratio(a, b, key):
         return runs[a][key] / runs[b][key]
-    ratios = {"blocks_first_8_over_2": ratio("blocks_8", "blocks_2", "first_step_s"),
-              "whole_first_8_over_2": ratio("inductor_8", "inductor_2", "first_step_s"),
-              "step_blocks_over_whole_8": ratio("blocks_8", "inductor_8", "step_ms"),
-              "step_blocks_over_whole_2": ratio("blocks_2", "inductor_2", "step_ms")}
+    ratios = {f"{how}_first_8_over_2": ratio(f"{how}_8", f"{how}_2", "first_step_s")
+              for how in NAMES}
+    ratios.update({f"step_{how}_over_whole_{layers}":
+                   ratio(f"{how}_{layers}", f"inductor_{layers}", "step_ms")
+                   for how in ("regions", "blocks") for layers in (2, 8)})
     for name, value in ratios.items():
         print(f"{name}: {value:.2f}")
     report = {"world": WORLD, "runs": runs, "ratios": ratios}
@@ -107,8 +134,8 @@ def main():
           f"{'compiled step':>14}")
     for backend in sys.argv[1:] or ["inductor", "fxtp"]:
         with tempfile.TemporaryDirectory() as cache_dir:
-            cold, step = measure(backend, cache_dir)
-            warm, _ = measure(backend, cache_dir)
+            cold, step, _ = measure((backend,), cache_dir)[backend]
+            warm, _, _ = measure((backend,), cache_dir)[backend]
         print(f"{backend:10} {cold:17.1f}s {warm:17.1f}s {step * 1e3:12.1f}ms")
 
 

@@ -24,7 +24,7 @@ _ON_FIRST_USE = {
     "full_state_dict": ".checkpoint", "load_full_state_dict": ".checkpoint",
     "clip_grad_norm_": ".clip", "init_weights": ".materialize",
     "parallelize_causal_lm": ".causal_lm", "generate": ".causal_lm",
-    "compile_blocks": ".regional",
+    "compile": ".regional", "compile_blocks": ".regional",
 }
 """Public name -> the module that defines it, imported when the name is first read."""
 
@@ -35,7 +35,7 @@ __all__ = [
     "Shard", "Replicate", "Partial", "count_collectives", "cross_entropy", "Report",
     "state_dict", "load_state_dict", "full_state_dict", "load_full_state_dict",
     "clip_grad_norm_", "init_weights", "parallelize_causal_lm", "generate",
-    "compile_blocks", "FxtpError",
+    "compile", "compile_blocks", "FxtpError",
     "InputError", "PlanError", "ShardingError", "TraceError",
 ]
 

@@ -1,21 +1,85 @@
-"""Regional compilation: ``torch.compile`` per block, each distinct block compiled once.
+"""Regional compilation: each distinct block compiled once, whatever the depth.
 
 torchtitan compiles each transformer block on its own; every block runs the same
 ``forward``, so dynamo compiles it once and reuses the code for every instance, and
 compile time does not grow with depth. fxtp's blocks are graph modules, each with its own
-generated class and code: :func:`compile_blocks` first lets blocks whose programs are
-equal (the stamped copies of a block, :mod:`fxtp.stamping`) share the first one's
-classes, then compiles each block. The program between blocks runs eagerly.
+generated class and code, so both calls here first let blocks whose programs are equal
+(the stamped copies of a block, :mod:`fxtp.stamping`) share the first one's classes.
+
+- :func:`compile` compiles the whole program with each block a nested compile region
+  (``torch.compiler.nested_compile_region``): dynamo traces one block of each program and
+  stamps its subgraph for the others, inductor compiles it once, and the step runs one
+  compiled program (no per-block call overhead, the code between blocks compiled too).
+- :func:`compile_blocks` compiles each block on its own (``module.compile()``), the program
+  between blocks running eagerly: the form that composes with FSDP2's per-block hooks.
 """
 from __future__ import annotations
 
+import types
+import warnings
 from typing import Iterable, Optional
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
+from .dtensor_params import local_tensor
+from .passes.errors import InputError
+from .passes.graph import attr
+from .passes.stateless import Stateful, stateless
 from .plan import block_fqns
+
+
+def compile(gm: nn.Module, blocks: Optional[Iterable[str]] = None, **options) -> nn.Module:
+    """``torch.compile(gm, **options)`` (a result of :func:`fxtp.parallelize`) with each
+    block a nested compile region; ``blocks``: their FQNs (default: the outermost elements
+    of ``gm``'s ``ModuleList`` s and ``ModuleDict`` s). Returns the compiled module.
+
+    Blocks with equal programs run one stateless copy of the first
+    (:func:`fxtp.passes.stateless.stateless`) that takes their tensors as arguments (local
+    tensors: a region cannot take ``DTensor`` s), so dynamo traces it once and stamps the
+    subgraph for the others, and inductor compiles it once: compile time barely grows
+    with depth, and the step runs one compiled program. ``gm``'s blocks are marked in
+    place; eager calls of ``gm`` run the same code with the same numbers. A block the copy
+    cannot be made of (a module in it is not a graph module) is compiled inline, with a
+    warning. With FSDP2 (``fully_shard`` per block) use :func:`compile_blocks`."""
+    if options.get("backend") == "eager":
+        raise InputError("fxtp.compile: a nested compile region needs AOT autograd, which "
+                         "backend='eager' skips; use backend='aot_eager' to run the regions "
+                         "uncompiled")
+    fqns = _outermost(list(blocks) if blocks is not None else block_fqns(gm))
+    groups: dict[tuple, list[str]] = {}
+    for fqn in fqns:
+        groups.setdefault(_program(gm.get_submodule(fqn)), []).append(fqn)
+    region = torch.compiler.nested_compile_region(_run, max_reuse_entries=len(groups) + 8)
+    inline = {}
+    for group in groups.values():
+        try:
+            copy, tensors = stateless(gm.get_submodule(group[0]))
+        except Stateful as e:
+            inline.update(dict.fromkeys(group, str(e)))
+            continue
+        for fqn in group:
+            block = gm.get_submodule(fqn)
+            block.forward = types.MethodType(_calling(region, copy, tensors), block)
+    if inline:
+        warnings.warn("fxtp.compile: these blocks are compiled inline, not as regions: "
+                      + "; ".join(f"{fqn} ({why})" for fqn, why in inline.items()))
+    return torch.compile(gm, **options)
+
+
+def _run(copy, *args, **kwargs):
+    """A block's region: its stateless copy called."""
+    return copy(*args, **kwargs)
+
+
+def _calling(region, copy: fx.GraphModule, tensors: list[str]):
+    """A block's ``forward``: ``region`` runs ``copy`` on the block's tensors (``tensors``:
+    their FQNs), local, then the block's arguments."""
+    def forward(self, *args, **kwargs):
+        return region(copy, *(local_tensor(attr(self, t)) for t in tensors), *args, **kwargs)
+    return forward
 
 
 def compile_blocks(gm: nn.Module, blocks: Optional[Iterable[str]] = None,
@@ -31,23 +95,40 @@ def compile_blocks(gm: nn.Module, blocks: Optional[Iterable[str]] = None,
     ``fully_shard``, as torchtitan orders them. A block's graph edited afterwards must be
     recompiled on a class of its own (``type(m)`` is shared)."""
     fqns = list(blocks) if blocks is not None else block_fqns(gm)
-    first: dict[tuple, nn.Module] = {}
-    for fqn in fqns:
-        block = gm.get_submodule(fqn)
-        key = _program(block)
-        if key in first:
-            _share_classes(block, first[key])
-        else:
-            first[key] = block
+    for block in (b for group in _equal_programs(gm, fqns) for b in group):
         block.compile(**options)
     return fqns
 
 
+def _equal_programs(gm: nn.Module, fqns: list[str]) -> list[list[nn.Module]]:
+    """The blocks named by ``fqns``, grouped by equal program, each sharing the graph
+    module classes of its group's first."""
+    groups: dict[tuple, list[nn.Module]] = {}
+    for fqn in fqns:
+        block = gm.get_submodule(fqn)
+        group = groups.setdefault(_program(block), [])
+        if group:
+            _share_classes(block, group[0])
+        group.append(block)
+    return list(groups.values())
+
+
+def _outermost(fqns: list[str]) -> list[str]:
+    """``fqns`` less those inside another of them (a region holds its nested blocks)."""
+    return [f for f in fqns if not any(f.startswith(g + ".") for g in fqns)]
+
+
 def _program(block: nn.Module) -> tuple:
     """What must be equal for two blocks to run one compiled code: each submodule's name
-    and class, and each graph module's nodes (op, target, arguments by position)."""
-    return tuple((name, _graph_program(m.graph) if isinstance(m, fx.GraphModule)
-                  else type(m)) for name, m in block.named_modules())
+    and class, each graph module's nodes (op, target, arguments by position), and each
+    tensor's name, shape, dtype and type and which names share one tensor."""
+    tensors = list(block.named_parameters(remove_duplicate=False)) + \
+        list(block.named_buffers(remove_duplicate=False))
+    first = {}
+    return (tuple((name, _graph_program(m.graph) if isinstance(m, fx.GraphModule)
+                   else type(m)) for name, m in block.named_modules()),
+            tuple((name, t.shape, t.dtype, type(t), t.requires_grad,
+                   first.setdefault(id(t), name)) for name, t in tensors))
 
 
 def _graph_program(graph: fx.Graph) -> tuple:

@@ -135,9 +135,13 @@ def _own_units(grad: torch.Tensor, dim: int, units: int, rank: int, world: int
 
 class _AllGatherUnits(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, units, size, rank, world, group, partial_grad):
-        ctx.args = (dim, units, rank, world, group, partial_grad)
+    def forward(x, dim, units, size, rank, world, group, partial_grad):
         return _gather_units(x, dim, units, size, world, group)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, dim, units, _, rank, world, group, partial_grad = inputs
+        ctx.args = (dim, units, rank, world, group, partial_grad)
 
     @staticmethod
     def backward(ctx, grad):
@@ -149,9 +153,13 @@ class _AllGatherUnits(torch.autograd.Function):
 
 class _ShardUnits(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, units, rank, world, group):
-        ctx.args = (dim, units, x.shape[dim], world, group)
+    def forward(x, dim, units, rank, world, group):
         return _own_units(x, dim, units, rank, world)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, dim, units, _, world, group = inputs
+        ctx.args = (dim, units, x.shape[dim], world, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -160,8 +168,12 @@ class _ShardUnits(torch.autograd.Function):
 
 class _AllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(x, group):
         return _all_reduce(x, group)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
 
     @staticmethod
     def backward(ctx, grad):
@@ -170,9 +182,12 @@ class _AllReduce(torch.autograd.Function):
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, world, group, blocks):
-        ctx.args = (dim, world, group, blocks)
+    def forward(x, dim, world, group, blocks):
         return _reduce_scatter(x, dim, world, group, blocks)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.args = inputs[1:]
 
     @staticmethod
     def backward(ctx, grad):
@@ -181,9 +196,12 @@ class _ReduceScatter(torch.autograd.Function):
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, rank, world, group, partial_grad, blocks):
-        ctx.args = (dim, rank, world, group, partial_grad, blocks)
+    def forward(x, dim, rank, world, group, partial_grad, blocks):
         return _all_gather(x, dim, world, group, blocks)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.args = inputs[1:]
 
     @staticmethod
     def backward(ctx, grad):
@@ -197,9 +215,13 @@ class _AllGather(torch.autograd.Function):
 
 class _Shard(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, rank, world, group, blocks):
-        ctx.args = (dim, world, group, blocks)
+    def forward(x, dim, rank, world, group, blocks):
         return _chunk(x, dim, rank, world, blocks)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, dim, _, world, group, blocks = inputs
+        ctx.args = (dim, world, group, blocks)
 
     @staticmethod
     def backward(ctx, grad):
@@ -208,9 +230,12 @@ class _Shard(torch.autograd.Function):
 
 class _GradSync(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(x, group):
         return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.group = inputs[1]
 
     @staticmethod
     def backward(ctx, grad):
@@ -219,9 +244,12 @@ class _GradSync(torch.autograd.Function):
 
 class _GradSyncBucket(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, group, *xs):
-        ctx.group = group
+    def forward(group, *xs):
         return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.group = inputs[0]
 
     @staticmethod
     def backward(ctx, *grads):
@@ -234,15 +262,22 @@ class _GradSyncBucket(torch.autograd.Function):
         return (None, *out)
 
 
+def _apply(function: type[torch.autograd.Function], *args):
+    """``function.apply(*args)``, or its forward alone where grad mode is off: no gradient
+    to record, and none of autograd's machinery for a compiler to trace (a nested compile
+    region cannot functionalize an autograd function under ``no_grad``)."""
+    return function.apply(*args) if torch.is_grad_enabled() else function.forward(*args)
+
+
 def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     """Sum a Partial tensor over ``group``; the gradient passes through unchanged."""
-    return _AllReduce.apply(x, group)
+    return _apply(_AllReduce, x, group)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, world: int, group: str,
                    blocks=1) -> torch.Tensor:
     """Sum a Partial tensor and keep this rank's chunk along ``dim``."""
-    return _ReduceScatter.apply(x, dim, world, group, blocks)
+    return _apply(_ReduceScatter, x, dim, world, group, blocks)
 
 
 def all_gather(x: torch.Tensor, dim: int, rank: int, world: int, group: str,
@@ -250,13 +285,13 @@ def all_gather(x: torch.Tensor, dim: int, rank: int, world: int, group: str,
     """Concatenate every rank's shard along ``dim``. With ``partial_grad`` the incoming
     gradient is a per-rank partial sum and is reduce-scattered; otherwise it is replicated
     and this rank's chunk is taken."""
-    return _AllGather.apply(x, dim, rank, world, group, partial_grad, blocks)
+    return _apply(_AllGather, x, dim, rank, world, group, partial_grad, blocks)
 
 
 def shard(x: torch.Tensor, dim: int, rank: int, world: int, group: str,
           blocks=1) -> torch.Tensor:
     """Keep this rank's chunk of a replicated tensor (no forward communication)."""
-    return _Shard.apply(x, dim, rank, world, group, blocks)
+    return _apply(_Shard, x, dim, rank, world, group, blocks)
 
 
 def all_gather_units(x: torch.Tensor, dim: int, units: int, size: int, rank: int, world: int,
@@ -264,19 +299,19 @@ def all_gather_units(x: torch.Tensor, dim: int, units: int, size: int, rank: int
     """Concatenate the ranks' whole units of a dim of global ``size`` dealt in ``units``
     (a :class:`~fxtp.passes.placement.UnitShard`); the gradient as in :func:`all_gather`,
     each unit's to one rank."""
-    return _AllGatherUnits.apply(x, dim, units, size, rank, world, group, partial_grad)
+    return _apply(_AllGatherUnits, x, dim, units, size, rank, world, group, partial_grad)
 
 
 def shard_units(x: torch.Tensor, dim: int, units: int, rank: int, world: int, group: str
                 ) -> torch.Tensor:
     """Keep this rank's whole units of a replicated tensor (``units >= world``: each unit on
     one rank); the gradient is gathered."""
-    return _ShardUnits.apply(x, dim, units, rank, world, group)
+    return _apply(_ShardUnits, x, dim, units, rank, world, group)
 
 
 def grad_sync(x: torch.Tensor, group: str) -> torch.Tensor:
     """Identity forward; all-reduce the partial gradient backward (Megatron's ``f``)."""
-    return _GradSync.apply(x, group)
+    return _apply(_GradSync, x, group)
 
 
 def all_reduce_bucket(xs: Sequence[torch.Tensor], group: str) -> tuple[torch.Tensor, ...]:
@@ -288,7 +323,7 @@ def grad_sync_bucket(xs: Sequence[torch.Tensor], group: str) -> tuple[torch.Tens
     """:func:`grad_sync` of each tensor in ``xs``: identity forward (no copy); backward, once
     every gradient is computed, one all-reduce of all of them per dtype (replicated
     parameters used on sharded activations: one all-reduce per step, not one each)."""
-    return _GradSyncBucket.apply(group, *xs)
+    return _apply(_GradSyncBucket, group, *xs)
 
 
 def all_gather_bucket(xs: Sequence[torch.Tensor], dims: Sequence[int], rank: int, world: int,

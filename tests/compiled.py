@@ -48,11 +48,12 @@ def train_step(module, inputs, placements, rank, world, step, counts=None):
 
 def check_compiled(rank, world, make_model, plan, inputs, *, backend="inductor",
                    dtype=torch.float32, steps=2, input_placements=None, device="cpu",
-                   **parallelize_kwargs):
+                   compiler=None, **parallelize_kwargs):
     """Train ``torch.compile(gm, backend=backend, fullgraph=True)`` and the eager ``gm``
     side by side for ``steps`` AdamW steps from the same parameters; assert outputs, every
     parameter and input gradient and the parameters after the steps match, and that dynamo
-    made one graph and no graph break. Returns the collectives of the first step by kind,
+    made one graph and no graph break. ``compiler``: how ``gm`` is compiled instead of
+    ``torch.compile`` (``backend`` then only names the backend it uses). Returns the collectives of the first step by kind,
     ``{"eager": (fwd, bwd), "compiled": (fwd, bwd)}`` (compiled: those inductor's code
     issues)."""
     torch.manual_seed(0)
@@ -62,7 +63,7 @@ def check_compiled(rank, world, make_model, plan, inputs, *, backend="inductor",
     placements = input_placements or [None] * len(xs)
     eager = fxtp.parallelize(model, plan, example_inputs=xs, **parallelize_kwargs)
     gm = fxtp.parallelize(model, plan, example_inputs=xs, **parallelize_kwargs)
-    compiled = torch.compile(gm, backend=backend, fullgraph=True)
+    compiled = (compiler or (lambda m: torch.compile(m, backend=backend, fullgraph=True)))(gm)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=LR) for m in (eager, gm)]
     counters.clear()
     result = {}

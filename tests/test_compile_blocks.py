@@ -1,11 +1,19 @@
-"""Regional compilation (:func:`fxtp.compile_blocks`): each distinct block is compiled
-once and its code reused for every equal block; the result computes what the eager
-program does."""
+"""Regional compilation (:func:`fxtp.compile`, :func:`fxtp.compile_blocks`): each distinct
+block is traced and compiled once and its code reused for every equal block; the result
+computes what the eager program does."""
+import pytest
 import torch
-from torch._dynamo.utils import counters
+from torch._dynamo.utils import compilation_time_metrics, counters
 
 import fxtp
+from fxtp.gpt_fast import generate
 from fxtp.llama import llama_sp_plan
+from fxtp.passes.errors import InputError
+from fxtp.passes.graph import attr
+from fxtp.passes.stateless import stateless
+from tests import transformer_models as tm
+from tests.compiled import check_compiled
+from tests.test_serving import NEW, parallelize_for_serving, prompt, serving_model
 from tests.test_stamping import TOKENS, llama, llama_with_an_odd_middle_block
 
 
@@ -51,3 +59,126 @@ def test_blocks_compiled_compute_what_the_eager_program_does(fake_group):
     torch.testing.assert_close(outs[0], outs[1])
     for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"grad of {name}: {m}")
+
+
+def step_with_regions(gm) -> tuple[int, int, list, torch.Tensor]:
+    """A training step of ``fxtp.compile(gm)`` (aot_eager): the block regions dynamo
+    traced, the regions it stamped from a trace, the subgraphs the top graph calls, and
+    the output."""
+    torch._dynamo.reset()
+    compilation_time_metrics.clear()
+    graphs = []
+
+    def capture(graph, inputs):
+        graphs.append(graph)
+        return torch._dynamo.lookup_backend("aot_eager")(graph, inputs)
+    out = fxtp.compile(gm, backend=capture, fullgraph=True)(TOKENS)
+    out.square().mean().backward()
+    assert len(graphs) == 1
+    calls = [n.args[1] for n in graphs[0].graph.nodes
+             if n.target is torch.ops.higher_order.invoke_subgraph]
+    return (len(compilation_time_metrics.get("invoke_subgraph_trace", [])),
+            len(compilation_time_metrics.get("invoke_subgraph_reuse_stamp_out", [])),
+            calls, out)
+
+
+def assert_eager_step_matches(eager, gm, out):
+    """``eager``'s training step gives ``gm``'s output ``out`` and gradients."""
+    expected = eager(TOKENS)
+    expected.square().mean().backward()
+    torch.testing.assert_close(out, expected)
+    for (name, p), q in zip(eager.named_parameters(), gm.parameters()):
+        assert type(q.grad) is type(p.grad), name
+        torch.testing.assert_close(q.grad, p.grad, msg=lambda m: f"grad of {name}: {m}")
+
+
+def test_equal_blocks_are_traced_once_and_run_as_one_region(fake_group):
+    fake_group(2)
+    traced, stamped, calls, _ = step_with_regions(parallel(llama))
+    assert (traced, stamped) == (1, 3)
+    assert calls == ["subgraph_0"] * 4
+
+
+def test_a_different_block_gets_a_region_of_its_own_and_numbers_hold(fake_group):
+    fake_group(2)
+    gm = parallel(llama_with_an_odd_middle_block)
+    traced, stamped, _, out = step_with_regions(gm)
+    assert (traced, stamped) == (2, 2)
+    assert_eager_step_matches(parallel(llama_with_an_odd_middle_block), gm, out)
+
+
+def test_checkpointed_blocks_are_regions_too(fake_group):
+    """A checkpointed region inside a block is passed the submodules it calls: the copy
+    holds their copies and takes their tensors."""
+    fake_group(2)
+
+    def checkpointed():
+        torch.manual_seed(0)
+        return fxtp.parallelize(llama(), llama_sp_plan(), example_inputs=(TOKENS,),
+                                checkpoint=["layers.*"])
+    gm = checkpointed()
+    traced, stamped, _, out = step_with_regions(gm)
+    assert (traced, stamped) == (1, 3)
+    assert_eager_step_matches(checkpointed(), gm, out)
+
+
+def regions(gm):
+    return fxtp.compile(gm, backend="aot_eager", fullgraph=True)
+
+
+def test_a_stateless_copy_holds_no_tensors_and_computes_what_its_block_does(fake_group):
+    fake_group(2)
+    gm = fxtp.parallelize(llama(), llama_sp_plan(), example_inputs=(TOKENS,),
+                          checkpoint=["layers.*"])
+    block = gm.layers[1]
+    expected = gm(TOKENS)
+    copy, names = stateless(block)
+    assert not list(copy.parameters()) and not list(copy.buffers())
+    assert set(names) == {name for name, _ in block.named_parameters()}
+    block.forward = lambda *args: copy(*(attr(block, n).to_local() for n in names), *args)
+    torch.testing.assert_close(gm(TOKENS), expected)
+
+
+def test_a_block_holding_a_plain_module_is_compiled_inline_with_a_warning(fake_group):
+    fake_group(2)
+    gm = parallel(llama)
+
+    class Plain(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, *args):
+            return self.inner(*args)
+    gm.layers[2].feed_forward = Plain(gm.layers[2].feed_forward)
+    with pytest.warns(UserWarning, match=r"layers\.2 \(feed_forward: it is a Plain"):
+        fxtp.compile(gm, backend="aot_eager")
+
+
+def test_serving_with_regions_writes_the_caches_as_eager_does(fake_group):
+    """Prefill and decode (a dynamic sequence dim) under no_grad, each block writing its KV
+    cache in place inside its region."""
+    fake_group(2)
+    eager = parallelize_for_serving(serving_model())
+    gm = parallelize_for_serving(serving_model())
+    with torch.no_grad():
+        tokens = generate(regions(gm), prompt(), NEW)
+        assert torch.equal(tokens, generate(eager, prompt(), NEW))
+    for (name, b), c in zip(eager.named_buffers(), gm.buffers()):
+        assert torch.equal(b, c), name
+
+
+def test_the_eager_backend_is_refused(fake_group):
+    fake_group(2)
+    with pytest.raises(InputError, match="aot_eager"):
+        fxtp.compile(parallel(llama), backend="eager")
+
+
+def train_with_regions(rank, world):
+    return check_compiled(rank, world, lambda: tm.Llama(tm.LlamaConfig(n_layers=2)),
+                          tm.llama_sp_plan(), [TOKENS], backend="aot_eager", compiler=regions)
+
+
+def test_regions_train_like_eager_on_two_ranks(ranks2):
+    """Outputs, gradients and parameters after AdamW steps, with real collectives."""
+    ranks2.run(train_with_regions)
