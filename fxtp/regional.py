@@ -42,8 +42,9 @@ def compile(gm: nn.Module, blocks: Optional[Iterable[str]] = None, **options) ->
     subgraph for the others, and inductor compiles it once: compile time barely grows
     with depth, and the step runs one compiled program. ``gm``'s blocks are marked in
     place; eager calls of ``gm`` run the same code with the same numbers. A block the copy
-    cannot be made of (a module in it is not a graph module) is compiled inline, with a
-    warning. With FSDP2 (``fully_shard`` per block) use :func:`compile_blocks`."""
+    cannot be made of (a module in it is not a graph module), or that computes with
+    complex tensors (which a region cannot differentiate through), is compiled inline,
+    with a warning. With FSDP2 (``fully_shard`` per block) use :func:`compile_blocks`."""
     if options.get("backend") == "eager":
         raise InputError("fxtp.compile: a nested compile region needs AOT autograd, which "
                          "backend='eager' skips; use backend='aot_eager' to run the regions "
@@ -55,6 +56,9 @@ def compile(gm: nn.Module, blocks: Optional[Iterable[str]] = None, **options) ->
     region = torch.compiler.nested_compile_region(_run, max_reuse_entries=len(groups) + 8)
     inline = {}
     for group in groups.values():
+        if _computes_complex(gm.get_submodule(group[0])):
+            inline.update(dict.fromkeys(group, "it computes with complex tensors"))
+            continue
         try:
             copy, tensors = stateless(gm.get_submodule(group[0]))
         except Stateful as e:
@@ -80,6 +84,19 @@ def _calling(region, copy: fx.GraphModule, tensors: list[str]):
     def forward(self, *args, **kwargs):
         return region(copy, *(local_tensor(attr(self, t)) for t in tensors), *args, **kwargs)
     return forward
+
+
+def _computes_complex(block: nn.Module) -> bool:
+    """Does a graph of ``block`` make a complex tensor (rotary tables as complex numbers)?
+    Torch's nested compile region cannot differentiate through one (no kernel for the
+    region at the ``Conjugate`` dispatch key)."""
+    return any(isinstance(v, torch.Tensor) and v.is_complex()
+               for m in block.modules() if isinstance(m, fx.GraphModule)
+               for n in m.graph.nodes for v in _vals(n.meta.get("val")))
+
+
+def _vals(val) -> list:
+    return list(val) if isinstance(val, (tuple, list)) else [val]
 
 
 def compile_blocks(gm: nn.Module, blocks: Optional[Iterable[str]] = None,

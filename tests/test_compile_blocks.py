@@ -7,14 +7,14 @@ from torch._dynamo.utils import compilation_time_metrics, counters
 
 import fxtp
 from fxtp.gpt_fast import generate
-from fxtp.llama import llama_sp_plan
+from fxtp.llama import Llama, LlamaConfig, llama_sp_plan
 from fxtp.passes.errors import InputError
 from fxtp.passes.graph import attr
 from fxtp.passes.stateless import stateless
 from tests import transformer_models as tm
 from tests.compiled import check_compiled
 from tests.test_serving import NEW, parallelize_for_serving, prompt, serving_model
-from tests.test_stamping import TOKENS, llama, llama_with_an_odd_middle_block
+from tests.test_stamping import LAYERS, TOKENS, llama, llama_with_an_odd_middle_block
 
 
 def parallel(make_model):
@@ -166,6 +166,16 @@ def test_serving_with_regions_writes_the_caches_as_eager_does(fake_group):
         assert torch.equal(tokens, generate(eager, prompt(), NEW))
     for (name, b), c in zip(eager.named_buffers(), gm.buffers()):
         assert torch.equal(b, c), name
+
+
+def test_blocks_computing_with_complex_numbers_are_compiled_inline_with_a_warning(
+        fake_group):
+    """Complex rotary tables: torch's region has no kernel at the Conjugate key."""
+    fake_group(2)
+    gm = parallel(lambda: Llama(LlamaConfig(n_layers=LAYERS, n_heads=8, n_kv_heads=8,
+                                            rope="complex")))
+    with pytest.warns(UserWarning, match=r"layers\.0 \(it computes with complex tensors\)"):
+        fxtp.compile(gm, backend="aot_eager")
 
 
 def test_the_eager_backend_is_refused(fake_group):
