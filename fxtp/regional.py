@@ -3,15 +3,17 @@
 torchtitan compiles each transformer block on its own; every block runs the same
 ``forward``, so dynamo compiles it once and reuses the code for every instance, and
 compile time does not grow with depth. fxtp's blocks are graph modules, each with its own
-generated class and code, so both calls here first let blocks whose programs are equal
-(the stamped copies of a block, :mod:`fxtp.stamping`) share the first one's classes.
+generated class and code, so both calls here first group the blocks whose programs are
+equal (the stamped copies of a block, :mod:`fxtp.stamping`).
 
 - :func:`compile` compiles the whole program with each block a nested compile region
-  (``torch.compiler.nested_compile_region``): dynamo traces one block of each program and
-  stamps its subgraph for the others, inductor compiles it once, and the step runs one
-  compiled program (no per-block call overhead, the code between blocks compiled too).
-- :func:`compile_blocks` compiles each block on its own (``module.compile()``), the program
-  between blocks running eagerly: the form that composes with FSDP2's per-block hooks.
+  (``torch.compiler.nested_compile_region``), every block of a group running one
+  stateless copy of the first: dynamo traces it once and stamps its subgraph for the
+  others, inductor compiles it once, and the step runs one compiled program (no per-block
+  call overhead, the code between blocks compiled too).
+- :func:`compile_blocks` compiles each block on its own (``module.compile()``), the blocks
+  of a group sharing the first one's classes, the program between blocks running eagerly:
+  the form that composes with FSDP2's per-block hooks.
 """
 from __future__ import annotations
 
@@ -138,14 +140,14 @@ def _outermost(fqns: list[str]) -> list[str]:
 def _program(block: nn.Module) -> tuple:
     """What must be equal for two blocks to run one compiled code: each submodule's name
     and class, each graph module's nodes (op, target, arguments by position), and each
-    tensor's name, shape, dtype and type and which names share one tensor."""
+    tensor's name, shape, dtype, type and placement and which names share one tensor."""
     tensors = list(block.named_parameters(remove_duplicate=False)) + \
         list(block.named_buffers(remove_duplicate=False))
     first = {}
     return (tuple((name, _graph_program(m.graph) if isinstance(m, fx.GraphModule)
                    else type(m)) for name, m in block.named_modules()),
-            tuple((name, t.shape, t.dtype, type(t), t.requires_grad,
-                   first.setdefault(id(t), name)) for name, t in tensors))
+            tuple((name, t.shape, t.dtype, type(t), getattr(t, "placements", None),
+                   t.requires_grad, first.setdefault(id(t), name)) for name, t in tensors))
 
 
 def _graph_program(graph: fx.Graph) -> tuple:
