@@ -70,7 +70,9 @@ def compile(gm: nn.Module, blocks: Optional[Iterable[str]] = None, **options) ->
             block = gm.get_submodule(fqn)
             block.forward = types.MethodType(_calling(region, copy, tensors), block)
     if inline:
-        warnings.warn("fxtp.compile: these blocks are compiled inline, not as regions: "
+        warnings.warn("fxtp.compile: these blocks are compiled inline, not as regions, so "
+                      "their compile time grows with their number (fxtp.compile_blocks "
+                      "compiles each distinct block once): "
                       + "; ".join(f"{fqn} ({why})" for fqn, why in inline.items()))
     return torch.compile(gm, **options)
 
