@@ -60,6 +60,8 @@ def _rank(rank, port, cache_dir, backends, layers, steps, results):
             compiled[backend] = torch.compile(gm, backend=backend, fullgraph=True)
     times = {backend: [] for backend in backends}
     losses = {backend: [] for backend in backends}
+    optimizers = {backend: torch.optim.SGD(module.parameters(), lr=0.5)
+                  for backend, module in compiled.items()}
     for _ in range(steps):  # the backends' steps alternate
         for backend, module in compiled.items():
             dist.barrier()
@@ -68,6 +70,8 @@ def _rank(rank, port, cache_dir, backends, layers, steps, results):
             loss.backward()
             times[backend].append(time.perf_counter() - start)
             losses[backend].append(loss.item())
+            optimizers[backend].step()  # so a wrong gradient shows in the next loss
+            optimizers[backend].zero_grad()
     if rank == 0:
         results.put({backend: (times[backend][0], statistics.median(times[backend][1:]),
                                losses[backend]) for backend in backends})
@@ -75,8 +79,9 @@ def _rank(rank, port, cache_dir, backends, layers, steps, results):
 
 
 def measure(backends: tuple, cache_dir: str, layers: int = 0, steps: int = 6) -> dict:
-    """backend -> (first step, median of the later steps) in seconds and the steps'
-    losses, rank 0's (gradients accumulate, so the losses differ from step to step).
+    """backend -> (first step, median of the later steps: forward and backward) in seconds
+    and the steps' losses, rank 0's (an SGD step after each, so the losses follow the
+    gradients).
     Several backends' steps alternate, so their step times are measured side by side;
     first steps are cold only for the first backend."""
     with socket.socket() as s:

@@ -29,6 +29,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from .dtensor_params import local_tensor
 from .passes.errors import InputError
 from .passes.graph import attr
+from .passes.complex_pairs import Unpaired, pair_complex
 from .passes.stateless import Stateful, stateless
 from .plan import block_fqns
 
@@ -43,10 +44,17 @@ def compile(gm: nn.Module, blocks: Optional[Iterable[str]] = None, **options) ->
     tensors: a region cannot take ``DTensor`` s), so dynamo traces it once and stamps the
     subgraph for the others, and inductor compiles it once: compile time barely grows
     with depth, and the step runs one compiled program. ``gm``'s blocks are marked in
-    place; eager calls of ``gm`` run the same code with the same numbers. A block the copy
-    cannot be made of (a module in it is not a graph module), or that computes with
-    complex tensors (which a region cannot differentiate through), is compiled inline,
-    with a warning. With FSDP2 (``fully_shard`` per block) use :func:`compile_blocks`."""
+    place; eager calls of ``gm`` run the same code with the same numbers. Complex values
+    (Meta's rotary tables), which a region cannot differentiate through, are computed as
+    real pairs (:func:`fxtp.passes.complex_pairs.pair_complex`). A block the copy cannot be
+    made of (a module in it is not a graph module, an op on complex values has no pair
+    form) is compiled inline, with a warning. With FSDP2 (``fully_shard`` per block) use
+    :func:`compile_blocks`.
+
+    Inductor compiles the program with ``allow_buffer_reuse=False`` unless ``options`` say
+    otherwise: with reuse, torch 2.13's inductor gave wrong gradients through the regions
+    (up to 140x on fxtp's Llama; ``aot_eager`` and the whole program compiled were right;
+    pytorch/pytorch#193960, a reused region's backward overwriting a saved input)."""
     if options.get("backend") == "eager":
         raise InputError("fxtp.compile: a nested compile region needs AOT autograd, which "
                          "backend='eager' skips; use backend='aot_eager' to run the regions "
@@ -58,12 +66,10 @@ def compile(gm: nn.Module, blocks: Optional[Iterable[str]] = None, **options) ->
     region = torch.compiler.nested_compile_region(_run, max_reuse_entries=len(groups) + 8)
     inline = {}
     for group in groups.values():
-        if _computes_complex(gm.get_submodule(group[0])):
-            inline.update(dict.fromkeys(group, "it computes with complex tensors"))
-            continue
         try:
             copy, tensors = stateless(gm.get_submodule(group[0]))
-        except Stateful as e:
+            pair_complex(copy)
+        except (Stateful, Unpaired) as e:
             inline.update(dict.fromkeys(group, str(e)))
             continue
         for fqn in group:
@@ -74,6 +80,8 @@ def compile(gm: nn.Module, blocks: Optional[Iterable[str]] = None, **options) ->
                       "their compile time grows with their number (fxtp.compile_blocks "
                       "compiles each distinct block once): "
                       + "; ".join(f"{fqn} ({why})" for fqn, why in inline.items()))
+    if options.get("backend", "inductor") == "inductor":
+        options["options"] = {"allow_buffer_reuse": False, **(options.get("options") or {})}
     return torch.compile(gm, **options)
 
 
@@ -84,23 +92,19 @@ def _run(copy, *args, **kwargs):
 
 def _calling(region, copy: fx.GraphModule, tensors: list[str]):
     """A block's ``forward``: ``region`` runs ``copy`` on the block's tensors (``tensors``:
-    their FQNs), local, then the block's arguments."""
+    their FQNs), local, then the block's arguments; complex tensors cross the region's
+    boundary as real pairs (:mod:`fxtp.passes.complex_pairs`)."""
     def forward(self, *args, **kwargs):
-        return region(copy, *(local_tensor(attr(self, t)) for t in tensors), *args, **kwargs)
+        inputs = (*(local_tensor(attr(self, t)) for t in tensors), *args)
+        return region(copy, *map(_pairs, inputs), **{k: _pairs(v) for k, v in kwargs.items()})
     return forward
 
 
-def _computes_complex(block: nn.Module) -> bool:
-    """Does a graph of ``block`` make a complex tensor (rotary tables as complex numbers)?
-    Torch's nested compile region cannot differentiate through one (no kernel for the
-    region at the ``Conjugate`` dispatch key)."""
-    return any(isinstance(v, torch.Tensor) and v.is_complex()
-               for m in block.modules() if isinstance(m, fx.GraphModule)
-               for n in m.graph.nodes for v in _vals(n.meta.get("val")))
-
-
-def _vals(val) -> list:
-    return list(val) if isinstance(val, (tuple, list)) else [val]
+def _pairs(x):
+    """A complex tensor as its real pairs; anything else as it is."""
+    if isinstance(x, torch.Tensor) and x.is_complex():
+        return torch.view_as_real(x.resolve_conj())
+    return x
 
 
 def compile_blocks(gm: nn.Module, blocks: Optional[Iterable[str]] = None,

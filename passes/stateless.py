@@ -42,6 +42,7 @@ def stateless(gm: fx.GraphModule, bound: Optional[dict[int, nn.Module]] = None
     bound = bound or {}
     modules: dict[fx.Node, tuple[str, nn.Module]] = {}  # module-valued node -> (path, module)
     lifted: dict[str, None] = {}
+    metas: dict[str, dict] = {}  # a tensor read here -> the meta of a node reading it
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for i, module in bound.items():
         modules[placeholders[i]] = (f"<arg{i}>", module)
@@ -51,6 +52,7 @@ def stateless(gm: fx.GraphModule, bound: Optional[dict[int, nn.Module]] = None
             value = attr(gm, node.target)
             if isinstance(value, torch.Tensor):
                 lifted[node.target] = None
+                metas.setdefault(node.target, node.meta)
             elif isinstance(value, nn.Module):
                 modules[node] = (node.target, value)
         elif node.op == "call_module" or (node.op == "call_function" and
@@ -75,6 +77,8 @@ def stateless(gm: fx.GraphModule, bound: Optional[dict[int, nn.Module]] = None
     holder = nn.Module()
     taken = {n.target for n in placeholders}
     tensors = {fqn: graph.placeholder(_free(fqn, taken)) for fqn in lifted}
+    for fqn, meta in metas.items():
+        tensors[fqn].meta = dict(meta)
     env: dict[fx.Node, fx.Node] = {}
 
     def kept(args):  # the arguments a copy is called with: its module arguments held

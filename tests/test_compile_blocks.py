@@ -1,13 +1,17 @@
 """Regional compilation (:func:`fxtp.compile`, :func:`fxtp.compile_blocks`): each distinct
 block is traced and compiled once and its code reused for every equal block; the result
 computes what the eager program does."""
+import warnings
+
 import pytest
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch._dynamo.utils import compilation_time_metrics, counters
 
 import fxtp
 from fxtp.gpt_fast import generate
 from fxtp.llama import Llama, LlamaConfig, llama_sp_plan
+from fxtp.passes.complex_pairs import Unpaired, pair_complex
 from fxtp.passes.errors import InputError
 from fxtp.passes.graph import attr
 from fxtp.passes.stateless import stateless
@@ -168,14 +172,65 @@ def test_serving_with_regions_writes_the_caches_as_eager_does(fake_group):
         assert torch.equal(b, c), name
 
 
-def test_blocks_computing_with_complex_numbers_are_compiled_inline_with_a_warning(
-        fake_group):
-    """Complex rotary tables: torch's region has no kernel at the Conjugate key."""
+def rotate(x, freqs):
+    """Meta's rotary embedding: pairs as complex numbers times a complex table (here kept
+    in complex64 and converted)."""
+    pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))
+    table = freqs[:x.shape[1]].unsqueeze(0).unsqueeze(2).to(torch.complex128)
+    return torch.view_as_real(pairs * table).flatten(3)
+
+
+def test_complex_values_as_real_pairs_compute_what_complex_ones_do():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 6, 3, 8, dtype=torch.float64, generator=g)
+    freqs = torch.polar(torch.ones(10, 4), torch.randn(10, 4, generator=g))
+    gm = make_fx(rotate, tracing_mode="fake")(x, freqs)
+    assert pair_complex(gm)
+    assert not any(n.target in (torch.ops.aten.view_as_complex.default,
+                                torch.ops.aten.view_as_real.default) for n in gm.graph.nodes)
+    paired, plain = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out, expected = gm(paired, torch.view_as_real(freqs)), rotate(plain, freqs)
+    torch.testing.assert_close(out, expected, rtol=1e-13, atol=1e-13)
+    weights = torch.randn(out.shape, dtype=torch.float64, generator=g)
+    (out * weights).sum().backward()
+    (expected * weights).sum().backward()
+    torch.testing.assert_close(paired.grad, plain.grad, rtol=1e-13, atol=1e-13)
+
+
+def test_an_op_with_no_pair_form_is_refused_before_anything_changes():
+    def exp_of(x, freqs):
+        return torch.view_as_real(torch.exp(freqs)) * x
+    freqs = torch.polar(torch.ones(4, dtype=torch.float64), torch.zeros(4, dtype=torch.float64))
+    gm = make_fx(exp_of, tracing_mode="fake")(torch.ones(4, 2, dtype=torch.float64), freqs)
+    code = gm.code
+    with pytest.raises(Unpaired, match="exp"):
+        pair_complex(gm)
+    assert gm.code == code
+
+
+def test_blocks_computing_with_complex_numbers_are_regions_too(fake_group):
+    """Complex rotary tables cross the region's boundary and compute inside as real pairs
+    (torch's region cannot differentiate through complex tensors)."""
     fake_group(2)
-    gm = parallel(lambda: Llama(LlamaConfig(n_layers=LAYERS, n_heads=8, n_kv_heads=8,
-                                            rope="complex")))
-    with pytest.warns(UserWarning, match=r"layers\.0 \(it computes with complex tensors\)"):
-        fxtp.compile(gm, backend="aot_eager")
+
+    def complex_rope():
+        torch.manual_seed(0)
+        return fxtp.parallelize(Llama(LlamaConfig(n_layers=LAYERS, n_heads=8, n_kv_heads=8,
+                                                  rope="complex")),
+                                llama_sp_plan(), example_inputs=(TOKENS,))
+    gm = complex_rope()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="fxtp.compile")
+        traced, stamped, _, out = step_with_regions(gm)
+    assert (traced, stamped) == (1, 3)
+    # the rotation runs in fp32 either way, as complex64 or as pairs: they round apart
+    eager = complex_rope()
+    expected = eager(TOKENS)
+    expected.square().mean().backward()
+    torch.testing.assert_close(out, expected)
+    for (name, p), q in zip(eager.named_parameters(), gm.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6 * p.grad.abs().max(),
+                                   msg=lambda m: f"grad of {name}: {m}")
 
 
 def test_the_eager_backend_is_refused(fake_group):
@@ -186,9 +241,12 @@ def test_the_eager_backend_is_refused(fake_group):
 
 def train_with_regions(rank, world):
     return check_compiled(rank, world, lambda: tm.Llama(tm.LlamaConfig(n_layers=2)),
-                          tm.llama_sp_plan(), [TOKENS], backend="aot_eager", compiler=regions)
+                          tm.llama_sp_plan(), [TOKENS],
+                          compiler=lambda gm: fxtp.compile(gm, fullgraph=True))
 
 
 def test_regions_train_like_eager_on_two_ranks(ranks2):
-    """Outputs, gradients and parameters after AdamW steps, with real collectives."""
+    """Outputs, gradients and parameters after AdamW steps, with real collectives and
+    inductor (which, reusing buffers across regions, got the gradients wrong: fxtp.compile
+    turns that off)."""
     ranks2.run(train_with_regions)
