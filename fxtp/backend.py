@@ -23,6 +23,12 @@ INDUCTOR_CONFIG = {"reorder_for_peak_memory": False}
 its wait (by :mod:`fxtp.passes.schedule`) back before the collective."""
 
 
+NO_BUFFER_REUSE = {"allow_buffer_reuse": False}
+"""For a program calling nested compile regions: with buffer reuse, torch 2.13's inductor
+let a reused region's backward overwrite a saved input, and gradients came out wrong
+(pytorch/pytorch#193960)."""
+
+
 def fxtp_backend(gm: fx.GraphModule, example_inputs, options=None, mode=None):
     allow_in_dynamo_graphs()
     if mode is not None:
@@ -42,5 +48,12 @@ def fxtp_backend(gm: fx.GraphModule, example_inputs, options=None, mode=None):
 
     from .passes.schedule import OverlapCollectives
     return compile_fx(gm, example_inputs, config_patches=INDUCTOR_CONFIG | {
-        "post_grad_custom_post_pass": OverlapCollectives()})
+        "post_grad_custom_post_pass": OverlapCollectives()} | (
+            NO_BUFFER_REUSE if _has_regions(gm) else {}))
+
+
+def _has_regions(gm: fx.GraphModule) -> bool:
+    """Does ``gm`` call nested compile regions (``fxtp.compile``'s blocks)?"""
+    import torch
+    return any(n.target is torch.ops.higher_order.invoke_subgraph for n in gm.graph.nodes)
 

@@ -26,6 +26,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
+from .backend import NO_BUFFER_REUSE
 from .dtensor_params import local_tensor
 from .passes.errors import InputError
 from .passes.graph import attr
@@ -80,8 +81,8 @@ def compile(gm: nn.Module, blocks: Optional[Iterable[str]] = None, **options) ->
                       "their compile time grows with their number (fxtp.compile_blocks "
                       "compiles each distinct block once): "
                       + "; ".join(f"{fqn} ({why})" for fqn, why in inline.items()))
-    if options.get("backend", "inductor") == "inductor":
-        options["options"] = {"allow_buffer_reuse": False, **(options.get("options") or {})}
+    if options.get("backend", "inductor") == "inductor":  # the "fxtp" backend does it too
+        options["options"] = {**NO_BUFFER_REUSE, **(options.get("options") or {})}
     return torch.compile(gm, **options)
 
 
