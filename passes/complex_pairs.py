@@ -65,6 +65,8 @@ def _complex_dim(node: fx.Node):
 
 
 def _check(node: fx.Node, paired: dict) -> None:
+    """Raise :class:`Unpaired` unless ``node``, which makes or takes a complex value, has a
+    pair form."""
     if node.op in ("placeholder", "output", "call_module", "get_attr"):
         return
     target = node.target
@@ -91,10 +93,8 @@ def _rewrite(graph: fx.Graph, node: fx.Node, paired: dict) -> None:
         return
     x, *rest = node.args
     with graph.inserting_before(node):
-        if target is aten.view_as_complex.default:
-            new = graph.call_function(aten.alias.default, (x,))
-        elif target is aten.view_as_real.default:
-            new = graph.call_function(aten.alias.default, (x,))
+        if target in (aten.view_as_complex.default, aten.view_as_real.default):
+            new = graph.call_function(aten.alias.default, (x,))  # the pairs themselves
         elif target is aten.mul.Tensor:
             new = _mul(graph, x, rest[0], paired)
         elif target in CONVERSIONS:
