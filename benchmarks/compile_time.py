@@ -10,8 +10,8 @@ the whole program compiled (``torch.compile(gm)``, inductor) against the program
 with each block a nested region (:func:`fxtp.compile`) and each block compiled on its own
 (:func:`fxtp.compile_blocks`, the rest eager): the first step with an empty cache (each
 alone), the median of 20 compiled steps (the three programs' steps alternating in one
-run), and the largest difference of a step's loss from the whole program's. Results:
-``results/compile_time.json``.
+run), and the largest difference of a step's loss from the whole program's (an SGD step
+follows each, so the losses follow the gradients). Results: ``results/compile_time.json``.
 
     OMP_NUM_THREADS=1 python -m benchmarks.compile_time [backend ...]
     OMP_NUM_THREADS=1 python -m benchmarks.compile_time --depth

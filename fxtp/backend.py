@@ -11,6 +11,7 @@ setup.cfg, which torch.compile loads by name): fxtp's graph passes, then inducto
 """
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from .passes.collectives import allow_in_dynamo_graphs
@@ -54,6 +55,5 @@ def fxtp_backend(gm: fx.GraphModule, example_inputs, options=None, mode=None):
 
 def _has_regions(gm: fx.GraphModule) -> bool:
     """Does ``gm`` call nested compile regions (``fxtp.compile``'s blocks)?"""
-    import torch
     return any(n.target is torch.ops.higher_order.invoke_subgraph for n in gm.graph.nodes)
 

@@ -60,13 +60,11 @@ def compile(gm: nn.Module, blocks: Optional[Iterable[str]] = None, **options) ->
         raise InputError("fxtp.compile: a nested compile region needs AOT autograd, which "
                          "backend='eager' skips; use backend='aot_eager' to run the regions "
                          "uncompiled")
-    fqns = _outermost(list(blocks) if blocks is not None else block_fqns(gm))
-    groups: dict[tuple, list[str]] = {}
-    for fqn in fqns:
-        groups.setdefault(_program(gm.get_submodule(fqn)), []).append(fqn)
+    groups = _equal_programs(gm, _outermost(list(blocks) if blocks is not None
+                                            else block_fqns(gm)))
     region = torch.compiler.nested_compile_region(_run, max_reuse_entries=len(groups) + 8)
     inline = {}
-    for group in groups.values():
+    for group in groups:
         try:
             copy, tensors = stateless(gm.get_submodule(group[0]))
             pair_complex(copy)
@@ -121,21 +119,20 @@ def compile_blocks(gm: nn.Module, blocks: Optional[Iterable[str]] = None,
     ``fully_shard``, as torchtitan orders them. A block's graph edited afterwards must be
     recompiled on a class of its own (``type(m)`` is shared)."""
     fqns = list(blocks) if blocks is not None else block_fqns(gm)
-    for block in (b for group in _equal_programs(gm, fqns) for b in group):
-        block.compile(**options)
+    for group in _equal_programs(gm, fqns):
+        first = gm.get_submodule(group[0])
+        for fqn in group:
+            block = gm.get_submodule(fqn)
+            _share_classes(block, first)
+            block.compile(**options)
     return fqns
 
 
-def _equal_programs(gm: nn.Module, fqns: list[str]) -> list[list[nn.Module]]:
-    """The blocks named by ``fqns``, grouped by equal program, each sharing the graph
-    module classes of its group's first."""
-    groups: dict[tuple, list[nn.Module]] = {}
+def _equal_programs(gm: nn.Module, fqns: list[str]) -> list[list[str]]:
+    """``fqns`` grouped by their blocks' equal programs, in order."""
+    groups: dict[tuple, list[str]] = {}
     for fqn in fqns:
-        block = gm.get_submodule(fqn)
-        group = groups.setdefault(_program(block), [])
-        if group:
-            _share_classes(block, group[0])
-        group.append(block)
+        groups.setdefault(_program(gm.get_submodule(fqn)), []).append(fqn)
     return list(groups.values())
 
 

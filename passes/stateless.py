@@ -74,7 +74,7 @@ def stateless(gm: fx.GraphModule, bound: Optional[dict[int, nn.Module]] = None
             raise Stateful(f"{node.format_node()} uses a module other than by calling it")
 
     graph = fx.Graph()
-    holder = nn.Module()
+    attrs: dict[str, object] = {}  # what the copy holds, by dotted path
     taken = {n.target for n in placeholders}
     tensors = {fqn: graph.placeholder(_free(fqn, taken)) for fqn in lifted}
     for fqn, meta in metas.items():
@@ -91,7 +91,7 @@ def stateless(gm: fx.GraphModule, bound: Optional[dict[int, nn.Module]] = None
             env[node] = tensors[node.target]
         elif node in sites:
             copy, names = sites[node]
-            holder.add_module(node.name, copy)
+            attrs[node.name] = copy
             its_tensors = [tensors[n] for n in names]
             if node.op == "call_module":
                 env[node] = graph.call_module(node.name, (*its_tensors, *kept(node.args)),
@@ -103,9 +103,9 @@ def stateless(gm: fx.GraphModule, bound: Optional[dict[int, nn.Module]] = None
             env[node].meta = node.meta
         else:
             if node.op == "get_attr":  # a constant that is not a tensor
-                _hold(holder, node.target, attr(gm, node.target))
+                attrs[node.target] = attr(gm, node.target)
             env[node] = graph.node_copy(node, env.__getitem__)
-    copy = fx.GraphModule(holder, graph, class_name=f"Stateless{type(gm).__name__}")
+    copy = fx.GraphModule(attrs, graph, class_name=f"Stateless{type(gm).__name__}")
     if hasattr(gm, "checkpoint_options"):
         copy.checkpoint_options = gm.checkpoint_options
     return copy, list(lifted)
@@ -138,15 +138,3 @@ def _free(fqn: str, taken: set) -> str:
     taken.add(name)
     return name
 
-
-def _hold(holder: nn.Module, target: str, value) -> None:
-    """Set ``value`` at the dotted path ``target`` under ``holder``."""
-    *path, name = target.split(".")
-    for part in path:
-        if not hasattr(holder, part):
-            holder.add_module(part, nn.Module())
-        holder = getattr(holder, part)
-    if isinstance(value, nn.Module):
-        holder.add_module(name, value)
-    else:
-        setattr(holder, name, value)
