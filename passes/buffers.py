@@ -1,14 +1,17 @@
-"""Written buffers: a buffer written in place (a KV cache) takes the placement of what is
-written into it.
+"""Written values: a buffer written in place (a KV cache), or a fresh tensor a factory
+made to be written into (``new_empty`` filled by slice assignments), takes the placement of
+what is written into it.
 
-A buffer the plan does not shard is replicated, so writing a head-sharded ``k`` into it
-would gather ``k``, and every rank would hold the whole cache. For every buffer that the
-program writes in place (``index_put_``, ``index_copy_``, ``copy_``, ... on the buffer
-itself or on a view of it, such as the slice a slice assignment writes), the placement that
-lets each write keep the written value's placement is read off the rules of the writer and
-of the views between it and the buffer. Where all writes agree, the buffer's ``get_attr``
-nodes get that placement (``meta[PLACEMENT]``), so localization keeps only this rank's part
-of it; propagation must then run again.
+A buffer the plan does not shard, or a factory's output, is replicated, so writing a
+head-sharded ``k`` into it would gather ``k``, and every rank would hold the whole tensor.
+For every such value that the program writes in place (``index_put_``, ``index_copy_``,
+``copy_``, ... on the value itself or on a view of it, such as the slice a slice assignment
+writes), the placement that lets each write keep the written value's placement is read off
+the rules of the writer and of the views between it and the value; a write of a replicated
+value accepts any (each rank writes its part). Where the writes of sharded values agree,
+the buffer's ``get_attr`` nodes get that placement (``meta[PLACEMENT]``), and the factory
+is pinned to make it (``meta[PINNED]``), so localization keeps only this rank's part of it;
+propagation must then run again.
 """
 from __future__ import annotations
 
@@ -17,29 +20,41 @@ from typing import Iterator, Optional
 import torch
 import torch.fx as fx
 
-from .graph import PLACEMENT, placement_of, tensor_inputs
+from .graph import PINNED, PLACEMENT, placement_of, tensor_inputs
 from .placement import is_replicate, is_sharded
 from .rules import rule_for, writes_first_input
 
 
 def shard_written_buffers(gm: fx.GraphModule, world: int) -> bool:
-    """Place each replicated buffer of ``gm`` that is written in place as its writes
-    need; return whether any placement changed."""
+    """Place each replicated buffer of ``gm`` and pin each factory's replicated output that
+    is written in place as its writes need; return whether any placement changed."""
     buffers = {name for name, _ in gm.named_buffers()}
-    reads: dict[str, list[fx.Node]] = {}
+    reads: dict[object, list[fx.Node]] = {}
     for node in gm.graph.nodes:
         if node.op == "get_attr" and node.target in buffers:
             reads.setdefault(node.target, []).append(node)
+        elif node.op == "call_function" and node.target in FACTORIES:
+            reads[node] = [node]
     changed = False
     for nodes in reads.values():
         if not all(is_replicate(placement_of(n)) for n in nodes):
             continue
         wanted = {_wanted(writer, views, world) for n in nodes for writer, views in _writes(n)}
+        wanted.discard(ANY)
         if len(wanted) == 1 and (placement := wanted.pop()) is not None:
             for n in nodes:
-                n.meta[PLACEMENT] = placement
+                n.meta[PINNED if n.op == "call_function" else PLACEMENT] = placement
             changed = True
     return changed
+
+
+FACTORIES = frozenset({
+    torch.ops.aten.new_empty.default, torch.ops.aten.new_zeros.default,
+    torch.ops.aten.new_ones.default, torch.ops.aten.new_full.default,
+    torch.ops.aten.empty.memory_format, torch.ops.aten.zeros.default,
+    torch.ops.aten.ones.default, torch.ops.aten.full.default})
+"""Ops making a fresh tensor from sizes alone, which may be made in any placement."""
+ANY = "any placement"  # what a write of replicated values asks of the value written
 
 
 def _writes(node: fx.Node) -> Iterator[tuple[fx.Node, tuple[fx.Node, ...]]]:
@@ -59,11 +74,14 @@ def _writes(node: fx.Node) -> Iterator[tuple[fx.Node, tuple[fx.Node, ...]]]:
 
 
 def _wanted(writer: fx.Node, views: tuple[fx.Node, ...], world: int) -> Optional[object]:
-    """The placement of the buffer under which ``writer`` keeps every other input as it
-    is placed and at least one of them sharded, or ``None``."""
+    """The placement of the written value under which ``writer`` keeps every other input
+    as it is placed and at least one of them sharded; :data:`ANY` where they are all
+    replicated; else ``None``."""
     rule = rule_for(writer.target)
     inputs = tensor_inputs(writer)
     actual = [placement_of(a) for a in inputs]
+    if rule is not None and all(is_replicate(p) for p in actual[1:]):
+        return ANY
     if rule is None or not any(is_sharded(p) for p in actual[1:]):
         return None
     needed = None

@@ -14,6 +14,8 @@ passes (:class:`ModuleSharding`, :class:`ModuleCall`). Imports no pass.
                 exit calls): they must stay there; trace
 ``STAMP``       on a node standing for a whole block's call that runs the program of an
                 equivalent block traced in full (:class:`Stamp`); trace
+``PINNED``      the placement a fresh tensor (a factory's output) is made in, chosen for
+                what is written into it; propagation keeps it. buffers
 ==============  ==========================================================================
 
 Every node also keeps export's ``val`` (a fake tensor with the *global* shape) and
@@ -37,6 +39,7 @@ COLLECTIVE = "fxtp_collective"
 FALLBACK = "fxtp_fallback"
 AUTOCAST = "fxtp_autocast"
 STAMP = "fxtp_stamp"
+PINNED = "fxtp_pinned"
 
 Layouts = Optional[tuple[Optional[Placement], ...]]
 

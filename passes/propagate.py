@@ -16,14 +16,15 @@ again after seeds change; each run starts over.
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial
 
 from .errors import ShardingError
-from .graph import (FALLBACK, INPUTS, PLACEMENT, STAMP, branches, layout, module_fqn,
-                    output_vals, placement_of, tensor_inputs, val)
+from .graph import (FALLBACK, INPUTS, PINNED, PLACEMENT, STAMP, branches, layout, module_fqn,
+                    output_vals, placement_of, stamp_edge, tensor_inputs, val)
 from .placement import (R, describe, is_narrowing, is_replicate, is_sharded,
                         transition_cost)
 from .dimspec import indivisible
@@ -94,9 +95,12 @@ def _propagate_call(node: fx.Node, world: int) -> str | None:
                 f"{describe(tuple(actual))}; gathering its inputs to Replicate")
     in_vals = [val(a) for a in inputs]
     best = None
+    pinned = node.meta.get(PINNED)
     for ins, out in rule.strategies(node, world, actual):
         if writes and ins[0] != actual[0]:
             continue  # an in-place op writes the caller's tensor, as it is placed
+        if pinned is not None and tuple(out) != (pinned,):
+            continue
         cost = inputs_cost(actual, ins, in_vals, world)
         if cost < math.inf and (best is None or cost < best[0]):
             best = (cost, ins, out)
@@ -117,8 +121,22 @@ def _observed(written: fx.Node) -> bool:
     parameter or buffer, a view of another value, or read by more than the writing op.
     Otherwise (a temporary the writing op alone reads, e.g. a matmul's output a bias is
     added to in place) the op may write into a redistributed copy."""
-    return written.op != "call_function" or len(written.users) > 1 or \
-        getattr(val(written), "_is_view", lambda: True)()
+    return written.op != "call_function" or len(written.users) > 1 or _aliases(written)
+
+
+def _aliases(node: fx.Node) -> bool:
+    """Whether ``node``'s value may share memory with another value: the op's schema says
+    its result aliases an input (a view such as ``slice``, an in-place op's return; a
+    ``getitem`` of ``split``'s results), a marker's value may be seen elsewhere, or the op
+    is not an ATen op. (The trace's fake
+    values do not say: they are not marked as views.)"""
+    if node.target is operator.getitem:
+        return _aliases(node.args[0])
+    if node.target in (layout, stamp_edge):  # identity marks: the value they mark
+        return _observed(node.args[0])
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return True
+    return any(r.alias_info is not None for r in node.target._schema.returns)
 
 
 def _propagate_cond(gm: fx.GraphModule, node: fx.Node, world: int, strict: bool) -> list[str]:

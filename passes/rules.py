@@ -799,10 +799,13 @@ def _complex_view_spec(node):
                    (labels + pair if n_out > n_in else labels,), "sum")
 
 
-def _ignore_input(node):
-    """Factory-like ops (``new_zeros``): read only their input's metadata; output R."""
-    n = _rank(node)
-    return DimSpec((None,) * len(tensor_inputs(node)), (tuple(fixed_label() for _ in range(n)),))
+def _factory(node):
+    """Factories (``new_zeros``, ``zeros``): read only their input's metadata, if any, and
+    fill the output uniformly (or leave it uninitialized), so it may be made in any
+    placement; with no input to follow, Replicate unless a written value's placement is
+    pinned on it (:mod:`fxtp.passes.buffers`)."""
+    return DimSpec((None,) * len(tensor_inputs(node)),
+                   (tuple(f"f{i}" for i in range(_rank(node))),))
 
 
 # --- indexing and scatter -------------------------------------------------------------------
@@ -1073,10 +1076,14 @@ RULES.update({
     aten.scatter_add.default: _gather_scatter_spec("sum", source=True),
     aten.scatter_add_.default: _gather_scatter_spec("sum", source=True),
     # factories reading only metadata
-    aten.new_zeros.default: Rule(_ignore_input),
-    aten.new_ones.default: Rule(_ignore_input),
-    aten.new_empty.default: Rule(_ignore_input),
-    aten.new_full.default: Rule(_ignore_input),
+    aten.new_zeros.default: Rule(_factory, shape_arg=1),
+    aten.new_ones.default: Rule(_factory, shape_arg=1),
+    aten.new_empty.default: Rule(_factory, shape_arg=1),
+    aten.new_full.default: Rule(_factory, shape_arg=1),
+    aten.zeros.default: Rule(_factory, shape_arg=0),
+    aten.ones.default: Rule(_factory, shape_arg=0),
+    aten.empty.memory_format: Rule(_factory, shape_arg=0),
+    aten.full.default: Rule(_factory, shape_arg=0),
 })
 
 PASSTHROUGH = {operator.getitem, stamp_edge}

@@ -175,6 +175,10 @@ PROGRAMS = {
                                   x.new_zeros(4, 8), x.new_ones(4), x.new_empty(8),
                                   x.new_full((4, 4), 2.0)),
                     lambda: (rand(4, 8, 12), rand(4, 8, 12, dtype=torch.float32))),
+    "factories": (lambda x: (torch.zeros(4, 8, dtype=x.dtype), torch.ones(8, 4, dtype=x.dtype),
+                             torch.empty(4, 8, dtype=x.dtype),
+                             torch.full((4, 8), 2.0, dtype=x.dtype)),
+                  lambda: (rand(4, 8),)),
     "explicit_overloads": (
         lambda x, y, m, b: (aten.to.dtype_layout(x, dtype=torch.float32), aten.to.other(x, y),
                             x.transpose(0, 1).contiguous(), aten.mul.Scalar(x, 2.0),
@@ -511,11 +515,9 @@ def test_known_wrong_strategies_still_fail(name):
 CUDA_ONLY = {"aten._scaled_dot_product_flash_attention.default",
              "aten._scaled_dot_product_efficient_attention.default",
              "aten._scaled_dot_product_cudnn_attention.default"}
-# ops no strategy but all-Replicate ever serves: reductions over every dim that do not sum,
-# factories reading only metadata
+# ops no strategy but all-Replicate ever serves: reductions over every dim that do not sum
 REPLICATE_ONLY = {"aten.max.default", "aten.min.default", "aten.any.default",
-                  "aten.all.default", "aten.prod.default", "aten.new_zeros.default",
-                  "aten.new_ones.default", "aten.new_empty.default", "aten.new_full.default"}
+                  "aten.all.default", "aten.prod.default"}
 
 
 def test_every_rule_is_checked():
