@@ -17,6 +17,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .passes.collectives import allow_in_dynamo_graphs
+from .passes.decompose import decompose_unruled
 from .passes.buffers import shard_written_buffers
 from .passes.localize import localize
 from .passes.modules import generate_code, outline_modules, scope_of, stamp_modules
@@ -156,6 +157,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
                                   shardings, dynamic_shapes, checkpointed,
                                   repeated if stamp_blocks else (),
                                   {k: s.style for k, s in shardings.items()}, keep_stamps)
+            decompose_unruled(gm)  # composite ops without a rule of their own
             for fqn in recast.keys() - meta.keys():  # the model's own, not the recast
                 owner, _, name = fqn.rpartition(".")
                 gm.get_submodule(owner)._parameters[name] = model.get_parameter(fqn)
