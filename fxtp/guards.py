@@ -43,15 +43,22 @@ def check_same_on_every_rank(group, device, plan: dict, model, gm: fx.GraphModul
                              init_seed: int = 0) -> int:
     """Raise :class:`PlanError` on every rank unless all ranks of ``group`` hold the same
     plan, model tensor shapes and traced graph; return rank 0's ``init_seed`` (so a
-    meta-device model draws the same replicated values everywhere). One all-gather."""
+    meta-device model draws the same replicated values everywhere). One all-gather.
+
+    Graphs that are the same program with independent nodes in another order (model code
+    iterating a ``set`` of strings, whose order Python's string hashing varies per process:
+    Gemma-4's rotary tables per layer type) pass: each rank then reorders its graph as rank
+    0's, so every rank issues its collectives in the same order (one more broadcast)."""
     plan_text = repr(sorted((fqn, repr(style)) for fqn, style in plan.items()))
     tensors = [*model.named_parameters(remove_duplicate=False),
                *model.named_buffers(remove_duplicate=False)]
     shapes_text = repr([(fqn, tuple(t.shape), t.dtype) for fqn, t in tensors])
     inputs = [(n.name, _meta_text(n.meta.get("val"))) for n in gm.graph.nodes
               if n.op == "placeholder"]
+    keys = structure_keys(gm.graph)
     mine = torch.tensor([_digest(plan_text), _digest(shapes_text),
-                         _digest(gm.code + repr(inputs)), init_seed], device=device)
+                         _digest(repr(sorted(keys)) + repr(inputs)), init_seed,
+                         _digest(repr(keys))], device=device)
     everyone = mine.repeat(group.world)  # a fake process group leaves it as it is
     # all_gather_single is torch >= 2.13's name, all_gather_into_tensor the older one
     (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(
@@ -69,7 +76,53 @@ def check_same_on_every_rank(group, device, plan: dict, model, gm: fx.GraphModul
             f"(same sizes), the same plan and example inputs of the same shapes: their "
             f"shards are planned together, and a mismatch would hang or corrupt the first "
             f"collective.")
+    if any(row[4] != everyone[0][4] for row in everyone):
+        order = [keys if group.rank == 0 else None]
+        dist.broadcast_object_list(order, src=dist.get_global_rank(group.pg, 0),
+                                   group=group.pg)
+        follow_order(gm, keys, order[0])
     return int(everyone[0][3])
+
+
+def structure_keys(graph: fx.Graph) -> list[str]:
+    """Each node's key, in graph order: a digest of its op, target and constant arguments
+    and of the keys of the nodes it reads. Two graphs are the same program, whatever the
+    order of their independent nodes and whatever their names, when their keys are the same
+    multiset."""
+    keys: dict[fx.Node, str] = {}
+    for node in graph.nodes:
+        target = node.target if isinstance(node.target, str) else \
+            str(node.target) if isinstance(node.target, torch._ops.OpOverload) else \
+            f"{getattr(node.target, '__module__', '')}." \
+            f"{getattr(node.target, '__qualname__', node.target)}"
+        reads = fx.map_arg((node.args, node.kwargs), lambda a: _Key(keys[a]))
+        keys[node] = hashlib.sha256(f"{node.op} {target} {reads!r}".encode()).hexdigest()[:24]
+    return list(keys.values())
+
+
+class _Key(str):
+    __repr__ = str.__str__
+
+
+def follow_order(gm: fx.GraphModule, keys: list[str], order: list[str]) -> None:
+    """Reorder ``gm``'s nodes (``keys``: theirs, by :func:`structure_keys`) as ``order``
+    lists their keys; equal keys are taken in graph order."""
+    pools: dict[str, list[fx.Node]] = {}
+    for node, key in zip(list(gm.graph.nodes), keys):
+        pools.setdefault(key, []).append(node)
+    output = gm.graph.output_node()
+    for key in order:
+        node = pools[key].pop(0)
+        if node is not output:
+            output.prepend(node)
+    try:
+        gm.graph.lint()
+    except RuntimeError as e:
+        raise PlanError(f"fxtp.parallelize traced the same program on every rank, its "
+                        f"independent nodes in other orders, and could not order this "
+                        f"rank's as rank 0's ({e}); make the model's forward run its ops "
+                        f"in one order (iterate a sorted list, not a set)") from e
+    gm.recompile()
 
 
 def _meta_text(value) -> str:

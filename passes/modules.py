@@ -67,6 +67,10 @@ def outline_modules(gm: fx.GraphModule, fqns: Iterable[str], model: nn.Module,
     wanted = {f for f in fqns if f and not f.startswith(copied)}
     wanted |= {a for f in wanted for a in _ancestors(f) if a in calls}
     skipped = sorted(f for f in wanted if calls.get(f) != 1)
+    for fqn, reference in stamped.items():  # a block called twice has no module to copy
+        if calls.get(fqn) != 1 or calls.get(reference) != 1:
+            raise StampMismatch(f"block '{fqn}' is stamped from '{reference}', and one of "
+                                f"them is called more than once (a recurrent block)")
     outlined = {f for f in wanted if calls.get(f) == 1}
     tensors = dict(gm.named_parameters(remove_duplicate=False))
     tensors.update(gm.named_buffers(remove_duplicate=False))
