@@ -45,7 +45,7 @@ def parallelize_causal_lm(model: nn.Module, plan="auto", mesh=None, *, batch_siz
     finally:
         config.use_cache, config.cache_implementation = saved
     if plan == "auto":
-        plan = carried_plan(model, parallelize_kwargs.get("strict", False))
+        plan = carried_plan(model)
     if not isinstance(plan, dict):
         raise PlanError("parallelize_causal_lm takes plan='auto' or a dict of FQN patterns "
                         f"under the model, got {plan!r}")

@@ -5,12 +5,13 @@ base model -> style strings) and its head class's ``_tp_plan`` (``lm_head``); tr
 merges them, base model prefix included, as ``model.tp_plan``. Each string has the meaning
 transformers gives it, as an fxtp style. fxtp tracks every value's real placement, so the
 strings that only say how a gradient or an output must be reduced
-(``replicated_with_grad_allreduce``, ``all_reduce``) and those that keep a tensor whole
-(``replicate``, ``local_params``) need no style: fxtp does it where the graph needs it.
+(``replicated_with_grad_allreduce``, ``all_reduce``), those that keep a tensor whole
+(``replicate``, ``local_params``) and those that keep a module whole and correct a reduction
+by hand (``mla_kv_a_proj``, ``moe_identity_expert``) need no style: fxtp reduces where the
+graph needs it.
 """
 from __future__ import annotations
 
-import warnings
 from typing import Callable, Mapping
 
 import torch.nn as nn
@@ -37,20 +38,18 @@ STYLES: dict[str, Callable[[], ParallelStyle]] = {
 """Plan strings with a style: the layouts transformers registers for each."""
 
 NO_STYLE = frozenset({"replicate", "replicated_with_grad_allreduce", "all_reduce",
-                      "local_params"})
-"""Plan strings fxtp needs no style for (it reduces gradients and outputs where needed)."""
+                      "local_params", "mla_kv_a_proj", "moe_identity_expert"})
+"""Plan strings fxtp needs no style for: it reduces gradients and outputs where the graph
+needs it. Among them those that keep a module whole and correct a reduction by hand:
+``mla_kv_a_proj`` (MLA's shared rotary key, read by every rank's heads: its gradient is
+summed) and ``moe_identity_expert`` (an identity expert's output, divided by the world size
+before the experts' partial outputs are summed)."""
 
-UNSUPPORTED = frozenset({"moe_identity_expert", "mla_kv_a_proj"})
-"""Mixture-of-experts and MLA strings: in a plan dict, a :class:`PlanError` naming the
-string; under ``"auto"``, left out with a warning (:func:`model_plan`)."""
 
-
-def model_plan(model: nn.Module, strict: bool = False) -> dict[str, str]:
+def model_plan(model: nn.Module) -> dict[str, str]:
     """The plan ``model`` carries (``"auto"``): transformers' merged ``model.tp_plan``, or
     ``config.base_model_tp_plan`` under the base model's prefix plus the class's
-    ``_tp_plan``. Entries in :data:`UNSUPPORTED` styles (and those below them) are left
-    out with a warning: those modules run replicated, correct but unsharded; with
-    ``strict`` they are a :class:`PlanError`. A plan for the head alone is one too."""
+    ``_tp_plan``. A plan for the head alone is a :class:`PlanError`."""
     head = getattr(type(model), "_tp_plan", None) or {}
     plan = dict(getattr(model, "tp_plan", None) or {})
     if not plan:
@@ -66,17 +65,6 @@ def model_plan(model: nn.Module, strict: bool = False) -> dict[str, str]:
         raise PlanError(f"plan='auto' needs a Hugging Face model that carries a tensor-"
                         f"parallel plan for its layers (config.base_model_tp_plan); {name} "
                         f"carries{carried}: pass a plan dict")
-    unsupported = sorted(key for key, style in plan.items() if style in UNSUPPORTED)
-    if unsupported:
-        message = (f"plan='auto': {name}'s plan gives "
-                   f"{', '.join(f'{key!r} {plan[key]!r}' for key in unsupported)}, "
-                   f"mixture-of-experts / MLA styles fxtp does not shard")
-        if strict:
-            raise PlanError(f"{message}; pass a plan dict without them (strict=True)")
-        warnings.warn(f"fxtp: {message}: those modules run replicated (each rank holds and "
-                      f"computes them whole)", stacklevel=4)
-        plan = {key: style for key, style in plan.items()
-                if not any(key == u or key.startswith(u + ".") for u in unsupported)}
     return plan
 
 
@@ -92,10 +80,6 @@ def styles_of(plan: Mapping) -> dict:
             resolved[key] = value
         elif value in STYLES:
             resolved[key] = STYLES[value]()
-        elif value in UNSUPPORTED:
-            raise PlanError(f"plan[{key!r}] = {value!r}: a mixture-of-experts / MLA style of "
-                            f"Hugging Face's, which fxtp does not shard; leave those modules "
-                            f"out of the plan (they then run replicated)")
         elif value not in NO_STYLE:
             raise PlanError(f"plan[{key!r}] = {value!r} is not a Hugging Face plan string; "
                             f"known: {', '.join(sorted(STYLES.keys() | NO_STYLE))}")

@@ -31,13 +31,13 @@ def _matches(key: str, fqn: str) -> bool:
     return len(parts) == len(names) and all(map(fnmatchcase, names, parts))
 
 
-def carried_plan(model: nn.Module, strict: bool = False) -> dict:
+def carried_plan(model: nn.Module) -> dict:
     """The plan a Hugging Face ``model`` carries (``plan="auto"``,
     :func:`~fxtp.hf_plans.model_plan`), less its keys that match no module of ``model``:
     the plan covers the model's variants (Qwen3-MoE's names the dense MLPs a config may
     keep; Llama 4's names its layers both under and without the base model's prefix)."""
     fqns = [fqn for fqn, _ in model.named_modules()]
-    return {key: style for key, style in model_plan(model, strict).items()
+    return {key: style for key, style in model_plan(model).items()
             if any(_matches(key, fqn) for fqn in fqns)}
 
 
@@ -75,14 +75,14 @@ def resolve_plan(model: nn.Module, plan: Plan, strict: bool = False
     A key that matches no module is skipped with a warning naming the key and the closest
     FQNs, as torch's ``parallelize_module`` does (plans are shared between model variants:
     torchtune's llama3 plan names an ``output`` its tied 3.2 models lack); with ``strict``
-    it is a :class:`PlanError` (``"auto"``: see :func:`carried_plan`). Raises
+    it is a :class:`PlanError` (``"auto"`` drops such keys: :func:`carried_plan`). Raises
     :class:`PlanError` for a module matched by two keys,
     or a style that cannot handle the module's type.
     """
     if isinstance(plan, (ParallelStyle, TorchStyle)):
         plan = {"": plan}
     if plan == "auto":
-        plan = carried_plan(model, strict)
+        plan = carried_plan(model)
     if not isinstance(plan, Mapping):
         raise PlanError(f"plan must be a ParallelStyle, a dict FQN -> ParallelStyle (or "
                         f"Hugging Face plan string) or 'auto', got {plan!r}")

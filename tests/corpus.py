@@ -391,6 +391,17 @@ def hf_llama4():
                intermediate_size_mlp=64, pad_token_id=0)
 
 
+def hf_deepseek_v2():
+    """DeepSeek-V2: multi-head latent attention (q and kv projected down to latents, each
+    normed and projected up per head; a rotary key part shared by every head) and 4
+    experts of intermediate size 32 plus a shared one after a dense first layer."""
+    return _hf("DeepseekV2Config", "DeepseekV2ForCausalLM", num_key_value_heads=HEADS,
+               q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4,
+               v_head_dim=4, n_routed_experts=4, num_experts_per_tok=2,
+               moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+               n_group=1, topk_group=1, pad_token_id=0)
+
+
 def hf_gpt_oss():
     """gpt-oss: experts with biases and gate and up interleaved (``gate_up[..., ::2]``,
     ``[..., 1::2]``) added to in place, attention sinks per head, sliding-window layers;

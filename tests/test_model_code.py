@@ -1,0 +1,196 @@
+"""Model code as other projects write it, beyond the layers a plan names: composite ops
+torch keeps in the trace, fresh tensors filled by slice assignment (DeepSeek's MLA),
+ops whose order varies between processes (a ``set`` iterated in ``forward``), and blocks
+called more than once per step (recurrent models). Parity with the single-device model in
+fp64 (forward, every gradient, 3 AdamW steps), strict (no fallback) unless a test is about
+one, and the collectives each case needs."""
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxtp
+from fxtp.guards import structure_keys
+from fxtp.passes.decompose import decompose_unruled
+from fxtp.passes.rules import rule_for
+from tests.parity import check_parity, example
+
+B, T, DIM, HEADS = 2, 8, 16, 4
+HEAD = DIM // HEADS
+ATTENTION = {"q": fxtp.ColwiseParallel(), "kv": fxtp.ColwiseParallel(),
+             "o": fxtp.RowwiseParallel()}
+MEGATRON = ({"all_reduce": 1}, {"all_reduce": 1})  # the row-parallel output; colwise inputs
+
+
+def parity(rank, world, make, plan=ATTENTION, strict=True):
+    return check_parity(rank, world, make, plan, [example(B, T, DIM)], dtype=torch.float64,
+                        strict=strict)
+
+
+class CompositeViews(nn.Module):
+    """Heads shaped with ``view_as`` / ``reshape_as`` / ``expand_as``, which the trace keeps
+    as ops of their own (torch composes them of ``view`` and ``expand``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(DIM, DIM, bias=False)
+        self.kv = nn.Linear(DIM, 2 * DIM, bias=False)
+        self.gate = nn.Parameter(torch.randn(1, 1, HEADS, 1))
+        self.o = nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x):
+        q = self.q(x).view(B, T, HEADS, HEAD)
+        k, v = self.kv(x).view(B, T, HEADS, 2 * HEAD).chunk(2, dim=-1)
+        k = k.reshape_as(q)
+        v = v.contiguous().view_as(q) * self.gate.expand_as(q)
+        out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)))
+        return self.o(out.transpose(1, 2).reshape_as(x))
+
+
+def test_composite_ops_without_a_rule_are_placed_as_their_decomposition(ranks):
+    """Megatron's collectives, and in backward one all-gather: the replicated per-head gate
+    is used on head shards, so each rank holds the gradient of its heads only."""
+    assert ranks.run(parity, CompositeViews)[0] == \
+        ({"all_reduce": 1}, {"all_reduce": 1, "all_gather": 1})
+
+
+def test_decomposition_replaces_only_composite_ops_that_have_no_rule():
+    class M(nn.Module):
+        def forward(self, x, y):
+            return x.view_as(y), F.linear(x, y.flatten(1)), x.type_as(y)
+    x, y = torch.randn(4, 8), torch.randn(4, 2, 4)
+    gm = torch.export.export(M(), (x, y), strict=False).module()
+    assert decompose_unruled(gm) == ["view_as (aten.view_as.default)"]
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert torch.ops.aten.linear.default in targets and rule_for(torch.ops.aten.linear.default)
+    assert torch.ops.aten.view.default in targets
+    assert all(torch.equal(a, b) for a, b in zip(gm(x, y), M()(x, y)))
+
+
+class LatentAttention(nn.Module):
+    """DeepSeek's MLA key: a fresh ``new_empty`` tensor filled by slice assignment with the
+    head-sharded per-head part and the rotary part every head shares."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(DIM, DIM, bias=False)
+        self.kv = nn.Linear(DIM, 2 * DIM, bias=False)
+        self.rope = nn.Linear(DIM, HEAD, bias=False)
+        self.o = nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x):
+        q = self.q(x).view(B, T, HEADS, HEAD).transpose(1, 2)
+        kv = self.kv(x).view(B, T, HEADS, 2 * HEAD).transpose(1, 2)
+        k_nope, v = kv.split([HEAD, HEAD], dim=-1)
+        k_rope = self.rope(x).view(B, 1, T, HEAD)
+        k = k_nope.new_empty(B, HEADS, T, 2 * HEAD)
+        k[..., :HEAD] = k_nope
+        k[..., HEAD:] = k_rope.expand(-1, HEADS, -1, -1)
+        q = torch.cat([q, q], dim=-1)
+        out = F.scaled_dot_product_attention(q, k, torch.cat([v, v], dim=-1))
+        return self.o(out[..., :HEAD].transpose(1, 2).reshape(B, T, DIM))
+
+
+def test_a_fresh_tensor_filled_by_slice_assignment_is_made_as_its_writes_are_placed(ranks):
+    """The ``new_empty`` is made head-sharded: the sharded writes stay local, each rank
+    writes its heads of the shared rotary part, whose gradient is gathered in backward
+    (one all-gather: the shared part's gradient from every rank's heads)."""
+    fwd, bwd = ranks.run(parity, LatentAttention)[0]
+    assert (fwd, bwd) == ({"all_reduce": 1}, {"all_reduce": 1, "all_gather": 1})
+
+
+def made_sharded(rank, world):
+    gm = fxtp.parallelize(LatentAttention(), ATTENTION, example_inputs=(example(B, T, DIM),))
+    empty = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.new_empty.default)
+    return list(empty.args[1])
+
+
+def test_the_fresh_tensor_holds_only_this_ranks_heads(ranks4):
+    assert ranks4.run(made_sharded) == [[B, HEADS // 4, T, 2 * HEAD]] * 4
+
+
+class SliceIntoAReplicatedValue(nn.Module):
+    """A slice assignment of head-sharded values into a value read whole afterwards: what
+    is written must be gathered, or the write would land in this rank's part only."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(DIM, DIM, bias=False)
+        self.kv = nn.Linear(DIM, 2 * DIM, bias=False)
+        self.o = nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x):
+        y = x.view(B, T, HEADS, HEAD).clone()
+        y[..., :HEAD // 2] = self.kv(x).view(B, T, HEADS, 2 * HEAD)[..., :HEAD // 2]
+        return self.o(self.q(x)) + y.view(B, T, DIM)
+
+
+def test_a_slice_assignment_into_a_replicated_value_gathers_what_is_written(ranks):
+    """The one fallback: a forward all-gather of the written heads (reported)."""
+    assert ranks.run(parity, SliceIntoAReplicatedValue, ATTENTION, False)[0] == \
+        ({"all_reduce": 1, "all_gather": 1}, {"all_reduce": 1})
+
+
+def ranks_order(rank, world):
+    """Model code whose independent ops run in another order on each rank, as iterating
+    a ``set`` of strings does in processes with other hash seeds."""
+    class Tables(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q = nn.Linear(DIM, DIM, bias=False)
+            self.kv = nn.Linear(DIM, 2 * DIM, bias=False)
+            self.o = nn.Linear(DIM, DIM, bias=False)
+            self.register_buffer("local", torch.linspace(0.5, 1.5, DIM))
+            self.register_buffer("wide", torch.linspace(1.5, 0.5, DIM))
+
+        def forward(self, x):
+            kinds = sorted(["local", "wide"], reverse=dist.get_rank() % 2 == 1)
+            scale = {kind: getattr(self, kind).cos() for kind in kinds}
+            h = x * scale["local"] + x * scale["wide"]
+            return self.o(self.q(h) * self.kv(h)[..., DIM:])
+    return parity(rank, world, Tables)
+
+
+def test_ranks_whose_traces_differ_in_the_order_of_independent_ops_run_rank_0s(ranks):
+    assert ranks.run(ranks_order)[0] == MEGATRON
+
+
+def test_structure_keys_ignore_names_and_the_order_of_independent_nodes():
+    def trace(first):
+        def f(x, y):
+            a, b = (x.cos(), y.sin()) if first else (None, y.sin())
+            a = a if first else x.cos()
+            return a + b
+        return torch.fx.symbolic_trace(f).graph
+    one, other = structure_keys(trace(True)), structure_keys(trace(False))
+    assert one != other and sorted(one) == sorted(other)
+
+
+class Recurrent(nn.Module):
+    """Blocks applied in two cycles (HRM-style): each block is called twice per step."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(Mixer() for _ in range(2))
+
+    def forward(self, x):
+        for _ in range(2):
+            for layer in self.layers:
+                x = x + layer(x)
+        return x
+
+
+class Mixer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(DIM, 2 * DIM)
+        self.down = nn.Linear(2 * DIM, DIM)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+def test_blocks_called_more_than_once_per_step(ranks):
+    """Megatron's collectives for each of the four calls."""
+    plan = {"layers.*.up": fxtp.ColwiseParallel(), "layers.*.down": fxtp.RowwiseParallel()}
+    assert ranks.run(parity, Recurrent, plan)[0] == ({"all_reduce": 4}, {"all_reduce": 4})
