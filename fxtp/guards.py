@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import hashlib
+import operator
 from typing import Optional
 
 import torch
@@ -21,6 +22,7 @@ import torch.fx as fx
 
 from .passes.graph import PLACEMENT
 from .passes.placement import describe, is_sharded
+from .passes.rules import writes_first_input
 
 from .passes.errors import InputError, PlanError
 
@@ -80,23 +82,40 @@ def check_same_on_every_rank(group, device, plan: dict, model, gm: fx.GraphModul
         order = [keys if group.rank == 0 else None]
         dist.broadcast_object_list(order, src=dist.get_global_rank(group.pg, 0),
                                    group=group.pg)
-        follow_order(gm, keys, order[0])
+        followed = torch.tensor([follow_order(gm, keys, order[0])], device=device)
+        every = followed.repeat(group.world)
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(
+            every, followed, group=group.pg)
+        if not all(every.tolist()):  # on every rank, or the others would hang
+            raise PlanError(
+                f"fxtp.parallelize traced the same program on every rank of group "
+                f"'{group.name}', its independent ops in other orders, and could not order "
+                f"ranks {[r for r, ok in enumerate(every.tolist()) if not ok]}' graphs as "
+                f"rank 0's; make the model's forward run its ops in one order (iterate a "
+                f"sorted list, not a set)")
     return int(everyone[0][3])
 
 
 def structure_keys(graph: fx.Graph) -> list[str]:
-    """Each node's key, in graph order: a digest of its op, target and constant arguments
-    and of the keys of the nodes it reads. Two graphs are the same program, whatever the
+    """Each node's key, in graph order: a digest of its op, target and constant arguments,
+    of the keys of the nodes it reads and of how many in-place writes into each of them
+    (or the value it views) come before it. Two graphs are the same program, whatever the
     order of their independent nodes and whatever their names, when their keys are the same
-    multiset."""
+    multiset; nodes of equal keys compute equal values, unless they draw random numbers or
+    write in place."""
     keys: dict[fx.Node, str] = {}
+    writes: dict[fx.Node, int] = {}
     for node in graph.nodes:
         target = node.target if isinstance(node.target, str) else \
             str(node.target) if isinstance(node.target, torch._ops.OpOverload) else \
             f"{getattr(node.target, '__module__', '')}." \
             f"{getattr(node.target, '__qualname__', node.target)}"
         reads = fx.map_arg((node.args, node.kwargs), lambda a: _Key(keys[a]))
-        keys[node] = hashlib.sha256(f"{node.op} {target} {reads!r}".encode()).hexdigest()[:24]
+        written = tuple(writes.get(_base(a), 0) for a in node.all_input_nodes)
+        keys[node] = hashlib.sha256(f"{node.op} {target} {reads!r} {written}".encode()
+                                    ).hexdigest()[:24]
+        if writes_first_input(node.target) and isinstance(node.args[0], fx.Node):
+            writes[_base(node.args[0])] = writes.get(_base(node.args[0]), 0) + 1
     return list(keys.values())
 
 
@@ -104,25 +123,57 @@ class _Key(str):
     __repr__ = str.__str__
 
 
-def follow_order(gm: fx.GraphModule, keys: list[str], order: list[str]) -> None:
+def _base(node: fx.Node) -> fx.Node:
+    """The value ``node`` is a view of (through views, ``getitem`` and in-place returns)."""
+    while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node) \
+            and (node.target is operator.getitem or
+                 isinstance(node.target, torch._ops.OpOverload) and
+                 any(r.alias_info is not None for r in node.target._schema.returns)):
+        node = node.args[0]
+    return node
+
+
+def _pure(node: fx.Node) -> bool:
+    """An op whose value its key determines: no in-place write, no random numbers."""
+    return node.op == "call_function" and (node.target is operator.getitem or
+        isinstance(node.target, torch._ops.OpOverload) and
+        not writes_first_input(node.target) and
+        torch.Tag.nondeterministic_seeded not in node.target.tags)
+
+
+def follow_order(gm: fx.GraphModule, keys: list[str], order: list[str]) -> bool:
     """Reorder ``gm``'s nodes (``keys``: theirs, by :func:`structure_keys`) as ``order``
-    lists their keys; equal keys are taken in graph order."""
+    lists their keys, taking for each key the first node of that key whose inputs are
+    already placed. Nodes of equal keys compute equal values, so where a node's input is
+    not placed yet but a pure node of the same key is, the node reads that one instead.
+    Return whether every node found its place (else the graph is left in an order that is
+    no program: the caller raises)."""
     pools: dict[str, list[fx.Node]] = {}
-    for node, key in zip(list(gm.graph.nodes), keys):
+    key_of = dict(zip(gm.graph.nodes, keys))
+    for node, key in key_of.items():
         pools.setdefault(key, []).append(node)
-    output = gm.graph.output_node()
+    output, placed, pure_placed = gm.graph.output_node(), set(), {}
     for key in order:
-        node = pools[key].pop(0)
+        candidates = pools.get(key, [])
+        node = next((n for n in candidates if placed.issuperset(n.all_input_nodes)), None)
+        for n in candidates if node is None else ():
+            twins = {a: pure_placed.get(key_of[a]) for a in n.all_input_nodes
+                     if a not in placed and _pure(a)}
+            if all(twins.values()) and placed.issuperset(set(n.all_input_nodes) - set(twins)):
+                for a, twin in twins.items():
+                    n.replace_input_with(a, twin)
+                node = n
+                break
+        if node is None:
+            return False
+        candidates.remove(node)
+        placed.add(node)
+        if _pure(node):
+            pure_placed.setdefault(key, node)
         if node is not output:
             output.prepend(node)
-    try:
-        gm.graph.lint()
-    except RuntimeError as e:
-        raise PlanError(f"fxtp.parallelize traced the same program on every rank, its "
-                        f"independent nodes in other orders, and could not order this "
-                        f"rank's as rank 0's ({e}); make the model's forward run its ops "
-                        f"in one order (iterate a sorted list, not a set)") from e
     gm.recompile()
+    return True
 
 
 def _meta_text(value) -> str:

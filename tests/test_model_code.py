@@ -145,7 +145,8 @@ def ranks_order(rank, world):
 
         def forward(self, x):
             kinds = sorted(["local", "wide"], reverse=dist.get_rank() % 2 == 1)
-            scale = {kind: getattr(self, kind).cos() for kind in kinds}
+            # equal nodes (new_ones) read by different ops, in another order per rank
+            scale = {kind: getattr(self, kind).cos() * x.new_ones(DIM) for kind in kinds}
             h = x * scale["local"] + x * scale["wide"]
             return self.o(self.q(h) * self.kv(h)[..., DIM:])
     return parity(rank, world, Tables)
@@ -164,6 +165,15 @@ def test_structure_keys_ignore_names_and_the_order_of_independent_nodes():
         return torch.fx.symbolic_trace(f).graph
     one, other = structure_keys(trace(True)), structure_keys(trace(False))
     assert one != other and sorted(one) == sorted(other)
+
+
+def test_structure_keys_tell_a_read_before_an_in_place_write_from_one_after():
+    def f(x):
+        before = torch.ops.aten.sin.default(x)
+        torch.ops.aten.add_.Tensor(x, 1)
+        return before, torch.ops.aten.sin.default(x)
+    keys = structure_keys(torch.fx.symbolic_trace(f).graph)
+    assert len(set(keys)) == len(keys)
 
 
 class Recurrent(nn.Module):
