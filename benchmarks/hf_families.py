@@ -1,0 +1,139 @@
+"""Every transformers causal-LM family that carries a tensor-parallel plan, under
+``plan="auto"``: parity with the single-device model on 2 gloo ranks.
+
+Each family is built from its config class with small sizes (2 layers, hidden 32, 8 heads,
+4 KV heads, vocabulary 128, 4 experts; the MLA families with their own head dims and all
+KV heads) and checked by ``tests.parity.check_parity`` in strict mode (a fallback fails):
+forward, every gradient, 3 AdamW steps, in fp64 with a tight tolerance; else in fp64 with
+fp32's (a model that computes in fp32 inside: Gemma's norms, linear attention); else in
+fp32 (a kernel without an fp64 form: the experts' grouped matmul). Each attempt's failure
+is recorded. Families whose small config the config class itself refuses are listed as
+such. Results: ``benchmarks/results/hf_families.json``.
+
+    python -m benchmarks.hf_families [FAMILY ...]   # some families: their entries updated
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import time
+import warnings
+
+import torch
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=8, num_key_value_heads=4, head_dim=4,
+             max_position_embeddings=64, attention_dropout=0.0, hidden_dropout=0.0,
+             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+             num_local_experts=4, num_experts=4, n_routed_experts=4, num_experts_per_tok=2,
+             moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+             n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4,
+             qk_nope_head_dim=4, v_head_dim=4, sliding_window=8, use_cache=False,
+             intermediate_size_mlp=64, shared_expert_intermediate_size=32,
+             linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=4,
+             linear_value_head_dim=4, decoder_sparse_step=1)
+MLA = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "hy_v4",
+       "minicpm3", "longcat_flash", "axk1", "axk2", "youtu")
+SKIP = {"phi4_multimodal": "its default audio and vision towers do not fit a small config"}
+
+
+def families() -> list[str]:
+    """Model types whose config carries ``base_model_tp_plan`` and that have a causal LM."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return [kind for kind, name in CONFIG_MAPPING_NAMES.items()
+            if kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and
+            getattr(getattr(transformers, name, None), "base_model_tp_plan", None)]
+
+
+def make(kind: str):
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    sizes = dict(SMALL)
+    if kind in MLA:  # head dims of their own; every head has its key
+        sizes.pop("head_dim")
+        sizes["num_key_value_heads"] = sizes["num_attention_heads"]
+    config = CONFIG_MAPPING[kind](**sizes)
+    config._attn_implementation = "sdpa"
+    cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[kind])
+    try:
+        return cls(config)
+    except Exception:  # noqa: BLE001 - a family that refuses SDPA
+        config._attn_implementation = "eager"
+        return cls(config)
+
+
+def check(rank, world, kind, dtype, tolerance):
+    from tests.corpus import TOKENS
+    from tests.parity import check_parity
+    warnings.simplefilter("ignore")
+    counts = check_parity(rank, world, lambda: make(kind), "auto", [TOKENS], dtype=dtype,
+                          strict=True, input_grads=False, kwargs={"use_cache": False},
+                          output=lambda out: out.logits, compare_dtype=tolerance)
+    return [dict(c) for c in counts]
+
+
+ATTEMPTS = ((torch.float64, torch.float64),  # (dtype, tolerance of)
+            (torch.float64, torch.float32),  # a model computing in fp32 inside
+            (torch.float32, torch.float32))  # a kernel without an fp64 form
+
+
+def run(pool, kind) -> dict:
+    try:
+        make(kind)
+    except Exception as e:  # noqa: BLE001 - reported
+        return {"result": "config refused", "why": f"{type(e).__name__}: {e}"[:300]}
+    tried = []
+    for dtype, tolerance in ATTEMPTS:
+        start = time.perf_counter()
+        try:
+            fwd, bwd = pool.run(check, kind, dtype, tolerance, timeout=600)[0]
+            return {"result": "parity", "dtype": str(dtype), "tolerance": str(tolerance),
+                    "forward": fwd, "backward": bwd,
+                    "seconds": round(time.perf_counter() - start, 1), "tried": tried}
+        except Exception as e:  # noqa: BLE001 - the next attempt, or reported
+            tried.append(f"{dtype} ({tolerance} tolerance): {_last_error(str(e))}")
+    return {"result": "failed", "tried": tried}
+
+
+def _last_error(message: str) -> str:
+    lines = [line for line in message.splitlines() if "Error" in line]
+    return (lines[-1] if lines else message)[:400]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("kinds", nargs="*", help="model types (default: every family)")
+    args = parser.parse_args()
+    from tests.harness import RankPool
+    import transformers
+    kinds = args.kinds or [k for k in families() if k not in SKIP]
+    report = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
+              "transformers": transformers.__version__, "world": 2, "skipped": SKIP,
+              "families": {}}
+    pool = RankPool(2)
+    try:
+        for kind in kinds:
+            report["families"][kind] = found = run(pool, kind)
+            print(kind, json.dumps(found), flush=True)
+    finally:
+        pool.close()
+    path = RESULTS / "hf_families.json"
+    if args.kinds and path.exists():  # a re-run of some families updates theirs
+        rerun, report["families"] = report["families"], json.loads(path.read_text())[
+            "families"]
+        report["families"].update(rerun)
+    results = [f["result"] for f in report["families"].values()]
+    report["summary"] = {r: results.count(r) for r in sorted(set(results))}
+    print(report["summary"])
+    RESULTS.mkdir(exist_ok=True)
+    path.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
