@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from .passes.graph import PLACEMENT
 from .passes.placement import describe, is_sharded
-from .passes.rules import writes_first_input
+from .passes.rules import returns_alias, writes_first_input
 
 from .passes.errors import InputError, PlanError
 
@@ -61,11 +61,7 @@ def check_same_on_every_rank(group, device, plan: dict, model, gm: fx.GraphModul
     mine = torch.tensor([_digest(plan_text), _digest(shapes_text),
                          _digest(repr(sorted(keys)) + repr(inputs)), init_seed,
                          _digest(repr(keys))], device=device)
-    everyone = mine.repeat(group.world)  # a fake process group leaves it as it is
-    # all_gather_single is torch >= 2.13's name, all_gather_into_tensor the older one
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(
-        everyone, mine, group=group.pg)
-    everyone = everyone.view(group.world, -1).tolist()
+    everyone = _all_gather(mine, group).view(group.world, -1).tolist()
     problems = []
     for i, item in enumerate(_ITEMS):
         differ = [r for r, row in enumerate(everyone) if row[i] != everyone[0][i]]
@@ -83,9 +79,7 @@ def check_same_on_every_rank(group, device, plan: dict, model, gm: fx.GraphModul
         dist.broadcast_object_list(order, src=dist.get_global_rank(group.pg, 0),
                                    group=group.pg)
         followed = torch.tensor([follow_order(gm, keys, order[0])], device=device)
-        every = followed.repeat(group.world)
-        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(
-            every, followed, group=group.pg)
+        every = _all_gather(followed, group)
         if not all(every.tolist()):  # on every rank, or the others would hang
             raise PlanError(
                 f"fxtp.parallelize traced the same program on every rank of group "
@@ -94,6 +88,15 @@ def check_same_on_every_rank(group, device, plan: dict, model, gm: fx.GraphModul
                 f"rank 0's; make the model's forward run its ops in one order (iterate a "
                 f"sorted list, not a set)")
     return int(everyone[0][3])
+
+
+def _all_gather(mine: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's ``mine``, concatenated (a fake process group leaves ``mine`` repeated)."""
+    everyone = mine.repeat(group.world)
+    # all_gather_single is torch >= 2.13's name, all_gather_into_tensor the older one
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(
+        everyone, mine, group=group.pg)
+    return everyone
 
 
 def structure_keys(graph: fx.Graph) -> list[str]:
@@ -126,9 +129,7 @@ class _Key(str):
 def _base(node: fx.Node) -> fx.Node:
     """The value ``node`` is a view of (through views, ``getitem`` and in-place returns)."""
     while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node) \
-            and (node.target is operator.getitem or
-                 isinstance(node.target, torch._ops.OpOverload) and
-                 any(r.alias_info is not None for r in node.target._schema.returns)):
+            and (node.target is operator.getitem or returns_alias(node.target)):
         node = node.args[0]
     return node
 

@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from .graph import PINNED, PLACEMENT, placement_of, tensor_inputs
 from .placement import is_replicate, is_sharded
-from .rules import rule_for, writes_first_input
+from .rules import FACTORIES, rule_for, writes_first_input
 
 
 def shard_written_buffers(gm: fx.GraphModule, world: int) -> bool:
@@ -48,12 +48,6 @@ def shard_written_buffers(gm: fx.GraphModule, world: int) -> bool:
     return changed
 
 
-FACTORIES = frozenset({
-    torch.ops.aten.new_empty.default, torch.ops.aten.new_zeros.default,
-    torch.ops.aten.new_ones.default, torch.ops.aten.new_full.default,
-    torch.ops.aten.empty.memory_format, torch.ops.aten.zeros.default,
-    torch.ops.aten.ones.default, torch.ops.aten.full.default})
-"""Ops making a fresh tensor from sizes alone, which may be made in any placement."""
 ANY = "any placement"  # what a write of replicated values asks of the value written
 
 

@@ -28,7 +28,7 @@ from .graph import (FALLBACK, INPUTS, PINNED, PLACEMENT, STAMP, branches, layout
 from .placement import (R, describe, is_narrowing, is_replicate, is_sharded,
                         transition_cost)
 from .dimspec import indivisible
-from .rules import PASSTHROUGH, rule_for, writes_first_input
+from .rules import PASSTHROUGH, returns_alias, rule_for, writes_first_input
 
 
 def propagate(gm: fx.GraphModule, world: int, strict: bool = False) -> list[str]:
@@ -126,17 +126,14 @@ def _observed(written: fx.Node) -> bool:
 
 def _aliases(node: fx.Node) -> bool:
     """Whether ``node``'s value may share memory with another value: the op's schema says
-    its result aliases an input (a view such as ``slice``, an in-place op's return; a
-    ``getitem`` of ``split``'s results), a marker's value may be seen elsewhere, or the op
-    is not an ATen op. (The trace's fake
-    values do not say: they are not marked as views.)"""
+    its result aliases an input (:func:`~.rules.returns_alias`; a ``getitem`` of
+    ``split``'s results too), a marker's value may be seen elsewhere, or the op is not an
+    ATen op. (The trace's fake values do not say: they are not marked as views.)"""
     if node.target is operator.getitem:
         return _aliases(node.args[0])
     if node.target in (layout, stamp_edge):  # identity marks: the value they mark
         return _observed(node.args[0])
-    if not isinstance(node.target, torch._ops.OpOverload):
-        return True
-    return any(r.alias_info is not None for r in node.target._schema.returns)
+    return not isinstance(node.target, torch._ops.OpOverload) or returns_alias(node.target)
 
 
 def _propagate_cond(gm: fx.GraphModule, node: fx.Node, world: int, strict: bool) -> list[str]:

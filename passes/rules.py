@@ -1075,16 +1075,14 @@ RULES.update({
     aten.scatter_.value: _gather_scatter_spec("none", source=False),
     aten.scatter_add.default: _gather_scatter_spec("sum", source=True),
     aten.scatter_add_.default: _gather_scatter_spec("sum", source=True),
-    # factories reading only metadata
-    aten.new_zeros.default: Rule(_factory, shape_arg=1),
-    aten.new_ones.default: Rule(_factory, shape_arg=1),
-    aten.new_empty.default: Rule(_factory, shape_arg=1),
-    aten.new_full.default: Rule(_factory, shape_arg=1),
-    aten.zeros.default: Rule(_factory, shape_arg=0),
-    aten.ones.default: Rule(_factory, shape_arg=0),
-    aten.empty.memory_format: Rule(_factory, shape_arg=0),
-    aten.full.default: Rule(_factory, shape_arg=0),
 })
+
+FACTORIES = {aten.new_zeros.default: 1, aten.new_ones.default: 1, aten.new_empty.default: 1,
+             aten.new_full.default: 1, aten.zeros.default: 0, aten.ones.default: 0,
+             aten.empty.memory_format: 0, aten.full.default: 0}
+"""Ops making a fresh tensor from sizes alone (reading at most another tensor's metadata),
+which may be made in any placement -> the position of their size argument."""
+RULES.update({op: Rule(_factory, shape_arg=i) for op, i in FACTORIES.items()})
 
 PASSTHROUGH = {operator.getitem, stamp_edge}
 
@@ -1131,6 +1129,13 @@ def tagged_pointwise_ops() -> list:
             found += [op for op in (getattr(packet, o) for o in packet.overloads())
                       if is_tagged_pointwise(op)]
     return found
+
+
+def returns_alias(target) -> bool:
+    """Whether an ATen op's result shares memory with an input, as its schema says (a view
+    such as ``slice``, ``split``'s results, an in-place op's return)."""
+    return isinstance(target, torch._ops.OpOverload) and \
+        any(r.alias_info is not None for r in target._schema.returns)
 
 
 def writes_first_input(target) -> bool:
