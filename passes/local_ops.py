@@ -9,13 +9,44 @@ import torch.nn.functional as F
 def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, offset: int,
                              padding_idx: int = -1) -> torch.Tensor:
     """Look up ``indices`` in this rank's rows ``[offset, offset + len(weight))`` of a
-    vocab-sharded embedding; rows held elsewhere contribute zeros (and no gradient)."""
-    rows = weight.shape[0]
+    vocab-sharded embedding; rows held elsewhere contribute zeros (and no gradient).
+
+    Backward keeps only ``indices`` (which the caller holds anyway) and recomputes which
+    tokens are this rank's, so the lookup saves no mask and no local indices: less than
+    the embedding it replaces."""
+    return _VocabParallelEmbedding.apply(weight, indices, offset, padding_idx)
+
+
+class _VocabParallelEmbedding(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight, indices, offset, padding_idx):
+        local, outside, local_padding = _local_rows(indices, offset, weight.shape[0],
+                                                    padding_idx)
+        ctx.save_for_backward(indices)
+        ctx.offset, ctx.rows, ctx.padding_idx = offset, weight.shape[0], padding_idx
+        return F.embedding(local, weight, padding_idx=local_padding).masked_fill_(
+            outside.unsqueeze(-1), 0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        indices, = ctx.saved_tensors
+        local, outside, local_padding = _local_rows(indices, ctx.offset, ctx.rows,
+                                                    ctx.padding_idx)
+        grad = grad.masked_fill(outside.unsqueeze(-1), 0)
+        weight_grad = torch.ops.aten.embedding_dense_backward(
+            grad, local, ctx.rows, -1 if local_padding is None else local_padding, False)
+        return weight_grad, None, None, None
+
+
+def _local_rows(indices, offset: int, rows: int, padding_idx: int):
+    """This rank's row of each index (0 where another rank holds it), which indices another
+    rank holds, and the padding row if this rank holds it."""
     outside = (indices < offset) | (indices >= offset + rows)
-    local = (indices - offset).masked_fill(outside, 0)
+    local = (indices - offset).masked_fill_(outside, 0)
     local_padding = padding_idx - offset if 0 <= padding_idx - offset < rows else None
-    out = F.embedding(local, weight, padding_idx=local_padding)
-    return out.masked_fill(outside.unsqueeze(-1), 0)
+    return local, outside, local_padding
 
 
 def sharded_dropout(x: torch.Tensor, p: float, train: bool, dim: int, start: int,

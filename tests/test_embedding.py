@@ -45,3 +45,44 @@ def test_embedding_styles_match_single_device(ranks, name, dtype):
     fwd, bwd = ranks.run(embed, plan, dtype)[0]
     assert fwd == fwd_expected
     assert bwd == bwd_expected
+
+
+def saved_bytes(fn, *args) -> int:
+    """Bytes of the tensors autograd keeps for the backward of ``fn(*args)`` (a tensor kept
+    by several nodes counts once)."""
+    kept = {}
+
+    def pack(tensor):
+        kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        fn(*args)
+    return sum(kept.values())
+
+
+@pytest.mark.parametrize("padding_idx", [-1, 3, 12])
+def test_vocab_sharded_lookup_matches_the_full_table_and_keeps_only_the_indices(padding_idx):
+    """Each simulated rank's lookup on its rows, summed over ranks, is the full embedding;
+    each rank's weight gradient is the matching rows of the full one (padding row: none);
+    and backward keeps nothing but the indices the caller holds anyway."""
+    from fxtp.passes.local_ops import vocab_parallel_embedding
+    torch.manual_seed(0)
+    full = torch.randn(VOCAB, DIM, dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(*TOKENS.shape, DIM, dtype=torch.float64)
+    pad = None if padding_idx < 0 else padding_idx
+    expected = torch.nn.functional.embedding(TOKENS, full, padding_idx=pad)
+    expected.backward(grad_out)
+    world = 4
+    rows = VOCAB // world
+    outputs = []
+    for rank in range(world):
+        shard = full.detach()[rank * rows:(rank + 1) * rows].clone().requires_grad_()
+        out = vocab_parallel_embedding(shard, TOKENS, rank * rows, padding_idx)
+        out.backward(grad_out)
+        outputs.append(out.detach())
+        torch.testing.assert_close(shard.grad, full.grad[rank * rows:(rank + 1) * rows],
+                                   rtol=0, atol=0)
+        assert saved_bytes(vocab_parallel_embedding, shard, TOKENS, rank * rows,
+                           padding_idx) == TOKENS.untyped_storage().nbytes()
+    torch.testing.assert_close(sum(outputs), expected.detach(), rtol=0, atol=0)
