@@ -3,7 +3,10 @@
 4 gloo CPU ranks (one thread each), mesh 2 x 2. Both variants shard
 :class:`fxtp.llama.Llama` with torchtitan's TP + SP plan on ``mesh["tp"]`` and then
 ``fully_shard`` every block and the root on ``mesh["dp"]``; "compiled" compiles each block
-first (regional compilation, as torchtitan does). The DTensor recipe is torch's
+first (regional compilation, as torchtitan does). The loss is torchtitan's default, loss
+parallel: the head's logits stay sharded by class and the loss is torch's ``loss_parallel()``
+for the DTensor recipe and ``fxtp.cross_entropy`` for fxtp (``--replicated-head``: gather
+the logits and take ``F.cross_entropy`` on every rank, in both). The DTensor recipe is torch's
 ``parallelize_module`` (with the benchmark's local head counts, see
 :data:`benchmarks.dtensor_tp.WHY_DTENSOR_PATCHED`); fxtp's is ``fxtp.parallelize``. Each
 (variant, size) runs in fresh processes: step time (forward, backward, AdamW) as the median
@@ -21,12 +24,13 @@ and the attention kernels each variant ran are recorded (``sdpa_kernels``: the b
 picks decides what attention keeps for backward).
 Results: ``benchmarks/results/scale_out_cuda.json``.
 
-    python -m benchmarks.scale_out [--quick] [--cuda]
+    python -m benchmarks.scale_out [--quick] [--cuda] [--replicated-head]
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import pathlib
@@ -62,15 +66,18 @@ def sizes(quick: bool, cuda: bool = False) -> dict:
     return found
 
 
-def torchtitan_plan():
-    """torchtitan's Llama TP + SP plan, in torch's own styles."""
+def torchtitan_plan(loss_parallel: bool):
+    """torchtitan's Llama TP + SP plan, in torch's own styles; with ``loss_parallel`` (its
+    default) the head's output stays a DTensor sharded by class, for ``loss_parallel()``."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
                                                    RowwiseParallel, SequenceParallel)
     return {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        "output": ColwiseParallel(input_layouts=Shard(1),
+                                  output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                  use_local_output=not loss_parallel),
         "layers.*.attention_norm": SequenceParallel(),
         "layers.*.attention": PrepareModuleInput(input_layouts=(Shard(1), None),
                                                  desired_input_layouts=(Replicate(), None)),
@@ -87,7 +94,8 @@ def torchtitan_plan():
     }
 
 
-def build(variant: str, model, tokens, mesh):
+def build(variant: str, model, tokens, mesh, loss_parallel: bool):
+    """The sharded model: TP on ``mesh["tp"]``, then ``fully_shard`` per block and root."""
     import fxtp
     from fxtp.llama import llama_sp_plan
     from torch.distributed.fsdp import fully_shard
@@ -96,9 +104,10 @@ def build(variant: str, model, tokens, mesh):
         for layer in model.layers:  # see benchmarks.dtensor_tp.WHY_DTENSOR_PATCHED
             layer.attention.n_heads //= mesh["tp"].size()
             layer.attention.n_kv_heads //= mesh["tp"].size()
-        module = parallelize_module(model, mesh["tp"], torchtitan_plan())
+        module = parallelize_module(model, mesh["tp"], torchtitan_plan(loss_parallel))
     else:
-        module = fxtp.parallelize(model, llama_sp_plan(), mesh["tp"], example_inputs=(tokens,))
+        module = fxtp.parallelize(model, llama_sp_plan(loss_parallel), mesh["tp"],
+                                  example_inputs=(tokens,))
     for i, block in list(module.layers.named_children()):
         if variant.endswith("compiled"):
             block = torch.compile(block)
@@ -108,29 +117,52 @@ def build(variant: str, model, tokens, mesh):
     return module
 
 
-def train_step(module, opt, tokens, targets) -> torch.Tensor:
-    logits = module(tokens)
-    logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-    loss.backward()
+def loss_backward(variant: str, loss_parallel: bool, tp_mesh):
+    """``(logits, targets) -> loss``, backward run, as each recipe writes it: torch's
+    ``loss_parallel()`` on the DTensor logits, ``fxtp.cross_entropy`` on fxtp's local shard,
+    or, with the head replicated, ``F.cross_entropy``."""
+    def replicated(logits, targets):
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        loss.backward()
+        return loss
+
+    def dtensor(logits, targets):
+        from torch.distributed.tensor.parallel import loss_parallel as context
+        with context():  # active for the backward too, as torch's docs require
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            loss.backward()
+        return loss
+
+    def fxtp(logits, targets):
+        import fxtp
+        loss = fxtp.cross_entropy(logits.flatten(0, 1), targets.flatten(), group=tp_mesh)
+        loss.backward()
+        return loss
+
+    return replicated if not loss_parallel else dtensor if variant.startswith("dtensor") else fxtp
+
+
+def train_step(module, opt, tokens, targets, loss_fn) -> torch.Tensor:
+    """One step: forward, loss and backward by ``loss_fn``, AdamW; the detached loss."""
+    loss = loss_fn(module(tokens), targets)
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss.detach()
 
 
-def tensor_peak_mib(module, opt, tokens, targets) -> float:
+def tensor_peak_mib(step, module, opt, device) -> float:
     """Peak MiB of live tensors (parameters, gradients, optimizer state, activations) over
-    one training step, by torch's ``MemTracker``."""
+    one training ``step()``, by torch's ``MemTracker``."""
     from torch.distributed._tools.mem_tracker import MemTracker
     tracker = MemTracker()
     tracker.track_external(module, opt)
     with tracker:
-        train_step(module, opt, tokens, targets)
-    return tracker.get_tracker_snapshot("peak")[tokens.device]["Total"] / 2 ** 20
+        step()
+    return tracker.get_tracker_snapshot("peak")[device]["Total"] / 2 ** 20
 
 
-def sdpa_kernels(module, opt, tokens, targets) -> list:
-    """The attention kernels one training step runs, by name."""
+def sdpa_kernels(step) -> list:
+    """The attention kernels one training ``step()`` runs, by name."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Record(TorchDispatchMode):
@@ -144,7 +176,7 @@ def sdpa_kernels(module, opt, tokens, targets) -> list:
             return func(*args, **(kwargs or {}))
 
     with Record() as record:
-        train_step(module, opt, tokens, targets)
+        step()
     return sorted(record.seen)
 
 
@@ -170,13 +202,15 @@ def _rank(rank, world, port, variant, size, args, out):
         targets = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(device)
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         torch.manual_seed(0)
-        module = build(variant, Llama(cfg).to(device), tokens, mesh)
+        module = build(variant, Llama(cfg).to(device), tokens, mesh, args.loss_parallel)
         opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
+        step = functools.partial(train_step, module, opt, tokens, targets,
+                                 loss_backward(variant, args.loss_parallel, mesh["tp"]))
         sync = torch.cuda.synchronize if args.cuda else dist.barrier
         start = time.perf_counter()
-        loss0 = train_step(module, opt, tokens, targets).item()
+        loss0 = step().item()
         for _ in range(args.warmup - 1):
-            train_step(module, opt, tokens, targets)
+            step()
         sync()
         warmup = time.perf_counter() - start
         if args.cuda:
@@ -186,21 +220,21 @@ def _rank(rank, world, port, variant, size, args, out):
             sync()
             start = time.perf_counter()
             for _ in range(args.steps):
-                train_step(module, opt, tokens, targets)
+                step()
             sync()
             per_step.append((time.perf_counter() - start) / args.steps)
         found = {"loss0": loss0, "warmup_s": warmup, "median_s": statistics.median(per_step),
                  "min_s": min(per_step)}
         if args.cuda:
             found["peak_mib"] = torch.cuda.max_memory_allocated() / 2 ** 20
-            found["sdpa_kernels"] = sdpa_kernels(module, opt, tokens, targets)
+            found["sdpa_kernels"] = sdpa_kernels(step)
             if variant.endswith("eager"):
-                found["tensor_peak_mib"] = tensor_peak_mib(module, opt, tokens, targets)
+                found["tensor_peak_mib"] = tensor_peak_mib(step, module, opt, tokens.device)
         else:
             found["rss_peak_mib"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                                      - base) / 1024
             if variant.endswith("eager"):  # a dispatch mode would re-trace compiled code
-                found["peak_mib"] = tensor_peak_mib(module, opt, tokens, targets)
+                found["peak_mib"] = tensor_peak_mib(step, module, opt, tokens.device)
         out.put((rank, found))
     except Exception as e:  # noqa: BLE001 - reported in the results
         out.put((rank, {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}))
@@ -233,6 +267,9 @@ def main():
     parser.add_argument("--cuda", action="store_true")
     parser.add_argument("--sizes", nargs="*", help="default: all (small only with --quick)")
     parser.add_argument("--variants", nargs="*", default=VARIANTS, choices=VARIANTS)
+    parser.add_argument("--replicated-head", dest="loss_parallel", action="store_false",
+                        help="gather the logits and take F.cross_entropy on every rank "
+                             "(default: loss parallel, torchtitan's default)")
     args = parser.parse_args()
     report = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
               "mesh": ("dp 2 x tp 2, rank 0 of a fake group on " +
@@ -241,6 +278,7 @@ def main():
               "peak": ("peak_mib: CUDA allocator peak" if args.cuda else
                        "peak_mib: live tensors (MemTracker, eager); rss_peak_mib: RSS above "
                        "the start"),
+              "loss": "loss parallel" if args.loss_parallel else "replicated head",
               "sizes": {}}
     for size in args.sizes or sizes(args.quick, args.cuda):
         rows = report["sizes"][size] = {v: run_one(v, size, args) for v in args.variants}
@@ -253,7 +291,8 @@ def main():
                     if key in fx_ and key in dt}
         print(size, json.dumps(rows, indent=1), flush=True)
     RESULTS.mkdir(exist_ok=True)
-    name = "scale_out_cuda.json" if args.cuda else "scale_out.json"
+    name = ("scale_out_cuda" if args.cuda else "scale_out") + (
+        "" if args.loss_parallel else "_replicated_head") + ".json"
     (RESULTS / name).write_text(json.dumps(report, indent=1))
 
 

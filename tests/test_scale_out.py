@@ -8,6 +8,7 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -30,11 +31,13 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def build(dp: int, tp: int, wrap: str, mp=None, seed=0, dtype=torch.float64, rope="real"):
+def build(dp: int, tp: int, wrap: str, mp=None, seed=0, dtype=torch.float64, rope="real",
+          loss_parallel=False):
     """This rank's model on a (dp, tp) mesh and its slice of the global batch."""
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     tokens = TOKENS.chunk(dp)[mesh["dp"].get_local_rank()]
-    gm = fxtp.parallelize(llama(seed, rope).to(dtype), tm.llama_sp_plan(), mesh["tp"],
+    gm = fxtp.parallelize(llama(seed, rope).to(dtype), tm.llama_sp_plan(loss_parallel),
+                          mesh["tp"],
                           example_inputs=(tokens,),
                           param_dtype=None if mp is None else mp.param_dtype)
     if wrap == "fsdp":
@@ -114,6 +117,43 @@ def test_fsdp2_per_block_on_a_2x2_mesh_trains_as_single_device(ranks4):
 
 def test_ddp_on_a_2x2_mesh_trains_as_single_device(ranks4):
     ranks4.run(train, "ddp")
+
+
+def loss_parallel(rank, world):
+    gm, tokens, mesh = build(2, 2, "fsdp", loss_parallel=True)
+    ref = llama().double()
+    opt = torch.optim.AdamW(gm.parameters(), lr=LR)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    targets = TOKENS.roll(-1, 1)
+    mine = targets.chunk(2)[mesh["dp"].get_local_rank()]
+    for step in range(3):
+        logits = gm(tokens)  # this rank's classes of its dp rank's tokens
+        ref_all = ref(TOKENS)
+        ref_logits = ref_all.chunk(2)[mesh["dp"].get_local_rank()]
+        torch.testing.assert_close(logits, ref_logits.chunk(2, -1)[mesh["tp"].get_local_rank()],
+                                   **TIGHT)
+        loss = fxtp.cross_entropy(logits.flatten(0, 1), mine.flatten(), group=mesh["tp"])
+        torch.testing.assert_close(loss, F.cross_entropy(ref_logits.flatten(0, 1), mine.flatten()),
+                                   **TIGHT)
+        loss.backward()
+        F.cross_entropy(ref_all.flatten(0, 1), targets.flatten()).backward()
+        for name, p in gm.named_parameters():
+            torch.testing.assert_close(full(p.grad), ref.get_parameter(name).grad, **TIGHT,
+                                       msg=lambda m: f"step {step} grad of {name}: {m}")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    for name, p in gm.named_parameters():
+        torch.testing.assert_close(full(p.detach()), ref.get_parameter(name).detach(),
+                                   **tolerance(torch.float64, steps=3))
+
+
+def test_loss_parallel_under_fsdp2_per_block_trains_as_single_device(ranks4):
+    """torchtitan's default loss: the head's logits stay sharded by class on "tp" and
+    ``fxtp.cross_entropy`` takes the loss there; each dp rank's mean loss, averaged by
+    FSDP's gradient reduction, trains as the single-device mean over the global batch."""
+    ranks4.run(loss_parallel)
 
 
 def save_2d(rank, world, path):
