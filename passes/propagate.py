@@ -2,8 +2,10 @@
 
 For each op the rule registry yields candidate strategies (input placements -> output
 placements); the one that needs the fewest bytes of redistribution from the inputs' actual
-placements wins. Results: ``meta[PLACEMENT]`` (what the node produces) and ``meta[INPUTS]``
-(what it needs of each tensor input; ``None`` = as is). Fallbacks: an op without a rule
+placements wins; a replicated value all of whose readers then take the same shard of it
+is made as that shard where its rule can (a broadcast expanded straight to this rank's part).
+Results: ``meta[PLACEMENT]`` (what the node produces) and ``meta[INPUTS]`` (what it needs of
+each tensor input; ``None`` = as is). Fallbacks: an op without a rule
 that receives a non-replicated input gathers everything to Replicate, and an op whose rule
 has no strategy keeping a sharded input sharded (a head count that does not divide by the
 world size) gathers that input. Each is reported by a message naming op, module and sizes,
@@ -51,7 +53,33 @@ def propagate(gm: fx.GraphModule, world: int, strict: bool = False) -> list[str]
                                         "the op's inputs arrive as its rule can take them.")
                 node.meta[FALLBACK] = message
                 fallbacks.append(message)
+    for node in gm.graph.nodes:
+        _shard_at_source(node, world)
     return fallbacks
+
+
+def _shard_at_source(node: fx.Node, world: int) -> None:
+    """A replicated value that every reader takes as the same shard is made as that shard,
+    where the op's rule can make it from the inputs it already takes (a broadcast expanded
+    straight to this rank's part). Forward is as cheap either way; backward, the input's
+    gradient is then a partial sum, all-reduced at its own size, where sharding after the
+    op would all-gather the gradient at the broadcast's size."""
+    if node.op != "call_function" or node.meta.get(PLACEMENT) != R or FALLBACK in node.meta \
+            or STAMP in node.meta or not node.users:
+        return
+    wanted = set()
+    for user in node.users:
+        needs = user.meta.get(INPUTS) or ()
+        wanted |= {p for a, p in zip(tensor_inputs(user), needs) if a is node}
+        if user.op != "call_function" or len(needs) != len(tensor_inputs(user)):
+            return
+    if len(wanted) != 1 or not is_sharded(want := next(iter(wanted))):
+        return
+    rule = rule_for(node.target)
+    actual = [placement_of(a) for a in tensor_inputs(node)]
+    if rule is not None and any(ins == node.meta[INPUTS] and tuple(out) == (want,)
+                                for ins, out in rule.strategies(node, world, actual)):
+        node.meta[PLACEMENT] = want
 
 
 def _propagate_call(node: fx.Node, world: int) -> str | None:

@@ -331,12 +331,14 @@ def _local_squeeze(node, inputs, output, group):
 
 
 def _expand_spec(node):
+    """Dims expanded from size 1 (or prepended) appear in the output only: a rank may
+    expand a replicated input straight to its shard of them (every slice along them is the
+    same), its input's gradient then partial."""
     src, dst = val(node.args[0]).shape, val(node).shape
     off = len(dst) - len(src)
-    ins = tuple(f"d{off + j}" if _same(src[j], dst[off + j]) else fixed_label()
-                for j in range(len(src)))
-    outs = tuple(f"d{j}" if j >= off and _same(src[j - off], dst[j]) else fixed_label()
-                 for j in range(len(dst)))
+    kept = [j >= off and _same(src[j - off], dst[j]) for j in range(len(dst))]
+    ins = tuple(f"d{off + j}" if kept[off + j] else fixed_label() for j in range(len(src)))
+    outs = tuple(f"d{j}" if kept[j] else f"e{j}" for j in range(len(dst)))
     return DimSpec((ins,), (outs,), "sum")
 
 

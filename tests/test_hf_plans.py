@@ -102,12 +102,12 @@ def test_auto_on_deepseek_v2s_latent_attention_and_experts(ranks2):
     assignment, made head-sharded) and a mixture of experts after a dense first layer.
     Forward: the embedding, each layer's o_proj, the dense MLP, the experts' and the shared
     experts' partial sums, the gathered logits. Backward: per layer the q and kv latents'
-    partial gradients (two norms apart), the rotary key's gradient gathered from every
-    rank's heads; the dense MLP's input, the MoE layer's experts, shared experts and
-    routing weights; the head's input."""
+    partial gradients (two norms apart) and the rotary key's (expanded straight to this
+    rank's heads, so each rank sums its heads' gradients: an all-reduce at the key's size,
+    not a gather at the heads'); the dense MLP's input, the MoE layer's experts, shared
+    experts and routing weights; the head's input."""
     assert ranks2.run(hf_parity, corpus.hf_deepseek_v2, "auto", torch.float32)[0] == \
-        ({"all_reduce": 2 * L + 2, "all_gather": 1},
-         {"all_reduce": 2 * L + 1 + 3 + 1, "all_gather": L})
+        ({"all_reduce": 2 * L + 2, "all_gather": 1}, {"all_reduce": 3 * L + 1 + 3 + 1})
 
 
 GPT_OSS_PLAN = {"model.embed_tokens": "embedding_rowwise",
