@@ -2,8 +2,9 @@
 
 For each op the rule registry yields candidate strategies (input placements -> output
 placements); the one that needs the fewest bytes of redistribution from the inputs' actual
-placements wins; a replicated value all of whose readers then take the same shard of it
-is made as that shard where its rule can (a broadcast expanded straight to this rank's part).
+placements wins. Then, from the outputs back, a replicated value all of whose readers take
+the same shard of it is made as that shard where no collective is needed for it, backward
+included (:func:`_shard_at_source`): a parameter no style shards may so be held sharded.
 Results: ``meta[PLACEMENT]`` (what the node produces) and ``meta[INPUTS]`` (what it needs of
 each tensor input; ``None`` = as is). Fallbacks: an op without a rule
 that receives a non-replicated input gathers everything to Replicate, and an op whose rule
@@ -17,11 +18,13 @@ again after seeds change; each run starts over.
 """
 from __future__ import annotations
 
+import collections
 import math
 import operator
 
 import torch
 import torch.fx as fx
+import torch.nn as nn
 from torch.distributed.tensor import Partial
 
 from .errors import ShardingError
@@ -53,33 +56,84 @@ def propagate(gm: fx.GraphModule, world: int, strict: bool = False) -> list[str]
                                         "the op's inputs arrive as its rule can take them.")
                 node.meta[FALLBACK] = message
                 fallbacks.append(message)
-    for node in gm.graph.nodes:
-        _shard_at_source(node, world)
+    _shard_at_source(gm, world)
     return fallbacks
 
 
-def _shard_at_source(node: fx.Node, world: int) -> None:
-    """A replicated value that every reader takes as the same shard is made as that shard,
-    where the op's rule can make it from the inputs it already takes (a broadcast expanded
-    straight to this rank's part). Forward is as cheap either way; backward, the input's
-    gradient is then a partial sum, all-reduced at its own size, where sharding after the
-    op would all-gather the gradient at the broadcast's size."""
-    if node.op != "call_function" or node.meta.get(PLACEMENT) != R or FALLBACK in node.meta \
-            or STAMP in node.meta or not node.users:
-        return
+def _shard_at_source(gm: fx.GraphModule, world: int) -> None:
+    """Make a replicated value that every reader takes as the same shard as that shard,
+    where its sources can make it without communicating, backward included: a broadcast
+    expanded straight to this rank's part (its input's gradient, a partial sum, is
+    all-reduced at the unexpanded size), or a chain of ops each reading only the one before
+    it, back to a parameter read nowhere else, which is then held as that shard (its
+    gradient needs no collective). Sharding after the op would all-gather the whole
+    gradient of the value in backward."""
+    attrs = [_attr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"]
+    reads = collections.Counter(id(a) for a in attrs)
+    for node in reversed(gm.graph.nodes):
+        want = _shard_wanted(node)
+        for source, needs, made in (want and _made_at_source(gm, node, want, world, reads)
+                                    or ()):
+            if needs is not None:
+                source.meta[INPUTS] = needs
+            source.meta[PLACEMENT] = made
+
+
+def _shard_wanted(node: fx.Node):
+    """The one sharded placement every reader of replicated ``node`` needs, if there is
+    one and no reader writes into it."""
+    if node.meta.get(PLACEMENT) != R or not node.users:
+        return None
     wanted = set()
     for user in node.users:
         needs = user.meta.get(INPUTS) or ()
-        wanted |= {p for a, p in zip(tensor_inputs(user), needs) if a is node}
-        if user.op != "call_function" or len(needs) != len(tensor_inputs(user)):
-            return
-    if len(wanted) != 1 or not is_sharded(want := next(iter(wanted))):
-        return
-    rule = rule_for(node.target)
-    actual = [placement_of(a) for a in tensor_inputs(node)]
-    if rule is not None and any(ins == node.meta[INPUTS] and tuple(out) == (want,)
-                                for ins, out in rule.strategies(node, world, actual)):
-        node.meta[PLACEMENT] = want
+        inputs = tensor_inputs(user)
+        if user.op != "call_function" or len(needs) != len(inputs) or STAMP in user.meta or \
+                writes_first_input(user.target) and user.args[0] is node:
+            return None
+        wanted |= {p for a, p in zip(inputs, needs) if a is node}
+    want = next(iter(wanted)) if len(wanted) == 1 else None
+    return want if is_sharded(want) else None
+
+
+def _made_at_source(gm, node: fx.Node, want, world: int, reads) -> list | None:
+    """``[(value, its input placements or None for a parameter, its placement), ...]``:
+    how ``node`` and the values it is made from are placed to make ``want`` with no
+    collective, or ``None``."""
+    if node.op == "get_attr":
+        tensor = _attr(gm, node.target)
+        return [(node, None, want)] if isinstance(tensor, nn.Parameter) and \
+            reads[id(tensor)] == 1 else None
+    rule = rule_for(node.target) if node.op == "call_function" else None
+    if rule is None or {STAMP, FALLBACK, PINNED} & node.meta.keys() or \
+            writes_first_input(node.target):
+        return None
+    inputs = tensor_inputs(node)
+    actual = [placement_of(a) for a in inputs]
+    chosen = node.meta[INPUTS]
+    best = None
+    for ins, out in rule.strategies(node, world, actual):
+        if tuple(out) != (want,):
+            continue
+        made = [(node, ins, want)]
+        for x, a, c, i in zip(inputs, actual, chosen, ins):
+            if i == c or i == (a if c is None else c):
+                continue
+            if a != R or not is_sharded(i) or any(u is not node for u in x.users):
+                made = None
+            else:
+                deeper = _made_at_source(gm, x, i, world, reads)
+                made = None if deeper is None or made is None else made + deeper
+            if made is None:
+                break
+        if made is not None and (best is None or len(made) < len(best)):
+            best = made
+    return best
+
+
+def _attr(gm: fx.GraphModule, target: str):
+    owner, _, name = target.rpartition(".")
+    return getattr(gm.get_submodule(owner), name, None)
 
 
 def _propagate_call(node: fx.Node, world: int) -> str | None:

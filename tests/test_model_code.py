@@ -48,10 +48,29 @@ class CompositeViews(nn.Module):
 
 
 def test_composite_ops_without_a_rule_are_placed_as_their_decomposition(ranks):
-    """Megatron's collectives, and in backward one all-gather: the replicated per-head gate
-    is used on head shards, so each rank holds the gradient of its heads only."""
-    assert ranks.run(parity, CompositeViews)[0] == \
-        ({"all_reduce": 1}, {"all_reduce": 1, "all_gather": 1})
+    """Megatron's collectives only: the per-head gate, which the plan leaves out and the
+    model reads only on head shards, is held as this rank's heads (its gradient is this
+    rank's alone, nothing to gather)."""
+    assert ranks.run(parity, CompositeViews)[0] == MEGATRON
+
+
+class SharedGate(CompositeViews):
+    """The per-head gate also read whole (its mean scales the output)."""
+
+    def forward(self, x):
+        return super().forward(x) * self.gate.mean()
+
+
+def test_a_parameter_read_only_on_shards_is_held_as_that_shard(fake_group):
+    """The plan leaves the gate out; read only on head shards it is held as this rank's
+    heads. Read whole as well, it stays whole."""
+    fake_group(4)
+    gm = fxtp.parallelize(CompositeViews(), ATTENTION, example_inputs=(example(B, T, DIM),))
+    assert gm.fxtp.param_placements["gate"] == fxtp.Shard(2)
+    assert gm.gate.to_local().shape == (1, 1, HEADS // 4, 1)
+    gm = fxtp.parallelize(SharedGate(), ATTENTION, example_inputs=(example(B, T, DIM),))
+    assert gm.fxtp.param_placements["gate"] == fxtp.Replicate()
+    assert gm.fxtp.fallbacks == []
 
 
 def test_decomposition_replaces_only_composite_ops_that_have_no_rule():
