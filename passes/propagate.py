@@ -25,7 +25,7 @@ import operator
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.distributed.tensor import Partial
+from torch.distributed.tensor import Partial, Shard
 
 from .errors import ShardingError
 from .graph import (FALLBACK, INPUTS, PINNED, PLACEMENT, STAMP, branches, layout, module_fqn,
@@ -80,8 +80,9 @@ def _shard_at_source(gm: fx.GraphModule, world: int) -> None:
 
 
 def _shard_wanted(node: fx.Node):
-    """The one sharded placement every reader of replicated ``node`` needs, if there is
-    one and no reader writes into it."""
+    """The one ``Shard`` every reader of replicated ``node`` needs, if there is one and no
+    reader writes into it (not a blocked or unit-dealt shard, nor a unit several ranks
+    hold, whose gradients are not each rank's own)."""
     if node.meta.get(PLACEMENT) != R or not node.users:
         return None
     wanted = set()
@@ -93,7 +94,7 @@ def _shard_wanted(node: fx.Node):
             return None
         wanted |= {p for a, p in zip(inputs, needs) if a is node}
     want = next(iter(wanted)) if len(wanted) == 1 else None
-    return want if is_sharded(want) else None
+    return want if type(want) is Shard else None  # one piece per rank: its gradient is its own
 
 
 def _made_at_source(gm, node: fx.Node, want, world: int, reads) -> list | None:
@@ -119,7 +120,7 @@ def _made_at_source(gm, node: fx.Node, want, world: int, reads) -> list | None:
         for x, a, c, i in zip(inputs, actual, chosen, ins):
             if i == c or i == (a if c is None else c):
                 continue
-            if a != R or not is_sharded(i) or any(u is not node for u in x.users):
+            if a != R or type(i) is not Shard or any(u is not node for u in x.users):
                 made = None
             else:
                 deeper = _made_at_source(gm, x, i, world, reads)
