@@ -68,8 +68,9 @@ def _shard_at_source(gm: fx.GraphModule, world: int) -> None:
     it, back to a parameter read nowhere else, which is then held as that shard (its
     gradient needs no collective). Sharding after the op would all-gather the whole
     gradient of the value in backward."""
-    attrs = [_attr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"]
-    reads = collections.Counter(id(a) for a in attrs)
+    reads = collections.Counter(  # a tensor read by several nodes, or tied to another name
+        [id(_attr(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"] +
+        [id(t) for _, t in gm.named_parameters(remove_duplicate=False)])
     for node in reversed(gm.graph.nodes):
         want = _shard_wanted(node)
         for source, needs, made in (want and _made_at_source(gm, node, want, world, reads)
@@ -104,7 +105,7 @@ def _made_at_source(gm, node: fx.Node, want, world: int, reads) -> list | None:
     if node.op == "get_attr":
         tensor = _attr(gm, node.target)
         return [(node, None, want)] if isinstance(tensor, nn.Parameter) and \
-            reads[id(tensor)] == 1 else None
+            reads[id(tensor)] == 2 else None  # one node reads it, under one name
     rule = rule_for(node.target) if node.op == "call_function" else None
     if rule is None or {STAMP, FALLBACK, PINNED} & node.meta.keys() or \
             writes_first_input(node.target):
