@@ -35,7 +35,8 @@ SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_la
              qk_nope_head_dim=4, v_head_dim=4, sliding_window=8, use_cache=False,
              intermediate_size_mlp=64, shared_expert_intermediate_size=32,
              linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=4,
-             linear_value_head_dim=4, decoder_sparse_step=1)
+             linear_value_head_dim=4, decoder_sparse_step=1,
+             vocab_size_per_layer_input=128)  # Gemma-3n / 4: 262144 x layers by default
 MLA = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "hy_v4",
        "minicpm3", "longcat_flash", "axk1", "axk2", "youtu")
 SKIP = {"phi4_multimodal": "its default audio and vision towers do not fit a small config"}
