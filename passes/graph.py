@@ -23,6 +23,7 @@ Every node also keeps export's ``val`` (a fake tensor with the *global* shape) a
 """
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 from dataclasses import dataclass, field
@@ -101,6 +102,13 @@ def attr(module: torch.nn.Module, target: str):
     """What a ``get_attr`` target (a dotted path) names in ``module``."""
     owner, _, name = target.rpartition(".")
     return getattr(module.get_submodule(owner), name)
+
+
+def tied_attrs(gm: fx.GraphModule) -> set:
+    """The ``get_attr`` nodes of tensors the graph reads under more than one name."""
+    attrs = [n for n in gm.graph.nodes if n.op == "get_attr"]
+    readers = collections.Counter(id(attr(gm, n.target)) for n in attrs)
+    return {n for n in attrs if readers[id(attr(gm, n.target))] > 1}
 
 
 def stack_upto(node: fx.Node, fqn: str) -> dict:

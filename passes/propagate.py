@@ -28,8 +28,9 @@ import torch.nn as nn
 from torch.distributed.tensor import Partial, Shard
 
 from .errors import ShardingError
-from .graph import (FALLBACK, INPUTS, PINNED, PLACEMENT, STAMP, branches, layout, module_fqn,
-                    output_vals, placement_of, stamp_edge, tensor_inputs, val)
+from .graph import (FALLBACK, INPUTS, PINNED, PLACEMENT, STAMP, attr, branches, layout,
+                    module_fqn, output_vals, placement_of, stamp_edge, tensor_inputs,
+                    tied_attrs, val)
 from .placement import (R, describe, is_narrowing, is_replicate, is_sharded,
                         transition_cost)
 from .dimspec import indivisible
@@ -68,12 +69,12 @@ def _shard_at_source(gm: fx.GraphModule, world: int) -> None:
     it, back to a parameter read nowhere else, which is then held as that shard (its
     gradient needs no collective). Sharding after the op would all-gather the whole
     gradient of the value in backward."""
-    reads = collections.Counter(  # a tensor read by several nodes, or tied to another name
-        [id(_attr(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"] +
-        [id(t) for _, t in gm.named_parameters(remove_duplicate=False)])
+    names = collections.Counter(id(t) for _, t in gm.named_parameters(remove_duplicate=False))
+    shared = tied_attrs(gm) | {n for n in gm.graph.nodes  # read twice, or tied to a name
+                               if n.op == "get_attr" and names[id(attr(gm, n.target))] > 1}
     for node in reversed(gm.graph.nodes):
         want = _shard_wanted(node)
-        for source, needs, made in (want and _made_at_source(gm, node, want, world, reads)
+        for source, needs, made in (want and _made_at_source(gm, node, want, world, shared)
                                     or ()):
             if needs is not None:
                 source.meta[INPUTS] = needs
@@ -98,44 +99,36 @@ def _shard_wanted(node: fx.Node):
     return want if type(want) is Shard else None  # one piece per rank: its gradient is its own
 
 
-def _made_at_source(gm, node: fx.Node, want, world: int, reads) -> list | None:
+def _made_at_source(gm, node: fx.Node, want, world: int, shared: set) -> list | None:
     """``[(value, its input placements or None for a parameter, its placement), ...]``:
     how ``node`` and the values it is made from are placed to make ``want`` with no
-    collective, or ``None``."""
+    collective, or ``None``. ``shared``: parameters' nodes that must stay whole."""
     if node.op == "get_attr":
-        tensor = _attr(gm, node.target)
-        return [(node, None, want)] if isinstance(tensor, nn.Parameter) and \
-            reads[id(tensor)] == 2 else None  # one node reads it, under one name
+        return [(node, None, want)] if node not in shared and \
+            isinstance(attr(gm, node.target), nn.Parameter) else None
     rule = rule_for(node.target) if node.op == "call_function" else None
     if rule is None or {STAMP, FALLBACK, PINNED} & node.meta.keys() or \
             writes_first_input(node.target):
         return None
     inputs = tensor_inputs(node)
     actual = [placement_of(a) for a in inputs]
-    chosen = node.meta[INPUTS]
     best = None
     for ins, out in rule.strategies(node, world, actual):
         if tuple(out) != (want,):
             continue
         made = [(node, ins, want)]
-        for x, a, c, i in zip(inputs, actual, chosen, ins):
+        for x, a, c, i in zip(inputs, actual, node.meta[INPUTS], ins):
             if i == c or i == (a if c is None else c):
-                continue
-            if a != R or type(i) is not Shard or any(u is not node for u in x.users):
+                continue  # taken as chosen
+            deeper = _made_at_source(gm, x, i, world, shared) if a == R and \
+                type(i) is Shard and all(u is node for u in x.users) else None
+            if deeper is None:
                 made = None
-            else:
-                deeper = _made_at_source(gm, x, i, world, reads)
-                made = None if deeper is None or made is None else made + deeper
-            if made is None:
                 break
+            made += deeper
         if made is not None and (best is None or len(made) < len(best)):
             best = made
     return best
-
-
-def _attr(gm: fx.GraphModule, target: str):
-    owner, _, name = target.rpartition(".")
-    return getattr(gm.get_submodule(owner), name, None)
 
 
 def _propagate_call(node: fx.Node, world: int) -> str | None:

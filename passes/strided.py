@@ -28,7 +28,8 @@ from collections import Counter
 import torch.fx as fx
 from torch.distributed.tensor import Shard
 
-from .graph import INPUTS, PLACEMENT, layout, module_fqn, placement_of, tensor_inputs, val
+from .graph import (INPUTS, PLACEMENT, layout, module_fqn, placement_of, tensor_inputs,
+                    tied_attrs, val)
 from .placement import (UnitShard, block_bounds, cut_in_blocks, is_blocked, is_replicate,
                         with_dim)
 from .propagate import inputs_cost, propagate
@@ -115,13 +116,6 @@ def _users_layout(fused: fx.Node, world: int):
     return None
 
 
-def tied_attrs(gm: fx.GraphModule) -> set:
-    """The ``get_attr`` nodes of tensors the graph reads under more than one name."""
-    attrs = [n for n in gm.graph.nodes if n.op == "get_attr"]
-    readers = Counter(id(_tensor(gm, n.target)) for n in attrs)
-    return {n for n in attrs if readers[id(_tensor(gm, n.target))] > 1}
-
-
 def carried_from_params(node: fx.Node, dim: int, carriers: dict, first: bool = False) -> bool:
     """Whether ``node``'s sharded ``dim`` comes, index for index and through nodes with
     one user each (``first``: the fused output itself may have several, checked by
@@ -150,7 +144,3 @@ def carried_from_params(node: fx.Node, dim: int, carriers: dict, first: bool = F
 def _same_static(a, b) -> bool:
     return isinstance(a, int) and isinstance(b, int) and a == b
 
-
-def _tensor(gm: fx.GraphModule, target: str):
-    owner, _, name = target.rpartition(".")
-    return getattr(gm.get_submodule(owner), name)

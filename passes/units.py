@@ -28,10 +28,11 @@ import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
 from .dimspec import label_base
-from .graph import BOUNDARY, INPUTS, PLACEMENT, layout, placement_of, tensor_inputs, val
+from .graph import (BOUNDARY, INPUTS, PLACEMENT, layout, placement_of, tensor_inputs,
+                    tied_attrs, val)
 from .placement import UnitShard, is_replicate
 from .rules import rule_for
-from .strided import carried_from_params, tied_attrs
+from .strided import carried_from_params
 
 aten = torch.ops.aten
 
