@@ -24,7 +24,17 @@ and the attention kernels each variant ran are recorded (``sdpa_kernels``: the b
 picks decides what attention keeps for backward).
 Results: ``benchmarks/results/scale_out_cuda.json``.
 
-    python -m benchmarks.scale_out [--quick] [--cuda] [--replicated-head]
+``--fake``: one CPU process as rank 0 of a fake group of 4, as ``--cuda`` does on a GPU:
+one rank's compute and framework overhead, with neither the gloo transport nor 4 ranks
+sharing this machine's cores. Each eager variant then also reports ``shared_ms``: the time
+per step, by torch's profiler over ``--steps`` more steps (a few ms high from profiling),
+inside work both recipes do the same way (matmuls, attention kernels, FSDP2's own regions,
+the optimizer step); ``ratio_eager["floor"]`` = fxtp's ``shared_ms`` / the DTensor
+recipe's step time is the least eager ratio fxtp could reach were everything else it runs
+(the model's elementwise ops, TP's collectives) free. Results:
+``benchmarks/results/scale_out_fake.json``.
+
+    python -m benchmarks.scale_out [--quick] [--cuda | --fake] [--replicated-head]
 """
 from __future__ import annotations
 
@@ -161,6 +171,27 @@ def tensor_peak_mib(step, module, opt, device) -> float:
     return tracker.get_tracker_snapshot("peak")[device]["Total"] / 2 ** 20
 
 
+SHARED_WORK = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product",
+               "FSDP::", "Optimizer.step")
+
+
+def shared_ms(step, steps: int) -> float:
+    """Milliseconds per ``step()`` (over ``steps``) inside :data:`SHARED_WORK`'s events,
+    by the union of their spans (a matmul inside another counted once)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.name.startswith(SHARED_WORK))
+    total_us, covered = 0, float("-inf")
+    for start, end in spans:
+        if end > covered:
+            total_us += end - max(start, covered)
+            covered = end
+    return total_us / 1e3 / steps
+
+
 def sdpa_kernels(step) -> list:
     """The attention kernels one training ``step()`` runs, by name."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -184,9 +215,10 @@ def _rank(rank, world, port, variant, size, args, out):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", "/tmp/fxtp_inductor_bench")
-    if args.cuda:
+    if args.fake:
         from torch.testing._internal.distributed.fake_pg import FakeStore
-        torch.cuda.set_device(0)
+        if args.cuda:
+            torch.cuda.set_device(0)
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     else:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -206,7 +238,8 @@ def _rank(rank, world, port, variant, size, args, out):
         opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
         step = functools.partial(train_step, module, opt, tokens, targets,
                                  loss_backward(variant, args.loss_parallel, mesh["tp"]))
-        sync = torch.cuda.synchronize if args.cuda else dist.barrier
+        sync = (torch.cuda.synchronize if args.cuda else
+                (lambda: None) if args.fake else dist.barrier)
         start = time.perf_counter()
         loss0 = step().item()
         for _ in range(args.warmup - 1):
@@ -235,6 +268,8 @@ def _rank(rank, world, port, variant, size, args, out):
                                      - base) / 1024
             if variant.endswith("eager"):  # a dispatch mode would re-trace compiled code
                 found["peak_mib"] = tensor_peak_mib(step, module, opt, tokens.device)
+                if args.fake:
+                    found["shared_ms"] = shared_ms(step, args.steps)
         out.put((rank, found))
     except Exception as e:  # noqa: BLE001 - reported in the results
         out.put((rank, {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}))
@@ -243,7 +278,7 @@ def _rank(rank, world, port, variant, size, args, out):
 
 
 def run_one(variant, size, args) -> dict:
-    results = spawn_ranks(_rank, 4, (variant, size, args), processes=1 if args.cuda else 4)
+    results = spawn_ranks(_rank, 4, (variant, size, args), processes=1 if args.fake else 4)
     if "error" in results:
         return results
     found = {"median_ms": 1e3 * max(r["median_s"] for r in results.values()),
@@ -253,6 +288,8 @@ def run_one(variant, size, args) -> dict:
     for key in ("peak_mib", "rss_peak_mib", "tensor_peak_mib"):
         if key in results[0]:
             found[key] = max(r[key] for r in results.values())
+    if "shared_ms" in results[0]:
+        found["shared_ms"] = results[0]["shared_ms"]
     if "sdpa_kernels" in results[0]:
         found["sdpa_kernels"] = results[0]["sdpa_kernels"]
     return found
@@ -264,16 +301,20 @@ def main():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--cuda", action="store_true")
+    parser.add_argument("--cuda", action="store_true", help="one GPU, rank 0 of a fake group")
+    parser.add_argument("--fake", action="store_true", help="one CPU process, rank 0 of a "
+                        "fake group; with the floor of the eager ratio")
     parser.add_argument("--sizes", nargs="*", help="default: all (small only with --quick)")
     parser.add_argument("--variants", nargs="*", default=VARIANTS, choices=VARIANTS)
     parser.add_argument("--replicated-head", dest="loss_parallel", action="store_false",
                         help="gather the logits and take F.cross_entropy on every rank "
                              "(default: loss parallel, torchtitan's default)")
     args = parser.parse_args()
+    args.fake = args.fake or args.cuda
     report = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
               "mesh": ("dp 2 x tp 2, rank 0 of a fake group on " +
-                       torch.cuda.get_device_name() if args.cuda else
+                       (torch.cuda.get_device_name() if args.cuda else "one CPU thread")
+                       if args.fake else
                        f"dp 2 x tp 2, gloo, 1 thread per rank, {os.cpu_count()} cores"),
               "peak": ("peak_mib: CUDA allocator peak" if args.cuda else
                        "peak_mib: live tensors (MemTracker, eager); rss_peak_mib: RSS above "
@@ -289,9 +330,12 @@ def main():
                     key: fx_[key] / dt[key]
                     for key in ("median_ms", "peak_mib", "rss_peak_mib", "tensor_peak_mib")
                     if key in fx_ and key in dt}
+                if "shared_ms" in fx_:
+                    rows[f"ratio_{mode}"]["floor"] = fx_["shared_ms"] / dt["median_ms"]
         print(size, json.dumps(rows, indent=1), flush=True)
     RESULTS.mkdir(exist_ok=True)
-    name = ("scale_out_cuda" if args.cuda else "scale_out") + (
+    name = ("scale_out_cuda" if args.cuda else "scale_out_fake" if args.fake else
+            "scale_out") + (
         "" if args.loss_parallel else "_replicated_head") + ".json"
     (RESULTS / name).write_text(json.dumps(report, indent=1))
 
