@@ -285,11 +285,9 @@ def run_one(variant, size, args) -> dict:
              "min_ms": 1e3 * max(r["min_s"] for r in results.values()),
              "warmup_s": max(r["warmup_s"] for r in results.values()),
              "loss0": results[0]["loss0"]}
-    for key in ("peak_mib", "rss_peak_mib", "tensor_peak_mib"):
+    for key in ("peak_mib", "rss_peak_mib", "tensor_peak_mib", "shared_ms"):
         if key in results[0]:
             found[key] = max(r[key] for r in results.values())
-    if "shared_ms" in results[0]:
-        found["shared_ms"] = results[0]["shared_ms"]
     if "sdpa_kernels" in results[0]:
         found["sdpa_kernels"] = results[0]["sdpa_kernels"]
     return found
