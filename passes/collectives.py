@@ -67,17 +67,6 @@ def _all_reduce(x: torch.Tensor, group: str, op: str = "sum") -> torch.Tensor:
     return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), op, group))
 
 
-def _rank_major(x: torch.Tensor, blocks, world: int) -> torch.Tensor:
-    """Dim 0 of ``x`` (whole, in ``blocks``) reordered rank-major: rank 0's piece of every
-    block, then rank 1's, ... (what a reduce-scatter hands out in order)."""
-    if blocks == 1:
-        return x
-    if isinstance(blocks, int):
-        return x.unflatten(0, (blocks, world, -1)).transpose(0, 1).flatten(0, 2)
-    pieces = [b.unflatten(0, (world, -1)) for b in x.split(list(blocks))]
-    return torch.cat(pieces, 1).flatten(0, 1)
-
-
 def _all_gather(x: torch.Tensor, dim: int, world: int, group: str,
                 blocks=1) -> torch.Tensor:
     # gathered as laid out (no copy of the input), rank-major; one copy puts each rank's
@@ -94,9 +83,18 @@ def _all_gather(x: torch.Tensor, dim: int, world: int, group: str,
 
 def _reduce_scatter(x: torch.Tensor, dim: int, world: int, group: str,
                     blocks=1) -> torch.Tensor:
-    x = _rank_major(x.movedim(dim, 0), blocks, world).contiguous()
-    out = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(x, "sum", world, group))
-    return out.movedim(0, dim).contiguous()
+    # one copy lays ``x`` out rank-major (rank r's piece of every block, as ``(world, ...)``
+    # with dim ``d`` cut to the piece), so the scattered result needs no reordering
+    dim %= x.dim()
+    if blocks == 1:
+        x = x.unflatten(dim, (world, -1)).movedim(dim, 0)
+    elif isinstance(blocks, int):
+        x = x.unflatten(dim, (blocks, world, -1)).movedim(dim + 1, 0).flatten(dim + 1, dim + 2)
+    else:
+        x = torch.cat([b.unflatten(dim, (world, -1)).movedim(dim, 0)
+                       for b in x.split(list(blocks), dim)], dim + 1)
+    out = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(x.contiguous(), "sum", world, group))
+    return out.squeeze(0)
 
 
 def _chunk(x: torch.Tensor, dim: int, rank: int, world: int, blocks=1) -> torch.Tensor:
