@@ -20,6 +20,7 @@ import torch.utils._pytree as pytree
 from .passes.errors import TraceError
 from torch.amp.autocast_mode import _enter_autocast, _exit_autocast
 
+from .autograd_functions import call_kept_functions, keeping_functions
 from .passes.graph import AUTOCAST, ModuleCall
 from .passes.recompute import REGION
 from .stamping import STAMPED, Shown, Stamper, Unstampable
@@ -85,10 +86,12 @@ def _trace(model, args, kwargs, boundaries, dynamic_shapes, checkpointed, stampe
            keep_stamps):
     regions: dict[int, dict] = {}
     shapes: dict[str, tuple[int, int]] = {}
+    kept: dict[str, type] = {}
     try:
         with fx_traceback.preserve_node_meta(), \
                 _marking_checkpoints(model, checkpointed, regions), \
-                _marking_boundaries(model, boundaries, shapes), stamper.tracing():
+                _marking_boundaries(model, boundaries, shapes), stamper.tracing(), \
+                keeping_functions(kept):
             ep = torch.export.export(model, tuple(args), kwargs=kwargs or {}, strict=False,
                                      dynamic_shapes=dynamic_shapes)
     except Shown:
@@ -112,6 +115,7 @@ def _trace(model, args, kwargs, boundaries, dynamic_shapes, checkpointed, stampe
         warnings.filterwarnings("ignore", message=r"A model attribute `\S*lifted_tensor_\d+` "
                                 r"requires gradient")
         gm = ep.module()
+    call_kept_functions(gm, kept)
     if not keep_stamps:  # the copies of the reference's nodes read them
         stamper.hand_back(gm)
     _read_buffers_by_name(gm, model)

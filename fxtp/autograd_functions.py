@@ -1,0 +1,105 @@
+"""Custom ``torch.autograd.Function`` s keep their own backward through tracing.
+
+``torch.export`` traces a ``Function.apply`` call into the ATen ops of its ``forward``:
+autograd would then differentiate those ops, not run the function's ``backward``. Where the
+two differ (a straight-through estimator, PhiMoE's router, a gradient reversal) the traced
+program's gradients would be silently wrong. So while tracing, every call of a custom
+function that records a gradient (grad mode on, an input requiring grad) is kept as one
+node, whose target, :class:`Apply`, calls ``function.apply`` at run time: the function's
+own forward and backward run, as on a single device. Propagation has no rule for such a
+node: its inputs arrive replicated (gathered where they are not, a reported fallback) and
+its outputs are replicated.
+
+Calls whose arguments cannot be graph constants (a module, an object) are traced into their
+forward, with a warning naming the function. torch's own functions are traced as before:
+custom ops' generated autograd (each op stays a node) and ``torch.utils.checkpoint``'s
+reentrant function (whose backward recomputes its forward).
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+_FUNCTION_APPLY = torch.autograd.Function.apply.__func__
+
+
+class Apply:
+    """A graph target that calls ``function.apply(*args, **kwargs)``."""
+
+    def __init__(self, function: type[torch.autograd.Function]):
+        self.function = function
+        self.__name__ = f"{function.__name__}_apply"
+
+    def __call__(self, *args, **kwargs):
+        return self.function.apply(*args, **kwargs)
+
+    def __repr__(self):
+        return f"{self.function.__module__}.{self.function.__qualname__}.apply"
+
+
+def _records_gradient(args, kwargs) -> bool:
+    leaves = pytree.tree_leaves((args, kwargs))
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
+
+
+@contextlib.contextmanager
+def keeping_functions(kept: dict):
+    """While ``torch.export`` traces, keep each custom function's call as one node;
+    ``kept`` gets the functions by the name the node holds."""
+    from torch._export.wrappers import allow_in_pre_dispatch_graph
+    from torch._higher_order_ops.flat_apply import is_graphable
+    keep = allow_in_pre_dispatch_graph(_FUNCTION_APPLY)
+
+    def apply(cls, *args, **kwargs):
+        if not torch.compiler.is_exporting() or cls.__module__.partition(".")[0] == "torch" \
+                or not _records_gradient(args, kwargs):
+            return _FUNCTION_APPLY(cls, *args, **kwargs)
+        odd = [type(a).__name__ for a in pytree.tree_leaves((args, kwargs))
+               if not is_graphable(a)]
+        if odd:
+            warnings.warn(
+                f"fxtp traces {cls.__module__}.{cls.__qualname__}.apply into its forward: "
+                f"its arguments include {', '.join(sorted(set(odd)))}, which a graph cannot "
+                f"hold, so autograd differentiates the forward's ops instead of running "
+                f"the function's backward (the same gradient only where that backward is "
+                f"the forward's derivative). Pass it tensors and plain constants to keep it.",
+                stacklevel=2)
+            return _FUNCTION_APPLY(cls, *args, **kwargs)
+        kept[f"{cls.__module__}.{cls.__qualname__}"] = cls
+        return keep(cls, *args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = classmethod(_FUNCTION_APPLY)
+
+
+def call_kept_functions(gm: fx.GraphModule, kept: dict) -> None:
+    """Replace the ``flat_apply`` nodes :func:`keeping_functions` left in ``gm`` (and in its
+    sub-graphs) by calls of :class:`Apply` with the original arguments."""
+    for module in list(gm.modules()):
+        if not isinstance(module, fx.GraphModule):
+            continue
+        graph = module.graph
+        for node in list(graph.nodes):
+            if node.target is not torch.ops.higher_order.flat_apply:
+                continue
+            func, spec, *flat = node.args
+            (name, *args), kwargs = pytree.tree_unflatten(flat, getattr(module, spec.target))
+            with graph.inserting_before(node):
+                call = graph.call_function(Apply(kept[name]), tuple(args), kwargs)
+            call.meta.update(node.meta)
+            node.replace_all_uses_with(call)
+            graph.erase_node(node)
+            for attr_node in (func, spec):
+                if not attr_node.users:
+                    graph.erase_node(attr_node)
+                    if hasattr(module, attr_node.target):
+                        delattr(module, attr_node.target)
+        module.recompile()
