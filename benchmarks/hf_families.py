@@ -5,11 +5,12 @@ Each family is built from its config class with small sizes (2 layers, hidden 32
 4 KV heads, vocabulary 128, 4 experts; the MLA families with their own head dims and all
 KV heads), run once on one device, and checked by ``tests.parity.check_parity`` in strict
 mode (a fallback fails): forward, every gradient, 3 AdamW steps, in fp64 with a tight
-tolerance; else in fp64 with fp32's (a model that computes in fp32 inside: Gemma's norms,
-linear attention); else in fp32 (a kernel without an fp64 form: the experts' grouped
-matmul). Each attempt's failure is recorded. Families whose small config the config class
-refuses, or whose model does not run with it on one device, are listed as such. Results:
-``benchmarks/results/hf_families.json``.
+tolerance; else in fp64 with fp32's tolerance (a model that computes in fp32 inside:
+Gemma's norms, linear attention); else in fp32. A mixture of experts whose default
+``grouped_mm`` experts have no fp64 kernel on CPU is tried in fp64 with transformers'
+``batched_mm`` experts first, at either tolerance. Each attempt's failure is recorded.
+Families whose small config the config class refuses, or whose model does not run with it
+on one device, are listed as such. Results: ``benchmarks/results/hf_families.json``.
 
     python -m benchmarks.hf_families [FAMILY ...]   # some families: their entries updated
 """
@@ -52,7 +53,9 @@ def families() -> list[str]:
             getattr(getattr(transformers, name, None), "base_model_tp_plan", None)]
 
 
-def make(kind: str):
+def make(kind: str, experts: str | None = None):
+    """The small model of ``kind``; ``experts`` names transformers' experts implementation
+    (``None``: the family's default)."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -64,25 +67,35 @@ def make(kind: str):
     config._attn_implementation = "sdpa"
     cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[kind])
     try:
-        return cls(config)
+        model = cls(config)
     except Exception:  # noqa: BLE001 - a family that refuses SDPA
         config._attn_implementation = "eager"
-        return cls(config)
+        model = cls(config)
+    if experts is not None:
+        model.set_experts_implementation(experts)
+    return model
 
 
-def check(rank, world, kind, dtype, tolerance):
+def grouped_experts(kind: str) -> bool:
+    """Whether the small model of ``kind`` runs experts by transformers' ``grouped_mm``."""
+    return "grouped_mm" in make(kind).get_experts_implementation().values()
+
+
+def check(rank, world, kind, dtype, tolerance, experts=None):
     from tests.corpus import TOKENS
     from tests.parity import check_parity
     warnings.simplefilter("ignore")
-    counts = check_parity(rank, world, lambda: make(kind), "auto", [TOKENS], dtype=dtype,
+    counts = check_parity(rank, world, lambda: make(kind, experts), "auto", [TOKENS], dtype=dtype,
                           strict=True, input_grads=False, kwargs={"use_cache": False},
                           output=lambda out: out.logits, compare_dtype=tolerance)
     return [dict(c) for c in counts]
 
 
-ATTEMPTS = ((torch.float64, torch.float64),  # (dtype, tolerance of)
-            (torch.float64, torch.float32),  # a model computing in fp32 inside
-            (torch.float32, torch.float32))  # a kernel without an fp64 form
+ATTEMPTS = ((torch.float64, torch.float64, None),  # (dtype, tolerance of, experts)
+            (torch.float64, torch.float64, "batched_mm"),  # experts with an fp64 kernel
+            (torch.float64, torch.float32, None),  # a model computing in fp32 inside
+            (torch.float64, torch.float32, "batched_mm"),  # ... and experts
+            (torch.float32, torch.float32, None))  # a kernel without an fp64 form
 
 
 def run(pool, kind) -> dict:
@@ -91,16 +104,19 @@ def run(pool, kind) -> dict:
         make(kind)(TOKENS, use_cache=False)
     except Exception as e:  # noqa: BLE001 - reported
         return {"result": "config refused", "why": f"{type(e).__name__}: {e}"[:300]}
-    tried = []
-    for dtype, tolerance in ATTEMPTS:
+    tried, grouped = [], grouped_experts(kind)
+    for dtype, tolerance, experts in ATTEMPTS:
+        if experts is not None and not grouped:
+            continue
         start = time.perf_counter()
         try:
-            fwd, bwd = pool.run(check, kind, dtype, tolerance, timeout=600)[0]
+            fwd, bwd = pool.run(check, kind, dtype, tolerance, experts, timeout=600)[0]
             return {"result": "parity", "dtype": str(dtype), "tolerance": str(tolerance),
-                    "forward": fwd, "backward": bwd,
+                    "experts": experts, "forward": fwd, "backward": bwd,
                     "seconds": round(time.perf_counter() - start, 1), "tried": tried}
         except Exception as e:  # noqa: BLE001 - the next attempt, or reported
-            tried.append(f"{dtype} ({tolerance} tolerance): {_last_error(str(e))}")
+            tried.append(f"{dtype} ({tolerance} tolerance, {experts or 'default'} experts):"
+                         f" {_last_error(str(e))}")
     return {"result": "failed", "tried": tried}
 
 
