@@ -384,6 +384,17 @@ def hf_qwen3_moe():
                moe_intermediate_size=32, pad_token_id=0)
 
 
+def hf_phimoe():
+    """PhiMoE: 4 experts, routed in training by sparsemixer, which samples experts (Gumbel)
+    and scales their weights through a custom ``autograd.Function`` whose backward ignores
+    the mask it applied (straight through); transformers' ``batched_mm`` experts, which have
+    an fp64 kernel."""
+    model = _hf("PhimoeConfig", "PhimoeForCausalLM", num_local_experts=4,
+                num_experts_per_tok=2, pad_token_id=0)
+    model.set_experts_implementation("batched_mm")
+    return model
+
+
 def hf_llama4():
     """Llama 4 (text): a shared expert beside 4 routed ones whose weights are stored
     (experts, in, out) and multiplied by ``bmm``; the router scales the experts' inputs."""
