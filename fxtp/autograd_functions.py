@@ -91,9 +91,11 @@ def call_kept_functions(gm: fx.GraphModule, kept: dict) -> None:
             if node.target is not torch.ops.higher_order.flat_apply:
                 continue
             func, spec, *flat = node.args
-            (name, *args), kwargs = pytree.tree_unflatten(flat, getattr(module, spec.target))
+            args, kwargs = pytree.tree_unflatten(flat, getattr(module, spec.target))
+            if not (args and isinstance(args[0], str) and args[0] in kept):
+                continue  # not a function's call: left for the trace to reject, naming it
             with graph.inserting_before(node):
-                call = graph.call_function(Apply(kept[name]), tuple(args), kwargs)
+                call = graph.call_function(Apply(kept[args[0]]), tuple(args[1:]), kwargs)
             call.meta.update(node.meta)
             node.replace_all_uses_with(call)
             graph.erase_node(node)
