@@ -76,11 +76,6 @@ def make(kind: str, experts: str | None = None):
     return model
 
 
-def grouped_experts(kind: str) -> bool:
-    """Whether the small model of ``kind`` runs experts by transformers' ``grouped_mm``."""
-    return "grouped_mm" in make(kind).get_experts_implementation().values()
-
-
 def check(rank, world, kind, dtype, tolerance, experts=None):
     from tests.corpus import TOKENS
     from tests.parity import check_parity
@@ -101,10 +96,11 @@ ATTEMPTS = ((torch.float64, torch.float64, None),  # (dtype, tolerance of, exper
 def run(pool, kind) -> dict:
     from tests.corpus import TOKENS
     try:  # the small config must build and run on one device
-        make(kind)(TOKENS, use_cache=False)
+        model = make(kind)
+        model(TOKENS, use_cache=False)
     except Exception as e:  # noqa: BLE001 - reported
         return {"result": "config refused", "why": f"{type(e).__name__}: {e}"[:300]}
-    tried, grouped = [], grouped_experts(kind)
+    tried, grouped = [], "grouped_mm" in model.get_experts_implementation().values()
     for dtype, tolerance, experts in ATTEMPTS:
         if experts is not None and not grouped:
             continue

@@ -41,12 +41,6 @@ class Apply:
         return f"{self.function.__module__}.{self.function.__qualname__}.apply"
 
 
-def _records_gradient(args, kwargs) -> bool:
-    leaves = pytree.tree_leaves((args, kwargs))
-    return torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
-
-
 @contextlib.contextmanager
 def keeping_functions(kept: dict):
     """While ``torch.export`` traces, keep each custom function's call as one node;
@@ -56,11 +50,13 @@ def keeping_functions(kept: dict):
     keep = allow_in_pre_dispatch_graph(_FUNCTION_APPLY)
 
     def apply(cls, *args, **kwargs):
+        leaves = pytree.tree_leaves((args, kwargs))
+        records_gradient = torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
         if not torch.compiler.is_exporting() or cls.__module__.partition(".")[0] == "torch" \
-                or not _records_gradient(args, kwargs):
+                or not records_gradient:
             return _FUNCTION_APPLY(cls, *args, **kwargs)
-        odd = [type(a).__name__ for a in pytree.tree_leaves((args, kwargs))
-               if not is_graphable(a)]
+        odd = [type(a).__name__ for a in leaves if not is_graphable(a)]
         if odd:
             warnings.warn(
                 f"fxtp traces {cls.__module__}.{cls.__qualname__}.apply into its forward: "
