@@ -30,7 +30,7 @@ A call that matches no reference of its kind is traced in full and becomes anoth
 reference (Gemma-2's sliding-window and global layers alternate: each stamps its own). A
 reference whose nodes do not form a closed region (a value kept on ``self`` and read
 outside, a graph input read directly, another module's state, a higher-order op with
-subgraphs) makes its kind traced again without stamping (:class:`Unstampable`).
+subgraphs, a gradient hook, whose closure is that call's) makes its kind traced again without stamping (:class:`Unstampable`).
 """
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from .hooks import GradientHooks
 from .passes.graph import FALLBACK, STAMP, Stamp, attr, module_fqn, stamp_edge
 from .passes.modules import hold, moved_stack
 from .passes.recompute import REGION
@@ -336,6 +337,8 @@ class Stamper:
                 mark = _stamp_mark(node)
                 if mark and node.args[1] != reference.fqn:
                     raise Unstampable(reference.fqn, f"overlaps '{node.args[1]}'")
+                if isinstance(node.target, GradientHooks):  # closures of this block's call
+                    raise Unstampable(reference.fqn, "registers a gradient hook")
                 for arg in node.all_input_nodes:
                     if arg.op == "get_attr" and isinstance(attr(graph.owning_module,
                                                                 arg.target), fx.GraphModule):

@@ -7,6 +7,7 @@ says which graph values are their inputs and outputs.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import warnings
 from typing import Iterable, Optional
@@ -21,6 +22,7 @@ from .passes.errors import TraceError
 from torch.amp.autocast_mode import _enter_autocast, _exit_autocast
 
 from .autograd_functions import call_kept_functions, keeping_functions
+from .hooks import call_gradient_hooks, check_model_hooks, keeping_gradient_hooks
 from .passes.graph import AUTOCAST, ModuleCall
 from .passes.recompute import REGION
 from .stamping import STAMPED, Shown, Stamper, Unstampable
@@ -59,6 +61,7 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: Optional[dict],
     and stamped (:mod:`fxtp.stamping`); ``gm.meta[STAMPED]``: block -> the block it was
     copied from. ``keep_stamps``: each stamped block stays one node (:meth:`Stamper.keep`),
     and its modules have no calls; else it is a copy of its reference's nodes."""
+    check_model_hooks(model)
     boundaries = tuple(b for b in boundaries if b)
     checkpointed = tuple(checkpointed)
     blocks = list(blocks)
@@ -87,11 +90,12 @@ def _trace(model, args, kwargs, boundaries, dynamic_shapes, checkpointed, stampe
     regions: dict[int, dict] = {}
     shapes: dict[str, tuple[int, int]] = {}
     kept: dict[str, type] = {}
+    hooks: collections.OrderedDict = collections.OrderedDict()  # a handle's weak reference
     try:
         with fx_traceback.preserve_node_meta(), \
                 _marking_checkpoints(model, checkpointed, regions), \
                 _marking_boundaries(model, boundaries, shapes), stamper.tracing(), \
-                keeping_functions(kept):
+                keeping_functions(kept), keeping_gradient_hooks(hooks):
             ep = torch.export.export(model, tuple(args), kwargs=kwargs or {}, strict=False,
                                      dynamic_shapes=dynamic_shapes)
     except Shown:
@@ -116,6 +120,7 @@ def _trace(model, args, kwargs, boundaries, dynamic_shapes, checkpointed, stampe
                                 r"requires gradient")
         gm = ep.module()
     call_kept_functions(gm, kept)
+    call_gradient_hooks(gm, hooks)
     if not keep_stamps:  # the copies of the reference's nodes read them
         stamper.hand_back(gm)
     _read_buffers_by_name(gm, model)
