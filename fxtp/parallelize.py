@@ -35,6 +35,7 @@ from .passes.errors import PlanError, StampMismatch
 from .guards import check_fresh, check_same_on_every_rank, guard_inputs
 from .materialize import fake_tensors, materialize, meta_tensors, swapped
 from .mesh import resolve_group
+from .modes import keep_programs, meta_copy
 from .plan import Plan, block_fqns, module_fqns, resolve_plan, tied_names
 from .stamping import STAMPED, copied_fallbacks
 from .trace import trace
@@ -221,6 +222,20 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
         gm = gm or passes(keep_stamps=False)
     for message in gm.fxtp.fallbacks:
         warnings.warn("fxtp: " + message, stacklevel=2)
+    try:
+        shadow, unbuildable = meta_copy(model), ""
+    except Exception as e:  # noqa: BLE001 - said when the other mode is asked for
+        shadow, unbuildable = None, f"copying the model failed ({type(e).__name__}: {e})"
+
+    def other_mode(training: bool) -> fx.GraphModule:
+        with torch.random.fork_rng(devices=[]):  # a meta model's init seed draws one number
+            return parallelize(shadow.train(training), plan, mesh,
+                               example_inputs=example_inputs, example_kwargs=example_kwargs,
+                               dynamic_shapes=dynamic_shapes, strict=strict, device="meta",
+                               checkpoint=checkpoint, modules=modules,
+                               dtensor_params=dtensor_params, param_dtype=param_dtype,
+                               stamp_blocks=stamp_blocks)
+    keep_programs(gm, model.training, other_mode if shadow is not None else None, unbuildable)
     return gm
 
 

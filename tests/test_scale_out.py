@@ -105,6 +105,10 @@ def train(rank, world, wrap):
         torch.testing.assert_close(full(p.detach()), ref.get_parameter(name).detach(),
                                    **tolerance(torch.float64, steps=3),
                                    msg=lambda m: f"{name} after 3 AdamW steps: {m}")
+    gm.eval(), ref.eval()  # the eval program, traced now, reads the trained shards
+    with torch.no_grad():
+        torch.testing.assert_close(gm(tokens), ref(TOKENS).chunk(2)[mesh["dp"].get_local_rank()],
+                                   **tolerance(torch.float64, steps=3))
     return gathers
 
 

@@ -1,0 +1,73 @@
+"""``gm.train()`` / ``gm.eval()`` switch the program: a trace records the mode the model was
+in (dropout on or off, batch statistics or running ones), so evaluating the module one
+trains runs the eval program, as on a single device."""
+import copy
+
+import torch
+import torch.nn as nn
+
+import fxtp
+from tests import models
+from tests.parity import example, local_of, tolerance
+
+PLAN = {"up": fxtp.ColwiseParallel(), "down": fxtp.RowwiseParallel()}
+
+
+class NormedMlp(nn.Module):
+    """Batch norm (running statistics in eval) before an MLP with dropout inside."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.BatchNorm1d(models.DIM)
+        self.up = nn.Linear(models.DIM, 32)
+        self.drop = nn.Dropout(0.5)
+        self.down = nn.Linear(32, models.DIM)
+
+    def forward(self, x):
+        return self.down(self.drop(torch.relu(self.up(self.norm(x)))))
+
+
+def trained_then_evaluated(rank, world, dtype):
+    torch.manual_seed(0)
+    model = NormedMlp().to(dtype)
+    ref = copy.deepcopy(model)
+    x = example(8, models.DIM).to(dtype)
+    gm = fxtp.parallelize(model, PLAN, example_inputs=(x,))
+    assert gm.training and ref.training
+    out = gm(x)  # a training step: batch statistics, dropout, running statistics updated
+    out.sum().backward()
+    ref(x)
+    tol = tolerance(dtype)
+    for name in ("norm.running_mean", "norm.running_var"):
+        torch.testing.assert_close(local_of(gm.get_buffer(name)), ref.get_buffer(name), **tol)
+    gm.eval(), ref.eval()
+    with torch.no_grad(), fxtp.count_collectives() as counts:
+        first = gm(x)
+    torch.testing.assert_close(first, ref(x).detach(), **tol)
+    assert torch.equal(gm(x), first)  # no dropout
+    gm.train(), ref.train()
+    assert not torch.equal(gm(x), gm(x))  # dropout again, running statistics updated twice
+    ref(x), ref(x)
+    gm.eval(), ref.eval()
+    torch.testing.assert_close(gm(x), ref(x).detach(), **tol)
+    return dict(counts.counts), gm.fxtp.fallbacks
+
+
+def test_evaluating_the_trained_module_runs_the_eval_program(ranks):
+    for dtype in (torch.float64, torch.float32):
+        counts, fallbacks = ranks.run(trained_then_evaluated, dtype)[0]
+        assert counts == {"all_reduce": 1}
+        assert fallbacks == []
+
+
+def test_a_module_traced_for_serving_trains_with_dropout(fake_group):
+    fake_group(2)
+    model = NormedMlp().eval()
+    x = torch.randn(8, models.DIM)
+    gm = fxtp.parallelize(model, PLAN, example_inputs=(x,))
+    assert not gm.training
+    assert torch.equal(gm(x), gm(x))
+    gm.train()
+    assert gm.training and all(m.training for m in gm.modules())
+    assert not torch.equal(gm(x), gm(x))
+    assert not model.training  # the user's model is left as it was
