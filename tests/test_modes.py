@@ -3,6 +3,7 @@ in (dropout on or off, batch statistics or running ones), so evaluating the modu
 trains runs the eval program, as on a single device."""
 import copy
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -53,11 +54,11 @@ def trained_then_evaluated(rank, world, dtype):
     return dict(counts.counts), gm.fxtp.fallbacks
 
 
-def test_evaluating_the_trained_module_runs_the_eval_program(ranks):
-    for dtype in (torch.float64, torch.float32):
-        counts, fallbacks = ranks.run(trained_then_evaluated, dtype)[0]
-        assert counts == {"all_reduce": 1}
-        assert fallbacks == []
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_evaluating_the_trained_module_runs_the_eval_program(ranks, dtype):
+    counts, fallbacks = ranks.run(trained_then_evaluated, dtype)[0]
+    assert counts == {"all_reduce": 1}
+    assert fallbacks == []
 
 
 def test_a_module_traced_for_serving_trains_with_dropout(fake_group):
