@@ -33,7 +33,7 @@ from torch.distributed.tensor._utils import compute_global_tensor_info
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .passes.collectives import _all_gather, _gather_units
-from .passes.graph import attr, recompile_alone
+from .passes.graph import attr, keep_on_copy, recompile_alone
 from .passes.placement import (BlockShard, UnitShard, dtensor_placement, is_sharded, is_whole,
                                local_part)
 
@@ -100,6 +100,9 @@ def as_dtensors(gm: fx.GraphModule, placements: dict, shapes: dict, mesh, world:
             module._fxtp_buffers = {name: sharded_buffers[prefix + name]
                                     for name in module._buffers
                                     if prefix + name in sharded_buffers}
+            if isinstance(module, fx.GraphModule):
+                for name in ("_fxtp_plain", "_fxtp_buffers"):
+                    keep_on_copy(module, name)
             module._register_state_dict_hook(_relay_for_checkpoint)
             module._register_load_state_dict_pre_hook(_lay_back, with_module=True)
 

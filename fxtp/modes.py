@@ -11,7 +11,8 @@ keep working across a switch. The first switch to a mode runs the passes again, 
 collectives: call it on every rank, like every other step of a tensor-parallel program.
 
 Only the root's ``train`` switches programs: a submodule's mode set alone (``gm.layers[0]
-.eval()``) does not change the program it runs.
+.eval()``) does not change the program it runs. ``copy.deepcopy(gm)`` (an EMA model)
+switches its own copies.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 import torch.nn as nn
 
 from .passes.errors import TraceError
-from .passes.graph import attr
+from .passes.graph import attr, keep_on_copy
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -40,15 +41,15 @@ def meta_copy(model: nn.Module) -> nn.Module:
 
 
 class Programs:
-    """The graphs of each mode for the ``GraphModule`` s of one result's module tree."""
+    """The graphs of each mode for the ``GraphModule`` s of one result's module tree, with
+    the constants each graph reads besides the module's tensors and submodules."""
 
     def __init__(self, gm: fx.GraphModule, training: bool,
                  build: Optional[Callable[[bool], fx.GraphModule]], unbuildable: str = ""):
         self.modules = [(path, m) for path, m in gm.named_modules()
                         if isinstance(m, fx.GraphModule)]
-        self.classes = [type(m) for _, m in self.modules]
         self.mode = training
-        self.graphs = {training: [m.graph for _, m in self.modules]}
+        self.graphs = {training: [(m.graph, {}) for _, m in self.modules]}
         self.build, self.unbuildable = build, unbuildable
 
     def switch(self, training: bool) -> None:
@@ -59,22 +60,23 @@ class Programs:
                     f"trace its {_name(training)} program: {self.unbuildable}. Parallelize "
                     f"the model in the mode it runs in.")
             self.graphs[training] = self._adopt(self.build(training), training)
-        for (_, module), cls, graph in zip(self.modules, self.classes,
-                                           self.graphs[training]):
+        for (_, module), (graph, constants) in zip(self.modules, self.graphs[training]):
+            for name, value in constants.items():
+                setattr(module, name, value)
             wrapped = type(module)  # fx's class of it, or a subclass a wrapper made (FSDP2)
-            module.__class__ = cls  # the code goes on fx's class: a subclass would call itself
-            try:
+            module.__class__ = next(c for c in wrapped.__mro__ if "forward" in vars(c))
+            try:  # the code goes on fx's class: written on a subclass, it would call itself
                 module.graph = graph
                 _LazyGraphModule.force_recompile(module)
             finally:
                 module.__class__ = wrapped
         self.mode = training
 
-    def _adopt(self, other: fx.GraphModule, training: bool) -> list[fx.Graph]:
+    def _adopt(self, other: fx.GraphModule, training: bool) -> list[tuple]:
         """``other``'s graphs, each reading the tensors and submodules of the module at its
-        path here; the constants it holds besides are copied over under new names."""
-        graphs = []
-        copied: dict[fx.Node, tuple] = {}  # (blocks stamped alike share one graph)
+        path here, and the constants each reads besides, under new names."""
+        adopted = []
+        renamed: dict[fx.Node, tuple] = {}  # (blocks stamped alike share one graph)
         for path, module in self.modules:
             theirs = _submodule(other, path)
             if not isinstance(theirs, fx.GraphModule):
@@ -82,17 +84,18 @@ class Programs:
                     f"in {_name(training)} mode the model traces to another module tree "
                     f"('{path or '(the root)'}' is not a part of the program of its own "
                     f"there): parallelize the model in the mode it runs in.")
+            constants = {}
             for node in theirs.graph.nodes:
-                if node not in copied and (node.op not in ("get_attr", "call_module") or
-                                           _state(theirs, node.target)):
+                if node not in renamed and (node.op not in ("get_attr", "call_module") or
+                                            _state(theirs, node.target)):
                     continue
-                if node not in copied:
-                    copied[node] = (f"_fxtp_{_name(training)}_{node.target.replace('.', '_')}",
-                                    attr(theirs, node.target))
-                    node.target = copied[node][0]
-                setattr(module, *copied[node])
-            graphs.append(theirs.graph)
-        return graphs
+                if node not in renamed:
+                    renamed[node] = (f"_fxtp_{_name(training)}_{node.target.replace('.', '_')}",
+                                     attr(theirs, node.target))
+                    node.target = renamed[node][0]
+                constants[renamed[node][0]] = renamed[node][1]
+            adopted.append((theirs.graph, constants))
+        return adopted
 
 
 def _state(module: nn.Module, target: str) -> bool:
@@ -122,6 +125,12 @@ def keep_programs(gm: fx.GraphModule, training: bool,
     ``build(mode)``: a result of the same model and plan traced in that mode."""
     nn.Module.train(gm, training)
     gm._fxtp_programs = Programs(gm, training, build, unbuildable)
+    keep_on_copy(gm, "_fxtp_programs")  # a copy (an EMA model) switches its own modules
+    _switching(gm)
+    gm._register_deepcopy_hook(_switching)
+
+
+def _switching(gm: fx.GraphModule) -> None:
     type(gm).train = _train  # the class is gm's own (fx makes one per GraphModule)
 
 

@@ -21,7 +21,7 @@ from .passes.decompose import decompose_unruled
 from .passes.buffers import shard_written_buffers
 from .passes.localize import localize
 from .passes.modules import generate_code, outline_modules, scope_of, stamp_modules
-from .passes.graph import PLACEMENT
+from .passes.graph import PLACEMENT, keep_on_copy
 from .passes.propagate import propagate
 from .passes.recompute import REGION, outline_checkpoints
 from .passes.rewrite import rewrite
@@ -209,6 +209,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
             gm.fxtp = _info(gm, model, shardings, group, fallbacks, placements, shapes,
                             device_mesh)
             gm.fxtp.inlined = tuple(inlined)
+            keep_on_copy(gm, "fxtp")
             dump.report(gm)
         return gm
 

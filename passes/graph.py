@@ -98,6 +98,13 @@ def recompile_alone(gm: fx.GraphModule) -> None:
         del gm.__dict__["_recompile_submodules"]
 
 
+def keep_on_copy(gm: fx.GraphModule, name: str) -> None:
+    """Have ``copy.deepcopy(gm)`` carry ``gm``'s attribute ``name``, copied along with the
+    rest (fx's copy keeps only the attributes its graph reads)."""
+    preserved = gm.meta.setdefault(fx.graph_module._USER_PRESERVED_ATTRIBUTES_KEY, {})
+    preserved[name] = getattr(gm, name)
+
+
 def attr(module: torch.nn.Module, target: str):
     """What a ``get_attr`` target (a dotted path) names in ``module``."""
     owner, _, name = target.rpartition(".")

@@ -72,3 +72,20 @@ def test_a_module_traced_for_serving_trains_with_dropout(fake_group):
     assert gm.training and all(m.training for m in gm.modules())
     assert not torch.equal(gm(x), gm(x))
     assert not model.training  # the user's model is left as it was
+
+
+def test_a_copy_switches_its_own_program(fake_group):
+    """An EMA model is a ``copy.deepcopy`` of the module being trained: it evaluates with
+    the eval program while the original keeps training, and keeps fxtp's bookkeeping."""
+    fake_group(2)
+    x = torch.randn(8, models.DIM)
+    gm = fxtp.parallelize(NormedMlp(), PLAN, example_inputs=(x,))
+    ema = copy.deepcopy(gm).eval()
+    assert gm.training and torch.equal(ema(x), ema(x))
+    assert ema.fxtp.param_placements == gm.fxtp.param_placements
+    assert ema.state_dict().keys() == gm.state_dict().keys()
+    gm.eval()
+    torch.testing.assert_close(gm(x), ema(x), rtol=0, atol=0)
+    gm.train()
+    assert not torch.equal(gm(x), gm(x)) and not ema.training
+    assert torch.equal(ema(x), ema(x))
