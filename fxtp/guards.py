@@ -9,18 +9,23 @@
   against what was traced: tensor shapes (local shapes for sharded root inputs; dims
   declared dynamic are free) and dtypes, and the values of non-tensor inputs, which the
   graph has baked in as constants.
+* :func:`guard_casts`: ``gm.to(dtype)`` / ``half()`` / ``bfloat16()`` would give its
+  tensors another floating dtype than the program was traced for (whose casts, and the
+  casts it left out as no-ops, are part of it): refused before anything changes.
 """
 from __future__ import annotations
 
 import hashlib
+import itertools
 import operator
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+import torch.nn as nn
 
-from .passes.graph import PLACEMENT
+from .passes.graph import PLACEMENT, keep_on_copy
 from .passes.placement import describe, is_sharded
 from .passes.rules import returns_alias, writes_first_input
 
@@ -257,3 +262,34 @@ def _short(x: Optional[object]) -> str:
         return f"a tensor of shape {tuple(x.shape)}"
     text = repr(x)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def guard_casts(gm: fx.GraphModule, traced_for: Optional[torch.dtype] = None) -> None:
+    """Make ``gm`` (and ``copy.deepcopy`` s of it) refuse a cast of its floating tensors
+    to another dtype than theirs or ``traced_for`` (``parallelize``'s ``param_dtype``)."""
+    gm._fxtp_traced_for = traced_for
+    keep_on_copy(gm, "_fxtp_traced_for")
+    _refusing_casts(gm)
+    gm._register_deepcopy_hook(_refusing_casts)
+
+
+def _refusing_casts(gm: fx.GraphModule) -> None:
+    type(gm)._apply = _apply_keeping_dtypes  # the class is gm's own (fx makes one per module)
+
+
+def _apply_keeping_dtypes(self, fn, recurse=True):
+    dtypes = {t.dtype for t in itertools.chain(self.parameters(), self.buffers())
+              if t.is_floating_point()}
+    for dtype in dtypes:
+        try:
+            made = fn(torch.empty(0, dtype=dtype)).dtype
+        except Exception:  # noqa: BLE001 - not a cast this can tell; the call says why
+            continue
+        if made not in (dtype, self.__dict__.get("_fxtp_traced_for")):
+            raise InputError(
+                f"fxtp traced this module's program for {dtype} tensors (the casts it makes, "
+                f"and those it left out as no-ops, are part of it), so it cannot compute in "
+                f"{made}. Parallelize a {made} model instead (model.to({made}) before "
+                f"fxtp.parallelize); for FSDP2's mixed precision, pass "
+                f"param_dtype={made} to fxtp.parallelize.")
+    return nn.Module._apply(self, fn, recurse)

@@ -32,7 +32,7 @@ from .passes.units import deal_consumers, deal_sources
 from .dump import Dumper
 from .dtensor_params import as_dtensors
 from .passes.errors import PlanError, StampMismatch
-from .guards import check_fresh, check_same_on_every_rank, guard_inputs
+from .guards import check_fresh, check_same_on_every_rank, guard_casts, guard_inputs
 from .materialize import fake_tensors, materialize, meta_tensors, swapped
 from .mesh import resolve_group
 from .modes import keep_programs, meta_copy
@@ -237,6 +237,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
                                dtensor_params=dtensor_params, param_dtype=param_dtype,
                                stamp_blocks=stamp_blocks)
     keep_programs(gm, model.training, other_mode if shadow is not None else None, unbuildable)
+    guard_casts(gm, param_dtype)
     return gm
 
 

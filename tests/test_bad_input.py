@@ -1,5 +1,7 @@
 """Bad input: one test each, naming what the error must say (the FQN, op, input or rank
 involved, and the fix)."""
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -65,6 +67,23 @@ def test_inputs_of_another_shape_than_traced_name_the_input_and_dynamic_shapes(f
                                dynamic_shapes={"x": {0: Dim("batch")}})
     with pytest.raises(fxtp.InputError, match=r"shape \(3, 8\).*traced for \(\*, 16\)"):
         dynamic(torch.randn(3, 8))
+
+
+def test_a_cast_to_another_dtype_than_traced_is_refused_before_it_changes_anything(
+        fake_group):
+    fake_group(2)
+    gm = fxtp.parallelize(models.MLP(), models.MLP_PLAN, example_inputs=(torch.randn(B, D),))
+    for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.half(),
+                 lambda m: copy.deepcopy(m).double()):
+        with pytest.raises(fxtp.InputError, match=r"traced this module's program for "
+                                                  r"torch.float32 .*param_dtype="):
+            cast(gm)
+    assert {p.dtype for p in gm.parameters()} == {torch.float32}
+    gm.to("cpu").float()  # no change of dtype: fine
+    mixed = fxtp.parallelize(models.MLP(), models.MLP_PLAN, example_inputs=(torch.randn(B, D),),
+                             param_dtype=torch.bfloat16)
+    mixed.to(torch.bfloat16)  # what it was traced for
+    assert {p.dtype for p in mixed.parameters()} == {torch.bfloat16}
 
 
 def test_a_sharded_root_input_must_be_this_ranks_shard(fake_group):
