@@ -155,8 +155,10 @@ def _forwards_partial(node: fx.Node) -> bool:
 
 def _sync_partial_grads(graph: fx.Graph, group: str, scope) -> None:
     params = {}  # replicated parameter (or value of parameters) -> users giving partial grads
-    needs_grad = gradient_carriers(  # an input may be given requires_grad at run time, and a
-        graph, lambda n, v: n.op == "placeholder" or  # frozen parameter unfrozen
+    trainable = gradient_carriers(  # an input may be given requires_grad at run time
+        graph, lambda n, v: n.op == "placeholder" or getattr(v, "requires_grad", False))
+    needs_grad = gradient_carriers(  # and a frozen parameter may be unfrozen
+        graph, lambda n, v: n in trainable or
         n.op == "get_attr" and isinstance(attr(graph.owning_module, n.target), nn.Parameter))
     from_params = computed_from_parameters(graph)
     for node in list(graph.nodes):
@@ -168,8 +170,8 @@ def _sync_partial_grads(graph: fx.Graph, group: str, scope) -> None:
         partial_users = [u for u in node.users if _contributes_partial_grad(u)]
         if not partial_users:
             continue
-        if node in from_params and v.requires_grad:  # frozen ones: a sync each, which runs
-            params[node] = partial_users             # only once they train again
+        if node in from_params and node in trainable:  # frozen ones: a sync each, which
+            params[node] = partial_users                # runs only once they train again
             continue
         if node.target in (collectives.all_gather, collectives.all_gather_units) and \
                 len(partial_users) == len(node.users):
