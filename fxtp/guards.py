@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
-from .passes.graph import PLACEMENT, keep_on_copy
+from .passes.graph import PLACEMENT, keep_on_copy, own_method
 from .passes.placement import describe, is_sharded
 from .passes.rules import returns_alias, writes_first_input
 
@@ -269,12 +269,7 @@ def guard_casts(gm: fx.GraphModule, traced_for: Optional[torch.dtype] = None) ->
     to another dtype than theirs or ``traced_for`` (``parallelize``'s ``param_dtype``)."""
     gm._fxtp_traced_for = traced_for
     keep_on_copy(gm, "_fxtp_traced_for")
-    _refusing_casts(gm)
-    gm._register_deepcopy_hook(_refusing_casts)
-
-
-def _refusing_casts(gm: fx.GraphModule) -> None:
-    type(gm)._apply = _apply_keeping_dtypes  # the class is gm's own (fx makes one per module)
+    own_method(gm, "_apply", _apply_keeping_dtypes)
 
 
 def _apply_keeping_dtypes(self, fn, recurse=True):

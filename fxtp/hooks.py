@@ -133,18 +133,13 @@ def call_gradient_hooks(gm: fx.GraphModule, hooks: dict) -> None:
         for tensor, (meta, its_hooks) in marked.items():
             if not (its_hooks and tensor.users):
                 continue
-            first = min(tensor.users, key=_position(graph))
+            first = min(tensor.users)  # nodes order as they stand in the graph
             with graph.inserting_before(first):
                 call = graph.call_function(GradientHooks(tuple(its_hooks)), (tensor,))
             call.meta.update(meta, val=tensor.meta.get("val"))
             tensor.replace_all_uses_with(call, delete_user_cb=lambda user: user is not call)
         if marked:
             module.recompile()
-
-
-def _position(graph: fx.Graph):
-    order = {node: i for i, node in enumerate(graph.nodes)}
-    return order.__getitem__
 
 
 def check_model_hooks(model: nn.Module) -> None:

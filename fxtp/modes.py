@@ -26,7 +26,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 import torch.nn as nn
 
 from .passes.errors import TraceError
-from .passes.graph import attr, keep_on_copy
+from .passes.graph import attr, keep_on_copy, own_method
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -126,12 +126,7 @@ def keep_programs(gm: fx.GraphModule, training: bool,
     nn.Module.train(gm, training)
     gm._fxtp_programs = Programs(gm, training, build, unbuildable)
     keep_on_copy(gm, "_fxtp_programs")  # a copy (an EMA model) switches its own modules
-    _switching(gm)
-    gm._register_deepcopy_hook(_switching)
-
-
-def _switching(gm: fx.GraphModule) -> None:
-    type(gm).train = _train  # the class is gm's own (fx makes one per GraphModule)
+    own_method(gm, "train", _train)
 
 
 def _train(self, mode: bool = True):

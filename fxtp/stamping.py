@@ -30,7 +30,8 @@ A call that matches no reference of its kind is traced in full and becomes anoth
 reference (Gemma-2's sliding-window and global layers alternate: each stamps its own). A
 reference whose nodes do not form a closed region (a value kept on ``self`` and read
 outside, a graph input read directly, another module's state, a higher-order op with
-subgraphs, a gradient hook, whose closure is that call's) makes its kind traced again without stamping (:class:`Unstampable`).
+subgraphs, a gradient hook, whose closure is that call's) makes its kind traced again
+without stamping (:class:`Unstampable`).
 """
 from __future__ import annotations
 

@@ -105,6 +105,18 @@ def keep_on_copy(gm: fx.GraphModule, name: str) -> None:
     preserved[name] = getattr(gm, name)
 
 
+def own_method(gm: fx.GraphModule, name: str, function) -> None:
+    """Make ``function`` ``gm``'s method ``name``, and that of every ``copy.deepcopy`` of
+    it: set on the class fx makes for each ``GraphModule`` (a copy gets a class of its
+    own)."""
+    _set_on_class(gm, name, function)
+    gm._register_deepcopy_hook(functools.partial(_set_on_class, name=name, function=function))
+
+
+def _set_on_class(gm: fx.GraphModule, name: str, function) -> None:
+    setattr(type(gm), name, function)
+
+
 def attr(module: torch.nn.Module, target: str):
     """What a ``get_attr`` target (a dotted path) names in ``module``."""
     owner, _, name = target.rpartition(".")
