@@ -24,7 +24,9 @@ class _VocabParallelEmbedding(torch.autograd.Function):
                                                     padding_idx)
         ctx.save_for_backward(indices)
         ctx.offset, ctx.rows, ctx.padding_idx = offset, weight.shape[0], padding_idx
-        return F.embedding(local, weight, padding_idx=local_padding).masked_fill_(
+        # out of place: torch 2.11's dynamo, tracing this Function, gets the weight's
+        # gradient wrong when the lookup's output is filled in place (2.13 does not)
+        return F.embedding(local, weight, padding_idx=local_padding).masked_fill(
             outside.unsqueeze(-1), 0)
 
     @staticmethod

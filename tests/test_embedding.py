@@ -86,3 +86,25 @@ def test_vocab_sharded_lookup_matches_the_full_table_and_keeps_only_the_indices(
         assert saved_bytes(vocab_parallel_embedding, shard, TOKENS, rank * rows,
                            padding_idx) == TOKENS.untyped_storage().nbytes()
     torch.testing.assert_close(sum(outputs), expected.detach(), rtol=0, atol=0)
+
+
+def test_vocab_sharded_lookup_under_dynamo_matches_eager():
+    """Traced by dynamo, each simulated rank's lookup gives eager's output and weight
+    gradient (torch 2.11's dynamo got the gradient wrong when the lookup filled its output
+    in place; the CUDA bf16 compile test caught it)."""
+    from fxtp.passes.local_ops import vocab_parallel_embedding
+    torch.manual_seed(0)
+    full = torch.randn(VOCAB, DIM, dtype=torch.float64)
+    grad_out = torch.randn(*TOKENS.shape, DIM, dtype=torch.float64)
+    compiled = torch.compile(vocab_parallel_embedding, backend="eager", fullgraph=True)
+    rows = VOCAB // 4
+    for rank in range(4):
+        results = []
+        for lookup in (vocab_parallel_embedding, compiled):
+            shard = full[rank * rows:(rank + 1) * rows].clone().requires_grad_()
+            out = lookup(shard, TOKENS, rank * rows, 3)
+            out.backward(grad_out)
+            results.append((out.detach(), shard.grad))
+        (out, grad), (got_out, got_grad) = results
+        torch.testing.assert_close(got_out, out, rtol=0, atol=0)
+        torch.testing.assert_close(got_grad, grad, rtol=0, atol=0)
