@@ -22,14 +22,14 @@ from torch.distributed.tensor import DTensor, Replicate
 from .passes.errors import PlanError
 from .passes.placement import local_part
 from .dtensor_params import checkpoint_view, global_view, local_shard
+from .names import named_tensors
 from .parallelize import info_of
 
 
 def _tensors(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer of ``gm`` under all its names, as this rank's local
-    tensor (sharing memory with a ``DTensor`` parameter; ties stay one tensor)."""
-    named = {**dict(gm.named_parameters(remove_duplicate=False)),
-             **dict(gm.named_buffers(remove_duplicate=False))}
+    """Every parameter and buffer of ``gm`` under all its model FQNs (compiled or
+    checkpoint-wrapped blocks too), as this rank's local tensor (sharing memory with a ``DTensor`` parameter; ties stay one tensor)."""
+    named = dict(named_tensors(gm))
     local = {id(t): t._local_tensor if isinstance(t, DTensor) else t for t in named.values()}
     return {name: local[id(t)] for name, t in named.items()}
 

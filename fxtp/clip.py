@@ -11,6 +11,7 @@ from torch.nn.utils import get_total_norm
 from .passes.placement import is_sharded
 
 from .passes.collectives import _all_reduce
+from .names import model_fqn
 from .parallelize import info_of
 
 
@@ -24,7 +25,7 @@ def clip_grad_norm_(gm: fx.GraphModule, max_norm: float, norm_type: float = 2.0,
     rank) count once. Parameters sharded further (FSDP2 on a 2-D mesh) are left to
     ``torch.nn.utils.clip_grad_norm_``, which reduces their DTensor norms itself."""
     info = info_of(gm)
-    params = [(name, p) for name, p in gm.named_parameters() if p.grad is not None]
+    params = [(model_fqn(name), p) for name, p in gm.named_parameters() if p.grad is not None]
     if any(isinstance(p, DTensor) and p.device_mesh != info.mesh for _, p in params):
         total = torch.nn.utils.clip_grad_norm_([p for _, p in params], max_norm, norm_type,
                                                error_if_nonfinite, foreach)

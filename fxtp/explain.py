@@ -45,6 +45,7 @@ from .passes.placement import (UnitShard, blocks, describe, is_sharded, local_ra
 from .passes.modules import inline_program
 
 from .passes.cross_entropy import forward_all_reduce_bytes, loss_parallel_cross_entropy
+from .names import model_fqn
 from .report import Comm, Fallback, Layer, NodeInfo, Report, Summary, Totals
 
 # fxtp collective -> (forward, backward) collective; the forward one sends the input's
@@ -234,8 +235,8 @@ def _carry_grad(gm: fx.GraphModule, graph: fx.Graph, input_grads: bool) -> froze
 def _param_bytes(gm: fx.GraphModule, shapes: dict) -> dict[str, tuple[int, int]]:
     """Parameter FQN -> (bytes on this rank, bytes unsharded); tied parameters once."""
     out = {}
-    for fqn, p in gm.named_parameters():
-        local = p.to_local() if isinstance(p, DTensor) else p
+    for name, p in gm.named_parameters():
+        fqn, local = model_fqn(name), (p.to_local() if isinstance(p, DTensor) else p)
         size = local.element_size()
         out[fqn] = (local.numel() * size, math.prod(shapes.get(fqn, local.shape)) * size)
     return out

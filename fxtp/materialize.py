@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from .mesh import resolve_group
+from .names import named_tensors
 from .passes.placement import dtensor_placement, is_sharded
 
 from .passes.errors import PlanError
@@ -53,12 +54,7 @@ from .passes.errors import PlanError
 
 def meta_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """FQN -> tensor for every meta parameter and buffer, under all its names."""
-    return {fqn: t for fqn, t in _named_tensors(model, remove_duplicate=False) if t.is_meta}
-
-
-def _named_tensors(module: nn.Module, remove_duplicate: bool = True):
-    yield from module.named_parameters(remove_duplicate=remove_duplicate)
-    yield from module.named_buffers(remove_duplicate=remove_duplicate)
+    return {fqn: t for fqn, t in named_tensors(model) if t.is_meta}
 
 
 @contextlib.contextmanager
@@ -125,8 +121,8 @@ def init_weights(gm: nn.Module, model: nn.Module,
     if not hasattr(gm, "fxtp"):
         raise PlanError("init_weights takes the result of fxtp.parallelize(model, ...) and "
                         "the model it was made from")
-    info, tensors = gm.fxtp, dict(_named_tensors(gm, remove_duplicate=False))
-    model_tensors = dict(_named_tensors(model, remove_duplicate=False))
+    info, tensors = gm.fxtp, dict(named_tensors(gm))  # compiled, checkpointed blocks too
+    model_tensors = dict(named_tensors(model))
     names = _first_names(gm, tensors)
     views = {}
     for fqn, t in tensors.items():
@@ -157,7 +153,7 @@ def _first_names(module: nn.Module, tensors: dict) -> dict[str, str]:
     """Every FQN of ``tensors`` -> the first name its tensor has in ``module`` (the one
     whose module initializes it: tied weights are initialized once)."""
     first = {}
-    for fqn, t in _named_tensors(module):
+    for fqn, t in named_tensors(module):
         first.setdefault(id(t), fqn)
     return {fqn: first[id(t)] for fqn, t in tensors.items()}
 
@@ -193,7 +189,7 @@ def _initialize(model: nn.Module, views: dict, names: dict, seed: int, device,
 def _allocate(gm: nn.Module, meta: dict, device) -> dict[str, torch.Tensor]:
     """Register in ``gm`` a new local tensor (ties kept) for each ``meta`` FQN, whose value
     in ``gm`` is still a fake or meta stand-in of the local shape; return them by FQN."""
-    stand_ins = dict(_named_tensors(gm, remove_duplicate=False))
+    stand_ins = dict(named_tensors(gm))
     made: dict[int, torch.Tensor] = {}
     for fqn in meta:
         value = stand_ins[fqn]

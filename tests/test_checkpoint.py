@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -128,6 +129,29 @@ def full_round_trip(rank, world, name, other):
 def test_full_state_dicts_round_trip_through_the_plain_model(ranks, name):
     other = plain(name, seed=5).state_dict()
     for full in ranks.run(full_round_trip, name, other):
+        assert_equal(full, other)
+
+
+def wrapped_round_trip(rank, world, other):
+    torch.manual_seed(0)
+    model = tm.Llama(tm.LlamaConfig(n_layers=2))
+    gm = fxtp.parallelize(model, tm.llama_sp_plan(), example_inputs=(TOKENS,))
+    before = fxtp.full_state_dict(gm)
+    gm.layers.register_module("0", checkpoint_wrapper(gm.layers[0]))
+    gm.layers.register_module("1", torch.compile(gm.layers[1], backend="eager"))
+    assert list(fxtp.state_dict(gm)) == list(model.state_dict())
+    assert_equal(fxtp.full_state_dict(gm), before)
+    fxtp.load_full_state_dict(gm, other)
+    return fxtp.full_state_dict(gm)
+
+
+def test_checkpoints_of_blocks_compiled_or_checkpointed_in_place_keep_the_models_keys(ranks2):
+    """torch.compile and checkpoint_wrapper add ``_orig_mod`` / ``_checkpoint_wrapped_module``
+    to the blocks' parameter names; fxtp's state dicts still use the model's keys, save and
+    load every shard."""
+    torch.manual_seed(5)
+    other = tm.Llama(tm.LlamaConfig(n_layers=2)).state_dict()
+    for full in ranks2.run(wrapped_round_trip, other):
         assert_equal(full, other)
 
 

@@ -6,8 +6,10 @@ import math
 
 import pytest
 import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 import fxtp
+from fxtp.names import model_fqn
 from tests import transformer_models as tm
 from tests.parity import TIGHT, local_of, local_part
 
@@ -18,12 +20,16 @@ SUBJECTS = {  # GPT-2: tied embedding, rowwise biases and LayerNorms replicated
 }
 
 
-def clip(rank, world, name, norm_type, ratio, clip_grad_norm_=fxtp.clip_grad_norm_):
+def clip(rank, world, name, norm_type, ratio, clip_grad_norm_=fxtp.clip_grad_norm_,
+         wrap_blocks=False):
     make, plan = SUBJECTS[name]
     torch.manual_seed(0)
     model = make().double()
     ref = copy.deepcopy(model)
     gm = fxtp.parallelize(model, plan, example_inputs=(TOKENS,))
+    if wrap_blocks:  # their parameters' names gain the wrappers' segments
+        gm.layers.register_module("0", checkpoint_wrapper(gm.layers[0]))
+        gm.layers.register_module("1", torch.compile(gm.layers[1], backend="eager"))
     gm(TOKENS).square().mean().backward()
     ref(TOKENS).square().mean().backward()
     norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()], norm_type)
@@ -33,6 +39,7 @@ def clip(rank, world, name, norm_type, ratio, clip_grad_norm_=fxtp.clip_grad_nor
     ref_total = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm, norm_type)
     torch.testing.assert_close(total, ref_total, rtol=1e-12, atol=0)
     for n, p in gm.named_parameters():
+        n = model_fqn(n)
         expected = local_part(ref.get_parameter(n).grad, gm.fxtp.param_placements[n], rank, world)
         torch.testing.assert_close(local_of(p.grad), expected, **TIGHT, msg=lambda m: f"{n}: {m}")
     return dict(counted.counts), total.item(), norm.item()
@@ -64,3 +71,9 @@ def test_torch_clip_grad_norm_on_the_result_is_the_single_device_norm(ranks, nor
     """Parameters are DTensors: torch's own clipping reduces the sharded norms."""
     for _, total, norm in ranks.run(clip, "llama", norm_type, 0.3, torch_clip):
         assert total == pytest.approx(norm, rel=1e-12)
+
+
+def test_clip_grad_norm_of_blocks_compiled_or_checkpointed_in_place(ranks2):
+    """The wrappers' segments in parameter names do not hide which gradients are sharded."""
+    for counts, total, norm in ranks2.run(clip, "llama", 2.0, 0.3, fxtp.clip_grad_norm_, True):
+        assert counts == {"all_reduce": 1} and total == pytest.approx(norm, rel=1e-12)

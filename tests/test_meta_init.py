@@ -254,3 +254,27 @@ def test_shards_kept_on_meta_are_traced_for_the_device_they_will_run_on(fake_gro
     fxtp.init_weights(gm, model, init_fn=model._init_weights)
     logits = gm(TOKENS, use_cache=False).logits
     assert logits.shape == (*TOKENS.shape, 128) and torch.isfinite(logits).all()
+
+
+def test_init_weights_reaches_blocks_compiled_or_checkpointed_in_place(fake_group):
+    """torch.compile and checkpoint_wrapper put ``_orig_mod`` / ``_checkpoint_wrapped_module``
+    into the blocks' parameter names; init_weights finds them by the model's names and
+    draws what it draws for the unwrapped result."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    fake_group(2)
+    results = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        model = on_meta(lambda: tm.Llama(tm.LlamaConfig(n_layers=2)))
+        gm = fxtp.parallelize(model, tm.llama_sp_plan(), example_inputs=(TOKENS,),
+                              device="meta")
+        if wrap:
+            gm.layers.register_module("0", checkpoint_wrapper(gm.layers[0]))
+            gm.layers.register_module("1", torch.compile(gm.layers[1], backend="eager"))
+        gm.to_empty(device="cpu")
+        torch.manual_seed(1)
+        fxtp.init_weights(gm, model)
+        results.append(fxtp.state_dict(gm))
+    assert results[0].keys() == results[1].keys() == model.state_dict().keys()
+    for key in results[0]:
+        assert torch.equal(local_of(results[0][key]), local_of(results[1][key])), key
