@@ -21,7 +21,11 @@ rank's compute and the frameworks' overhead; collectives move nothing, so the al
 output is garbage, which does not change the time), with a third, GPU-sized model; peak
 memory is the CUDA allocator's peak (and, eager, ``MemTracker``'s live-tensor peak beside it),
 and the attention kernels each variant ran are recorded (``sdpa_kernels``: the backend SDPA
-picks decides what attention keeps for backward).
+picks decides what attention keeps for backward). It builds both models on the meta device
+and allocates them after ``fully_shard`` (``--meta-init``, torchtitan's order): a model
+built on the GPU and sharded after leaves each recipe's allocator with the blocks the full
+model was freed from, and parameters and optimizer state then land in blocks up to 1 MiB
+larger than asked, which showed as peak memory neither recipe's tensors hold.
 Results: ``benchmarks/results/scale_out_cuda.json``.
 
 ``--fake``: one CPU process as rank 0 of a fake group of 4, as ``--cuda`` does on a GPU:
@@ -34,7 +38,7 @@ recipe's step time is the least eager ratio fxtp could reach were everything els
 (the model's elementwise ops, TP's collectives) free. Results:
 ``benchmarks/results/scale_out_fake.json``.
 
-    python -m benchmarks.scale_out [--quick] [--cuda | --fake] [--replicated-head]
+    python -m benchmarks.scale_out [--quick] [--cuda | --fake] [--replicated-head] [--meta-init]
 """
 from __future__ import annotations
 
@@ -104,8 +108,11 @@ def torchtitan_plan(loss_parallel: bool):
     }
 
 
-def build(variant: str, model, tokens, mesh, loss_parallel: bool):
-    """The sharded model: TP on ``mesh["tp"]``, then ``fully_shard`` per block and root."""
+def build(variant: str, model, tokens, mesh, loss_parallel: bool, device=None):
+    """The sharded model: TP on ``mesh["tp"]``, then ``fully_shard`` per block and root.
+    With ``device``, ``model`` is on the meta device and is allocated there after
+    ``fully_shard`` and initialized (torchtitan's order: no rank ever holds more than its
+    share, and neither recipe's allocator keeps the blocks the full model was freed from)."""
     import fxtp
     from fxtp.llama import llama_sp_plan
     from torch.distributed.fsdp import fully_shard
@@ -117,13 +124,23 @@ def build(variant: str, model, tokens, mesh, loss_parallel: bool):
         module = parallelize_module(model, mesh["tp"], torchtitan_plan(loss_parallel))
     else:
         module = fxtp.parallelize(model, llama_sp_plan(loss_parallel), mesh["tp"],
-                                  example_inputs=(tokens,))
+                                  example_inputs=(tokens,),
+                                  **({"device": "meta"} if device else {}))
     for i, block in list(module.layers.named_children()):
         if variant.endswith("compiled"):
             block = torch.compile(block)
             module.layers.register_module(i, block)
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(module, mesh=mesh["dp"])
+    if device:
+        module.to_empty(device=device)
+        if variant.startswith("dtensor"):
+            with torch.no_grad():
+                for m in module.modules():
+                    if hasattr(m, "reset_parameters"):
+                        m.reset_parameters()
+        else:
+            fxtp.init_weights(module, model)
     return module
 
 
@@ -234,7 +251,13 @@ def _rank(rank, world, port, variant, size, args, out):
         targets = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(device)
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         torch.manual_seed(0)
-        module = build(variant, Llama(cfg).to(device), tokens, mesh, args.loss_parallel)
+        if args.meta_init:
+            with torch.device("meta"):
+                model = Llama(cfg)
+        else:
+            model = Llama(cfg).to(device)
+        module = build(variant, model, tokens, mesh, args.loss_parallel,
+                       device if args.meta_init else None)
         opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
         step = functools.partial(train_step, module, opt, tokens, targets,
                                  loss_backward(variant, args.loss_parallel, mesh["tp"]))
@@ -307,7 +330,11 @@ def main():
     parser.add_argument("--replicated-head", dest="loss_parallel", action="store_false",
                         help="gather the logits and take F.cross_entropy on every rank "
                              "(default: loss parallel, torchtitan's default)")
+    parser.add_argument("--meta-init", action="store_true",
+                        help="build on the meta device, allocate after fully_shard "
+                             "(torchtitan's order); default with --cuda")
     args = parser.parse_args()
+    args.meta_init = args.meta_init or args.cuda
     args.fake = args.fake or args.cuda
     report = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
               "mesh": ("dp 2 x tp 2, rank 0 of a fake group on " +
@@ -318,6 +345,8 @@ def main():
                        "peak_mib: live tensors (MemTracker, eager); rss_peak_mib: RSS above "
                        "the start"),
               "loss": "loss parallel" if args.loss_parallel else "replicated head",
+              "init": "meta device, allocated after fully_shard" if args.meta_init else
+                      "built on the device, then sharded",
               "sizes": {}}
     for size in args.sizes or sizes(args.quick, args.cuda):
         rows = report["sizes"][size] = {v: run_one(v, size, args) for v in args.variants}
