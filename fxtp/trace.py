@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import re
 import warnings
 from typing import Iterable, Optional
 
@@ -85,6 +86,29 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: Optional[dict],
         return gm, calls
 
 
+_UNKNOWN_OUTPUT = re.compile(r"Found <class '([\w.]+)'> in output, which is not a known type")
+
+
+def _hint(error: Exception) -> str:
+    """What to change when torch.export failed with ``error``."""
+    unknown = _UNKNOWN_OUTPUT.search(str(error))
+    if unknown and unknown.group(1).startswith("transformers.") and \
+            unknown.group(1).endswith("Cache"):
+        return (f"the model returns its key/value cache ({unknown.group(1).rpartition('.')[2]}"
+                f", use_cache=True). To train, trace without it: set "
+                f"model.config.use_cache = False before parallelize (or pass "
+                f"example_kwargs={{'use_cache': False}} and call the result with "
+                f"use_cache=False); to generate, use fxtp.parallelize_causal_lm, which "
+                f"shards a static cache.")
+    if unknown:
+        return (f"the model returns a {unknown.group(1)}, which torch.export cannot "
+                f"flatten: return tensors (or tuples, lists, dicts of them), or register "
+                f"the type with torch.utils._pytree.register_pytree_node.")
+    return ("data-dependent Python control flow and non-tensor outputs are the usual "
+            "causes; check that model(*example_inputs, **example_kwargs) runs, and rewrite "
+            "branches on tensor values with torch.where / torch.cond.")
+
+
 def _trace(model, args, kwargs, boundaries, dynamic_shapes, checkpointed, stamper,
            keep_stamps):
     regions: dict[int, dict] = {}
@@ -111,10 +135,7 @@ def _trace(model, args, kwargs, boundaries, dynamic_shapes, checkpointed, stampe
                 f"the cond, not inside its branches.") from e
         raise TraceError(
             f"fxtp could not trace {type(model).__name__} with torch.export (non-strict): "
-            f"{type(e).__name__}: {e}\nHint: data-dependent Python control flow and "
-            f"non-tensor outputs are the usual causes; check that model(*example_inputs, "
-            f"**example_kwargs) runs, and rewrite branches on tensor values with "
-            f"torch.where / torch.cond.") from e
+            f"{type(e).__name__}: {e}\nHint: {_hint(e)}") from e
     with warnings.catch_warnings():  # buffers read through a cache object: see below
         warnings.filterwarnings("ignore", message=r"A model attribute `\S*lifted_tensor_\d+` "
                                 r"requires gradient")

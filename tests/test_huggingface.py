@@ -70,3 +70,17 @@ def test_gpt2_lm_head_model_with_conv1d_and_fused_qkv(ranks, dtype):
     fwd, bwd = ranks.run(hf, dtype, "gpt2")[0]
     assert fwd == {"all_reduce": 2 * L + 1, "all_gather": 1}
     assert bwd == {"all_reduce": 2 * L + 1}
+
+
+def test_a_model_returning_its_kv_cache_is_told_to_trace_without_it(fake_group):
+    """GPT-2 returns a DynamicCache by default, which torch.export cannot flatten; the error
+    names it and the fix, and the fix traces."""
+    fake_group(2)
+    model = gpt2()
+    with pytest.raises(fxtp.TraceError, match=r"(?s)DynamicCache.*Hint: the model returns "
+                                              r"its key/value cache.*model\.config\.use_cache "
+                                              r"= False.*parallelize_causal_lm"):
+        fxtp.parallelize(model, GPT2_PLAN, example_inputs=(TOKENS,))
+    model.config.use_cache = False
+    gm = fxtp.parallelize(model, GPT2_PLAN, example_inputs=(TOKENS,))
+    assert gm(TOKENS).logits.shape == (*TOKENS.shape, 64)
