@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from .passes.errors import PlanError
 from .passes.placement import local_part
-from .dtensor_params import checkpoint_view, global_view, local_shard
+from .dtensor_params import checkpoint_view, full_tensor, local_shard
 from .names import named_tensors
 from .parallelize import info_of
 
@@ -77,7 +77,7 @@ def full_state_dict(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
     info, out, made = info_of(gm), {}, {}
     for key, t, placement, shape in _entries(gm):
         if id(t) not in made:
-            made[id(t)] = global_view(t.detach(), placement, info.mesh, shape).full_tensor()
+            made[id(t)] = full_tensor(t.detach(), placement, info.mesh, shape)
         out[key] = made[id(t)]
     return out
 

@@ -128,22 +128,33 @@ def global_view(local: torch.Tensor, placement, mesh, shape) -> DTensor:
     whole (``Replicate()``)."""
     if not _undescribable(placement, shape, mesh.size()):
         return _wrap(local, placement, mesh, shape)
+    return DTensor.from_local(full_tensor(local, placement, mesh, shape), mesh, [Replicate()],
+                              run_check=False)
+
+
+def full_tensor(local: torch.Tensor, placement, mesh, shape) -> torch.Tensor:
+    """The whole tensor of global ``shape`` whose ``placement`` part this rank holds as
+    ``local``, the same on every rank. Blocks and units are gathered by fxtp's own
+    collectives (torch 2.11's ``redistribute`` cannot read ``_StridedShard``)."""
     group, world = mesh.get_group().group_name, mesh.size()
-    if isinstance(placement, BlockShard):
-        full = _all_gather(local, placement.dim, world, group, placement.blocks)
-    else:
-        full = _gather_units(local, placement.dim, placement.units, shape[placement.dim],
+    if isinstance(placement, (BlockShard, _StridedShard)):
+        blocks = placement.blocks if isinstance(placement, BlockShard) else \
+            placement.split_factor
+        return _all_gather(local, placement.dim, world, group, blocks)
+    if isinstance(placement, UnitShard) and not is_whole(placement):
+        return _gather_units(local, placement.dim, placement.units, shape[placement.dim],
                              world, group)
-    return DTensor.from_local(full, mesh, [Replicate()], run_check=False)
+    return _wrap(local, placement, mesh, shape).full_tensor()
 
 
 def checkpoint_view(local: torch.Tensor, placement, mesh, shape) -> DTensor:
     """:func:`global_view` as checkpoints hold it, one chunk per rank: a fused projection's
     ``_StridedShard`` weight is re-laid as ``Shard(d)`` (an all-gather)."""
-    view = global_view(local, placement, mesh, shape)
-    if isinstance(placement, _StridedShard):
-        view = view.redistribute(mesh, [Shard(placement.dim)])
-    return view
+    if not isinstance(placement, _StridedShard):
+        return global_view(local, placement, mesh, shape)
+    full = full_tensor(local, placement, mesh, shape)
+    return DTensor.from_local(full, mesh, [Replicate()], run_check=False).redistribute(
+        mesh, [Shard(placement.dim)])
 
 
 def local_shard(value: torch.Tensor, placement, mesh) -> torch.Tensor:
@@ -154,7 +165,8 @@ def local_shard(value: torch.Tensor, placement, mesh) -> torch.Tensor:
     if isinstance(value, DTensor):
         as_dtensor = (dtensor_placement(placement, value.shape[placement.dim], world)
                       if is_sharded(placement) else placement)
-        if as_dtensor is not None:
+        # not to _StridedShard: torch 2.11's redistribute cannot take Shard there
+        if as_dtensor is not None and not isinstance(as_dtensor, _StridedShard):
             return value.redistribute(mesh, [as_dtensor]).to_local()
         value = value.redistribute(mesh, [Replicate()]).to_local()
     return local_part(value, placement, rank, world)
