@@ -10,9 +10,11 @@ read the same parameters and buffers, so FSDP2, hooks and wrappers applied to th
 keep working across a switch. The first switch to a mode runs the passes again, with their
 collectives: call it on every rank, like every other step of a tensor-parallel program.
 
-Only the root's ``train`` switches programs: a submodule's mode set alone (``gm.layers[0]
-.eval()``) does not change the program it runs. ``copy.deepcopy(gm)`` (an EMA model)
-switches its own copies.
+A block's mode can be set alone (``gm.layers[0].eval()``): every ``GraphModule`` at and
+below it switches, the rest of the tree keeps its program. That is allowed where the
+block's inputs and outputs have the same placements in both modes' programs; where they
+differ, the parts could not be joined and it is refused (set the mode on the root).
+``copy.deepcopy(gm)`` (an EMA model) switches its own copies.
 """
 from __future__ import annotations
 
@@ -24,9 +26,10 @@ import torch
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 import torch.nn as nn
+from torch.utils._pytree import tree_leaves
 
 from .passes.errors import TraceError
-from .passes.graph import attr, keep_on_copy, own_method
+from .passes.graph import PLACEMENT, attr, keep_on_copy, own_method
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -48,19 +51,29 @@ class Programs:
                  build: Optional[Callable[[bool], fx.GraphModule]], unbuildable: str = ""):
         self.modules = [(path, m) for path, m in gm.named_modules()
                         if isinstance(m, fx.GraphModule)]
-        self.mode = training
+        self.traced_in = training
+        self.modes = {path: training for path, _ in self.modules}
         self.graphs = {training: [(m.graph, {}) for _, m in self.modules]}
         self.build, self.unbuildable = build, unbuildable
 
-    def switch(self, training: bool) -> None:
+    def switch(self, training: bool, within: str = "") -> None:
+        """Run ``training``'s program in the ``GraphModule`` at ``within`` (a path, the
+        root by default) and every one below it."""
+        if all(mode == training for path, mode in self.modes.items() if _below(path, within)):
+            return
         if training not in self.graphs:
             if self.build is None:
                 raise TraceError(
-                    f"this module was parallelized in {_name(self.mode)} mode and cannot "
-                    f"trace its {_name(training)} program: {self.unbuildable}. Parallelize "
-                    f"the model in the mode it runs in.")
+                    f"this module was parallelized in {_name(self.traced_in)} mode and "
+                    f"cannot trace its {_name(training)} program: {self.unbuildable}. "
+                    f"Parallelize the model in the mode it runs in.")
             self.graphs[training] = self._adopt(self.build(training), training)
-        for (_, module), (graph, constants) in zip(self.modules, self.graphs[training]):
+        if within:
+            self._check_joins(within, training)
+        for (path, module), (graph, constants) in zip(self.modules, self.graphs[training]):
+            if not _below(path, within) or self.modes[path] == training:
+                continue
+            self.modes[path] = training
             for name, value in constants.items():
                 setattr(module, name, value)
             wrapped = type(module)  # fx's class of it, or a subclass a wrapper made (FSDP2)
@@ -70,7 +83,19 @@ class Programs:
                 _LazyGraphModule.force_recompile(module)
             finally:
                 module.__class__ = wrapped
-        self.mode = training
+
+    def _check_joins(self, path: str, training: bool) -> None:
+        """Refuse to switch the part at ``path`` alone where its inputs' or outputs'
+        placements differ between the two programs."""
+        index = [p for p, _ in self.modules].index(path)
+        current = self.modes[path]
+        ends = {mode: _boundary(self.graphs[mode][index][0]) for mode in (current, training)}
+        if ends[current] != ends[training]:
+            raise TraceError(
+                f"'{path}' cannot run its {_name(training)} program alone: its inputs and "
+                f"outputs are laid out {ends[training]} there and {ends[current]} in the "
+                f"{_name(current)} program the rest of the model runs. Set the mode on the "
+                f"whole result (gm.train() / gm.eval()).")
 
     def _adopt(self, other: fx.GraphModule, training: bool) -> list[tuple]:
         """``other``'s graphs, each reading the tensors and submodules of the module at its
@@ -96,6 +121,19 @@ class Programs:
                 constants[renamed[node][0]] = renamed[node][1]
             adopted.append((theirs.graph, constants))
         return adopted
+
+
+def _boundary(graph: fx.Graph) -> tuple:
+    """The placements of ``graph``'s inputs and of what it returns."""
+    nodes = list(graph.nodes)
+    outputs = [a for a in tree_leaves(nodes[-1].args)
+               if isinstance(a, fx.Node)]
+    return tuple(str(n.meta.get(PLACEMENT)) for n in nodes if n.op == "placeholder"), \
+        tuple(str(n.meta.get(PLACEMENT)) for n in outputs)
+
+
+def _below(path: str, within: str) -> bool:
+    return not within or path == within or path.startswith(within + ".")
 
 
 def _state(module: nn.Module, target: str) -> bool:
@@ -124,14 +162,16 @@ def keep_programs(gm: fx.GraphModule, training: bool,
     """Make ``gm.train(mode)`` switch ``gm``'s module tree to ``mode``'s program;
     ``build(mode)``: a result of the same model and plan traced in that mode."""
     nn.Module.train(gm, training)
-    gm._fxtp_programs = Programs(gm, training, build, unbuildable)
-    keep_on_copy(gm, "_fxtp_programs")  # a copy (an EMA model) switches its own modules
-    own_method(gm, "train", _train)
+    programs = Programs(gm, training, build, unbuildable)
+    for path, module in programs.modules:
+        module._fxtp_programs = (programs, path)
+        keep_on_copy(module, "_fxtp_programs")  # a copy (an EMA model) switches its own
+        own_method(module, "train", _train)
 
 
 def _train(self, mode: bool = True):
-    nn.Module.train(self, mode)
-    programs = self.__dict__.get("_fxtp_programs")
-    if programs is not None and programs.mode != mode:
-        programs.switch(mode)
-    return self
+    """``nn.Module.train``, after switching the ``GraphModule`` s at and below this one to
+    ``mode``'s program."""
+    programs, path = self.__dict__["_fxtp_programs"]
+    programs.switch(mode, path)
+    return nn.Module.train(self, mode)

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 import fxtp
+from fxtp.passes.graph import PLACEMENT
 from tests import models
 from tests.parity import example, local_of, tolerance
 
@@ -89,3 +90,72 @@ def test_a_copy_switches_its_own_program(fake_group):
     gm.train()
     assert not torch.equal(gm(x), gm(x)) and not ema.training
     assert torch.equal(ema(x), ema(x))
+
+
+class DropoutBlocks(nn.Module):
+    """Two residual MLP blocks, each with dropout inside."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(models.DIM, 32), nn.ReLU(), nn.Dropout(0.5),
+                          nn.Linear(32, models.DIM)) for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+BLOCKS_PLAN = {"blocks.*.0": fxtp.ColwiseParallel(), "blocks.*.3": fxtp.RowwiseParallel()}
+
+
+def one_block_evaluated(rank, world):
+    torch.manual_seed(0)
+    model = DropoutBlocks().double()
+    ref = copy.deepcopy(model)
+    x = example(8, models.DIM).double()
+    gm = fxtp.parallelize(model, BLOCKS_PLAN, example_inputs=(x,), modules=["blocks.*"])
+    for module in (gm, ref):
+        module.blocks[0].eval()
+    assert gm.training and not gm.blocks[0].training and gm.blocks[1].training
+    outs = []
+    for module in (gm, ref, gm):
+        torch.manual_seed(1)  # the same dropout draws: the whole mask, on every rank
+        outs.append(module(x).detach())
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(outs[2], outs[0], rtol=0, atol=0)
+    for module in (gm, ref):
+        module.blocks[0].train()
+        module.blocks[1].eval()
+    torch.manual_seed(2)
+    out = gm(x)
+    torch.manual_seed(2)
+    torch.testing.assert_close(out, ref(x), rtol=1e-12, atol=1e-12)
+    gm.eval(), ref.eval()
+    assert not any(m.training for m in gm.modules())
+    torch.testing.assert_close(gm(x), ref(x), rtol=1e-12, atol=1e-12)
+
+
+def test_a_block_evaluated_alone_runs_its_eval_program(ranks):
+    """``gm.blocks[0].eval()`` switches that block only, as on a single device: with the
+    same seed, the other block's dropout draws the same masks."""
+    ranks.run(one_block_evaluated)
+
+
+def test_a_block_whose_ends_differ_between_modes_is_refused_alone(fake_group):
+    fake_group(2)
+    x = torch.randn(8, models.DIM)
+    gm = fxtp.parallelize(DropoutBlocks(), BLOCKS_PLAN, example_inputs=(x,),
+                          modules=["blocks.*"])
+    gm.eval()
+    gm.train()  # both programs traced; make the eval one lay blocks.1's input out otherwise
+    programs, _ = gm.__dict__["_fxtp_programs"]
+    index = [path for path, _ in programs.modules].index("blocks.1")
+    graph = programs.graphs[False][index][0]
+    next(n for n in graph.nodes if n.op == "placeholder").meta[PLACEMENT] = fxtp.Shard(0)
+    with pytest.raises(fxtp.TraceError, match=r"'blocks\.1' cannot run its eval program "
+                                              r"alone.*gm\.eval\(\)"):
+        gm.blocks[1].eval()
+    gm.eval()  # the whole result switches
+    assert not gm.blocks[1].training
