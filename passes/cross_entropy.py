@@ -129,9 +129,11 @@ class _CrossEntropy(torch.autograd.Function):
             loss = loss.sum() / count
         ctx.save_for_backward(logits, target, weight, maxima + log_sum_exp, scale, count)
         ctx.args = (reduction, ignore_index, smoothing, class_dim, offset, n_classes)
-        out_dtype = (torch.result_type(logits, target) if target.is_floating_point()
-                     else logits.dtype)
-        return loss.to(out_dtype)
+        out_dtype = (torch.promote_types(logits.dtype, target.dtype)  # dynamo traces it
+                     if target.is_floating_point() else logits.dtype)
+        # a new tensor, never ``loss`` itself: torch 2.11's dynamo, tracing this Function,
+        # gives a zero gradient when the output is also one of its intermediates
+        return loss.to(out_dtype, copy=True)
 
     @staticmethod
     def backward(ctx, grad):

@@ -25,7 +25,7 @@ class _VocabParallelEmbedding(torch.autograd.Function):
         ctx.save_for_backward(indices)
         ctx.offset, ctx.rows, ctx.padding_idx = offset, weight.shape[0], padding_idx
         # out of place: torch 2.11's dynamo, tracing this Function, gets the weight's
-        # gradient wrong when the lookup's output is filled in place (2.13 does not)
+        # gradient wrong when the output is also one of its intermediates (2.13 does not)
         return F.embedding(local, weight, padding_idx=local_padding).masked_fill(
             outside.unsqueeze(-1), 0)
 

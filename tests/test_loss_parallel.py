@@ -122,6 +122,38 @@ def test_matches_f_cross_entropy_on_full_logits(ranks, name, dtype):
     assert bwd == {}
 
 
+def traced_vs_eager(rank, world):
+    """Each case's loss and logits gradient, traced by dynamo, against eager."""
+    group = dist.group.WORLD.group_name
+    for name in CASES:
+        full, class_dim, target, kwargs = _case(name, torch.float64)
+        if target.is_floating_point():
+            target = target.chunk(world, class_dim)[rank]
+        args = (kwargs.get("weight"), kwargs.get("reduction", "mean"),
+                kwargs.get("ignore_index", -100), kwargs.get("label_smoothing", 0.0),
+                class_dim % full.dim(), rank, world, group)
+
+        def loss_of(logits, target):
+            return loss_parallel_cross_entropy(logits, target, *args)
+        results = []
+        torch.compiler.reset()  # a program per case: the cases are more than dynamo's limit
+        for fn in (loss_of, torch.compile(loss_of, backend="eager", fullgraph=True,
+                                          dynamic=False)):
+            logits = full.chunk(world, class_dim)[rank].clone().requires_grad_()
+            loss = fn(logits, target)
+            (loss * _rand(*loss.shape, seed=4)).sum().backward()
+            results.append((loss.detach(), logits.grad))
+        (loss, grad), (got, got_grad) = results
+        torch.testing.assert_close(got, loss, **TIGHT, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got_grad, grad, **TIGHT, msg=lambda m: f"{name}: {m}")
+
+
+def test_traced_by_dynamo_it_computes_what_it_does_eagerly(ranks2):
+    """torch 2.11's dynamo gave a zero gradient when the loss was returned as the tensor it
+    computed (an output that is also an intermediate); the compile tests caught it."""
+    ranks2.run(traced_vs_eager)
+
+
 def probability_target_grad(rank, world):
     full = _rand(6, C, seed=1)
     target = _rand(6, C, seed=2).softmax(-1).requires_grad_()
