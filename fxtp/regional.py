@@ -17,6 +17,7 @@ equal (the stamped copies of a block, :mod:`fxtp.stamping`).
 """
 from __future__ import annotations
 
+import inspect
 import types
 import warnings
 from typing import Iterable, Optional
@@ -62,7 +63,7 @@ def compile(gm: nn.Module, blocks: Optional[Iterable[str]] = None, **options) ->
                          "uncompiled")
     groups = _equal_programs(gm, _outermost(list(blocks) if blocks is not None
                                             else block_fqns(gm)))
-    region = torch.compiler.nested_compile_region(_run, max_reuse_entries=len(groups) + 8)
+    region = _region(_run, len(groups) + 8)
     inline = {}
     for group in groups:
         try:
@@ -82,6 +83,15 @@ def compile(gm: nn.Module, blocks: Optional[Iterable[str]] = None, **options) ->
     if options.get("backend", "inductor") == "inductor":  # the "fxtp" backend does it too
         options["options"] = {**NO_BUFFER_REUSE, **(options.get("options") or {})}
     return torch.compile(gm, **options)
+
+
+def _region(fn, entries: int):
+    """``fn`` as a nested compile region reusing up to ``entries`` traced bodies (torch
+    2.11 has no such limit and no argument for it)."""
+    mark = torch.compiler.nested_compile_region
+    if "max_reuse_entries" in inspect.signature(mark).parameters:
+        return mark(fn, max_reuse_entries=entries)
+    return mark(fn)
 
 
 def _run(copy, *args, **kwargs):
