@@ -20,12 +20,10 @@ def model_fqn(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
 
 
-def named_tensors(module: nn.Module, buffers: bool = True
-                  ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(model FQN, tensor)`` for every parameter (and buffer) of ``module``, under all of
+def named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(model FQN, tensor)`` for every parameter and buffer of ``module``, under all of
     its names (tied tensors under each)."""
     for name, t in module.named_parameters(remove_duplicate=False):
         yield model_fqn(name), t
-    if buffers:
-        for name, t in module.named_buffers(remove_duplicate=False):
-            yield model_fqn(name), t
+    for name, t in module.named_buffers(remove_duplicate=False):
+        yield model_fqn(name), t
