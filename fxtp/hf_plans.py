@@ -46,10 +46,14 @@ summed) and ``moe_identity_expert`` (an identity expert's output, divided by the
 before the experts' partial outputs are summed)."""
 
 
+EMBEDDINGS = frozenset({"embedding_rowwise", "embedding_colwise"})
+
+
 def model_plan(model: nn.Module) -> dict[str, str]:
     """The plan ``model`` carries (``"auto"``): transformers' merged ``model.tp_plan``, or
     ``config.base_model_tp_plan`` under the base model's prefix plus the class's
-    ``_tp_plan``. A plan for the head alone is a :class:`PlanError`."""
+    ``_tp_plan``. A plan for no more than the embedding and the head is a
+    :class:`PlanError`: every layer would run whole."""
     head = getattr(type(model), "_tp_plan", None) or {}
     plan = dict(getattr(model, "tp_plan", None) or {})
     if not plan:
@@ -60,8 +64,10 @@ def model_plan(model: nn.Module) -> dict[str, str]:
         plan = {f"{under}{key}": style for key, style in base.items()}
         plan.update(head)
     name = type(model).__name__
-    if not set(plan) - set(head):
-        carried = f" a plan only for its head ({', '.join(sorted(plan))})" if plan else " none"
+    ends = {key for key, style in plan.items() if key in head or style in EMBEDDINGS}
+    if not set(plan) - ends:  # every layer would run whole
+        carried = (f" a plan only for its embedding and head ({', '.join(sorted(plan))})"
+                   if plan else " none")
         raise PlanError(f"plan='auto' needs a Hugging Face model that carries a tensor-"
                         f"parallel plan for its layers (config.base_model_tp_plan); {name} "
                         f"carries{carried}: pass a plan dict")

@@ -421,10 +421,11 @@ def hf_gpt_oss():
                num_local_experts=4, num_experts_per_tok=2, sliding_window=8, pad_token_id=0)
 
 
-def hf_hunyuan_dense():
-    """HunYuan dense: its config carries no ``base_model_tp_plan``, its head class a plan
-    for ``lm_head`` alone."""
-    return _hf("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", pad_token_id=0)
+def hf_hunyuan_dense(**overrides):
+    """HunYuan dense: its config carries no layer plan, its head class a plan for
+    ``lm_head`` alone."""
+    return _hf("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", pad_token_id=0,
+               **overrides)
 
 
 def hf_gpt_neox():

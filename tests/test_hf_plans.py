@@ -40,8 +40,10 @@ AUTO = {
     # parallel block: one norm output feeds attention and MLP, one backward all-reduce per
     # layer for it
     "hf_cohere_tied": (MEGATRON_TP[0], {"all_reduce": L + 1}),
-    # the plan leaves embed_in out (replicated): no forward all-reduce for it
-    "hf_gpt_neox": ({"all_reduce": 2 * L, "all_gather": 1}, {"all_reduce": 2 * L + 1}),
+    # transformers 5.24's plan splits embed_in by rows as the others do; before, it left
+    # embed_in out (replicated): no forward all-reduce for it
+    "hf_gpt_neox": MEGATRON_TP if "embed_in" in transformers.GPTNeoXConfig.base_model_tp_plan
+    else ({"all_reduce": 2 * L, "all_gather": 1}, {"all_reduce": 2 * L + 1}),
     # the plans Hugging Face ships for these gather colwise outputs (colwise_gather_output)
     # and split rowwise inputs (rowwise_split_input): 2 gathers per layer (Phi-3's fused
     # qkv and gate_up) or 3 (OLMo2's q, k, v), whose backward is a local chunk, and each
@@ -192,10 +194,17 @@ def test_auto_needs_a_model_that_carries_a_plan(fake_group):
         fxtp.parallelize(corpus.gpt2(), "auto", example_inputs=(TOKENS,))
 
 
-def test_auto_needs_a_plan_for_the_layers_not_only_the_head(fake_group):
-    """HunYuan's config carries no layer plan: "auto" would shard the head alone and run
-    every layer whole, so it is refused rather than done."""
+@pytest.mark.parametrize("base_plan,carried", [
+    ({}, r"lm_head"),
+    ({"embed_tokens": "embedding_rowwise"}, r"lm_head, model\.embed_tokens"),
+], ids=["head", "embedding_and_head"])
+def test_auto_needs_a_plan_for_the_layers_not_only_the_ends(fake_group, base_plan, carried):
+    """HunYuan's config carries no layer plan (transformers 5.23: none, 5.24: its embedding's
+    alone; its head class one for ``lm_head``): "auto" would shard the ends and run every
+    layer whole, so it is refused rather than done."""
     fake_group(2)
+    model = corpus.hf_hunyuan_dense(base_model_tp_plan=base_plan)
     with pytest.raises(fxtp.PlanError, match=r"HunYuanDenseV1ForCausalLM carries a plan only "
-                                             r"for its head \(lm_head\): pass a plan dict"):
-        fxtp.parallelize(corpus.hf_hunyuan_dense(), "auto", example_inputs=(TOKENS,))
+                                             rf"for its embedding and head \({carried}\): "
+                                             r"pass a plan dict"):
+        fxtp.parallelize(model, "auto", example_inputs=(TOKENS,))

@@ -10,31 +10,25 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_readme_script(tmp_path, name: str):
-    """The README's ``# save as <name>`` script, run under torchrun with 2 ranks."""
+    """The README's ``# save as <name>`` script, run under torchrun with 2 ranks: the run and
+    each rank's stdout (one file per rank, so their prints cannot interleave)."""
     readme = (ROOT / "README.md").read_text()
     code = re.search(rf"```python\n(# save as {re.escape(name)}.*?)```", readme, re.S).group(1)
     script = tmp_path / name
     script.write_text(code)
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                           "2", "--standalone", str(script)], cwd=tmp_path,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
-                          text=True, timeout=300)
-
-
-def test_quick_start_runs_as_written(tmp_path):
-    readme = (ROOT / "README.md").read_text()
-    code = re.search(r"```python\n(# save as quickstart\.py.*?)```", readme, re.S).group(1)
-    script = tmp_path / "quickstart.py"
-    script.write_text(code)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    logs = tmp_path / "logs"  # one stdout file per rank: their prints cannot interleave
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--standalone", "--log-dir", str(logs), "--redirects", "1",
-                          str(script)], cwd=tmp_path, env=env,
+    logs = tmp_path / "logs"
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                          "2", "--standalone", "--log-dir", str(logs), "--redirects", "1",
+                          str(script)], cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"),
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     out = {int(f.parent.name): f.read_text() for f in logs.rglob("stdout.log")}
     assert sorted(out) == [0, 1], out
+    return run, out
+
+
+def test_quick_start_runs_as_written(tmp_path):
+    _, out = run_readme_script(tmp_path, "quickstart.py")
     lines = [next(line.split() for line in out[r].splitlines() if line.startswith(f"{r} "))
              for r in (0, 1)]
     assert lines[0][1] == lines[1][1]  # the same loss on both ranks
@@ -45,9 +39,8 @@ def test_quick_start_runs_as_written(tmp_path):
 def test_plans_from_other_projects_run_as_written(tmp_path):
     """The "Plans from other projects" script: torch's, torchtitan's, torchtune's and
     Hugging Face's plans, each checked against the single-device model inside it."""
-    run = run_readme_script(tmp_path, "plans.py")
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.count("all four plans match the single-device model") == 2
+    run, out = run_readme_script(tmp_path, "plans.py")
+    assert all("all four plans match the single-device model" in out[r] for r in (0, 1))
     assert "plan key 'output' matches no module of TunedLlama" in run.stderr
 
 
@@ -91,8 +84,9 @@ def test_explain_output_shown_is_the_quick_starts(fake_group):
 def test_serving_script_runs_as_written(tmp_path):
     """The "Serving" script: a Hugging Face Llama generates through fxtp as through its own
     generate(), greedy and sampled, with half the KV cache on each of 2 ranks."""
-    run = run_readme_script(tmp_path, "serve.py")
-    assert run.returncode == 0, run.stderr[-3000:]
-    lines = sorted(line for line in run.stdout.splitlines() if "cache elements" in line)
-    assert len(lines) == 2 and lines[0][1:] == lines[1][1:], lines
+    _, out = run_readme_script(tmp_path, "serve.py")
+    lines = [next(line for line in out[r].splitlines() if "cache elements" in line)
+             for r in (0, 1)]
+    assert lines[0].startswith("0 ") and lines[1].startswith("1 ") and \
+        lines[0][1:] == lines[1][1:], lines
     assert lines[0].endswith("cache elements per rank: 4096")
