@@ -264,7 +264,11 @@ def _inline_regions(gm: fx.GraphModule) -> None:
     like any other, keeping their meaning:
 
     * ``torch.no_grad()`` / ``enable_grad()`` (Hugging Face computes rotary tables under
-      no_grad): outputs of a no-grad region are detached, so nothing in it gets gradients;
+      no_grad): outputs of a no-grad region are detached, so nothing in it gets gradients,
+      except an input the region hands back as it is (a ``Tensor.to`` that changes
+      nothing returns its tensor itself, gradient and all: DeepSeek-V3.2-style indexers
+      cast the hidden states under no_grad, and export then routes every later use of
+      them through the region);
     * ``torch.autocast(...)``: the region's ops run between ``_enter_autocast`` and
       ``_exit_autocast`` calls (the functions dynamo's own graphs use), so each runs under
       the same autocast state as on a single device; its nodes are marked
@@ -299,9 +303,11 @@ def _inline_regions(gm: fx.GraphModule) -> None:
             elif not enabled:
                 detached = []
                 for out in outs:
-                    d = graph.call_function(torch.ops.aten.detach.default, (out,))
-                    d.meta.update(out.meta)
-                    detached.append(d)
+                    returned = _returned_input(out, operands)
+                    if returned is None:
+                        returned = graph.call_function(torch.ops.aten.detach.default, (out,))
+                        returned.meta.update(out.meta)
+                    detached.append(returned)
                 outs = detached
         for user in list(node.users):
             user.replace_all_uses_with(outs[user.args[1]])
@@ -309,6 +315,36 @@ def _inline_regions(gm: fx.GraphModule) -> None:
         graph.erase_node(node)
         graph.erase_node(submod)
         delattr(gm, submod.target)
+
+
+_RETURN_SELF = {torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout,
+                torch.ops.aten.to.device, torch.ops.aten.to.other}
+"""``Tensor.to`` overloads: each returns its tensor itself where it changes nothing."""
+
+
+def _returned_input(node: fx.Node, operands) -> Optional[fx.Node]:
+    """The operand ``node`` is, through ``Tensor.to`` calls that change nothing (no copy,
+    same dtype, device, layout and strides): eagerly, the very tensor, still requiring
+    gradients under no_grad. ``None`` where ``node`` is a new tensor."""
+    while isinstance(node, fx.Node) and node not in operands:
+        if node.target not in _RETURN_SELF or _argument(node, "copy", False):
+            return None
+        source = node.args[0]
+        new, old = node.meta.get("val"), getattr(source, "meta", {}).get("val")
+        if not isinstance(new, torch.Tensor) or not isinstance(old, torch.Tensor) or \
+                (new.dtype, new.device, new.layout, new.stride()) != \
+                (old.dtype, old.device, old.layout, old.stride()):
+            return None
+        node = source
+    return node if isinstance(node, fx.Node) else None
+
+
+def _argument(node: fx.Node, name: str, default):
+    """The value ``node``'s call passes for its operator's argument ``name``."""
+    if name in node.kwargs:
+        return node.kwargs[name]
+    names = [a.name for a in node.target._schema.arguments]
+    return node.args[names.index(name)] if names.index(name) < len(node.args) else default
 
 
 def _read_buffers_by_name(gm: fx.GraphModule, model: torch.nn.Module) -> None:

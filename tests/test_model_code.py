@@ -224,3 +224,34 @@ def test_blocks_called_more_than_once_per_step(ranks):
     """Megatron's collectives for each of the four calls."""
     plan = {"layers.*.up": fxtp.ColwiseParallel(), "layers.*.down": fxtp.RowwiseParallel()}
     assert ranks.run(parity, Recurrent, plan)[0] == ({"all_reduce": 4}, {"all_reduce": 4})
+
+
+class NoGradIndexer(CompositeViews):
+    """DeepSeek-V3.2-style sparse attention (Dots3's): an indexer picks each query's keys
+    under ``torch.no_grad()``, casting the hidden states to its own dtype on the way (a
+    ``Tensor.to`` that changes nothing hands back the tensor itself), and a per-head gate
+    read from the same hidden states afterwards gets its gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.index = nn.Linear(DIM, DIM, bias=False)
+        self.g = nn.Linear(DIM, HEADS, bias=False)
+
+    def forward(self, x):
+        with torch.no_grad():
+            keys = self.index(x.to(self.index.weight.dtype))
+            picked = (keys @ keys.transpose(-1, -2)).topk(T // 2, dim=-1).indices
+            mask = torch.zeros(B, T, T, dtype=torch.bool).scatter(-1, picked, True)
+        q = self.q(x).view(B, T, HEADS, HEAD).transpose(1, 2)
+        k, v = self.kv(x).view(B, T, HEADS, 2 * HEAD).transpose(1, 2).chunk(2, dim=-1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1))
+        gate = self.g(x).view(B, T, HEADS, 1).sigmoid()
+        return self.o((out.transpose(1, 2) * gate).reshape(B, T, DIM))
+
+
+def test_a_tensor_a_no_grad_region_hands_back_unchanged_keeps_its_gradient(ranks):
+    """The gate's share of the input gradient was lost: export routes every later use of
+    the cast hidden states through the no-grad region, whose outputs were all detached.
+    Megatron's collectives, the gate's input gradient summed with the projections'."""
+    plan = {**ATTENTION, "g": fxtp.ColwiseParallel()}
+    assert ranks.run(parity, NoGradIndexer, plan)[0] == MEGATRON
