@@ -43,9 +43,18 @@ def noise_floor(grads, dtype) -> float:
     largest gradient, summed in another order) exceeds 1% of it. Adam normalizes each
     element by its own magnitude, so such elements' steps may differ by more than the 1%
     of a step the after-steps tolerance allows (an exactly-zero true gradient becomes +-lr
-    steps of random sign): they are compared as gradients, not after optimizer steps."""
+    steps of random sign): see :func:`step_like_reference`."""
     return 100 * torch.finfo(dtype).eps * max(g.abs().max().item() for g in grads
                                               if g is not None)
+
+
+def step_like_reference(grad: torch.Tensor, expected: torch.Tensor, floor: float) -> None:
+    """Once ``grad`` is checked against ``expected``, give its rounding-noise elements
+    (``expected`` at most ``floor``, :func:`noise_floor`) ``expected``'s values in place:
+    optimizer steps, and outputs after them, then compare what tensor parallelism computes
+    rather than how rounding noise fell."""
+    noise = expected.abs() <= floor
+    grad[noise] = expected[noise]
 
 
 def example(*shape, seed=1):
@@ -115,11 +124,6 @@ def check_parity(rank, world, make_model, plan, inputs, *, dtype, steps=3,
     opt = torch.optim.AdamW(gm.parameters(), lr=LR)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     counts = None
-    # Adam turns a gradient that is only rounding noise (the key bias of softmax attention
-    # has an exactly-zero true gradient) into +-lr steps of random sign, in any correct
-    # implementation. Such elements are compared as gradients every step, but not after
-    # the steps: ``noise[name]`` marks them.
-    noise = {name: torch.zeros_like(local_of(p), dtype=torch.bool) for name, p in params.items()}
     for step in range(steps):
         step_inputs = cast(inputs_per_step[step]) if inputs_per_step else full_inputs
         xs = [x.clone().requires_grad_(input_grads) for x in step_inputs]
@@ -149,7 +153,7 @@ def check_parity(rank, world, make_model, plan, inputs, *, dtype, steps=3,
             torch.testing.assert_close(local_of(p.grad), ref_grad,
                                        **tolerance(tol_dtype, ref_grad, step),
                                        msg=lambda m: f"step {step} grad of {name}: {m}")
-            noise[name] |= ref_grad.abs() <= floor
+            step_like_reference(local_of(p.grad), ref_grad, floor)
         for i, (x, lx, pl) in enumerate(zip(xs, local_xs, placements) if input_grads else ()):
             torch.testing.assert_close(lx.grad, local_part(x.grad, pl, rank, world),
                                        **tolerance(tol_dtype, x.grad, step),
@@ -164,7 +168,7 @@ def check_parity(rank, world, make_model, plan, inputs, *, dtype, steps=3,
         expected = local_part(ref.get_parameter(name).detach(), gm.fxtp.param_placements[name],
                               rank, world)
         torch.testing.assert_close(
-            local_of(p.detach())[~noise[name]], expected[~noise[name]], **tolerance(tol_dtype, steps=steps),
+            local_of(p.detach()), expected, **tolerance(tol_dtype, steps=steps),
             msg=lambda m: f"{name} after {steps} AdamW steps: {m}")
     for name, t in model.state_dict().items():
         assert torch.equal(t, before[name]), f"parallelize modified the user's {name}"
