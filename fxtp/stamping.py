@@ -84,6 +84,22 @@ class Shown(Exception):
         self.fqn = fqn
 
 
+class _Held(dict):
+    """An empty ``_parameters`` / ``_buffers`` of a module of block ``fqn`` whose tensors
+    are held back: reading one of them (``module.weight``, which looks here) raises
+    :class:`Shown`. Code outside the block may read them without calling it (PEFT's LoRA
+    layers read their adapters' ``weight`` to cast inputs)."""
+
+    def __init__(self, fqn: str, held):
+        super().__init__()
+        self.fqn, self.held = fqn, frozenset(held)
+
+    def __contains__(self, name):
+        if name in self.held:
+            raise Shown(self.fqn)
+        return False
+
+
 class Unstampable(Exception):
     """Block ``fqn``'s traced nodes cannot be copied for other blocks (``why``): its kind
     is traced again without stamping."""
@@ -163,7 +179,8 @@ class Stamper:
                                    for name, t in module._buffers.items() if t is not None]
                 if id(module) not in stashed:
                     stashed[id(module)] = (module, module._parameters, module._buffers)
-                    module.__dict__.update(_parameters={}, _buffers={})
+                    module.__dict__.update(_parameters=_Held(fqn, module._parameters),
+                                           _buffers=_Held(fqn, module._buffers))
         try:
             yield self
         finally:

@@ -78,6 +78,20 @@ class Projection(nn.Module):
         return self.proj(x).relu()
 
 
+class WeightReadingStack(nn.Module):
+    """Casts each block's input to its projection's dtype, reading the weight outside the
+    block's call (as PEFT's LoRA layers read their adapters' weights)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(Projection() for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x.to(layer.proj.weight.dtype))
+        return x
+
+
 class AutocastSecond(nn.Module):
     """The second block runs under autocast (bf16), the others in fp32: the same code,
     given the same arguments, traces differently."""
@@ -339,6 +353,14 @@ def test_a_block_whose_values_escape_is_traced_in_full(fake_group):
     would lose it, so every block is traced."""
     fake_group(2)
     assert stamped_projections(StashingStack) == {}
+
+
+def test_a_blocks_tensor_read_outside_its_call_is_there_to_read(fake_group):
+    """Reading a held-back block's weight restarts the trace with that kind's tensors
+    (it raised AttributeError): the blocks are still stamped, into the traced program (the
+    first from the second: the first's input, the model's, needs no gradient)."""
+    fake_group(2)
+    assert stamped_projections(WeightReadingStack) == {"layers.2": "layers.1"}
 
 
 def test_checkpointed_blocks_are_stamped_with_a_region_each(fake_group):
