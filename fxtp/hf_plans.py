@@ -52,8 +52,16 @@ EMBEDDINGS = frozenset({"embedding_rowwise", "embedding_colwise"})
 def model_plan(model: nn.Module) -> dict[str, str]:
     """The plan ``model`` carries (``"auto"``): transformers' merged ``model.tp_plan``, or
     ``config.base_model_tp_plan`` under the base model's prefix plus the class's
-    ``_tp_plan``. A plan for no more than the embedding and the head is a
+    ``_tp_plan``; for a model that wraps a transformers model (PEFT's ``PeftModel``), that
+    model's plan under its FQN. A plan for no more than the embedding and the head is a
     :class:`PlanError`: every layer would run whole."""
+    fqn, inner = next(((fqn, m) for fqn, m in model.named_modules()
+                       if any(c.__name__ == "PreTrainedModel" for c in type(m).__mro__)),
+                      ("", model))
+    return {f"{fqn}.{key}" if fqn else key: style for key, style in _own_plan(inner).items()}
+
+
+def _own_plan(model: nn.Module) -> dict[str, str]:
     head = getattr(type(model), "_tp_plan", None) or {}
     plan = dict(getattr(model, "tp_plan", None) or {})
     if not plan:

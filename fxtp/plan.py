@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import ParallelStyle as TorchStyle
 
 from .hf_plans import model_plan, styles_of
 from .passes.errors import PlanError
+from .passes.graph import planned_placement
 from .styles import (ColwiseParallel, ModuleSharding, ParallelStyle, RowwiseParallel,
                      from_torch)
 
@@ -124,7 +125,7 @@ def _follow_ties(model: nn.Module, resolved: dict[str, ModuleSharding]) -> None:
     planned placement under every name."""
     modules = dict(model.named_modules())
     for names in tied_names(model).values():
-        planned = {fqn: _planned(resolved, fqn) for fqn in names}
+        planned = {fqn: planned_placement(resolved, fqn) for fqn in names}
         placements = {str(p): p for p in planned.values() if p is not None}
         if len(placements) != 1:
             continue  # nothing planned, or planned two ways (the seed pass says so)
@@ -138,9 +139,6 @@ def _follow_ties(model: nn.Module, resolved: dict[str, ModuleSharding]) -> None:
                 resolved[owner] = style.shard(owner, modules[owner])
 
 
-def _planned(resolved, fqn):
-    owner, _, name = fqn.rpartition(".")
-    return resolved[owner].params.get(name) if owner in resolved else None
 
 
 def _tie_style(module: nn.Module, placement) -> ParallelStyle | None:

@@ -58,6 +58,29 @@ class ParallelStyle:
             f"at this module's boundary.")
 
 
+def _lora(module: nn.Module):
+    """PEFT's LoRA layer: its wrapped ``base_layer`` and its adapters' down (``lora_A``)
+    and up (``lora_B``) projections by adapter name; ``None`` for any other module."""
+    base, down, up = (getattr(module, n, None) for n in ("base_layer", "lora_A", "lora_B"))
+    if isinstance(base, nn.Module) and isinstance(down, nn.ModuleDict) and \
+            isinstance(up, nn.ModuleDict) and len(down):
+        return base, down, up
+    return None
+
+
+def _adapted(style: "ParallelStyle", fqn: str, base: nn.Module, split: nn.ModuleDict,
+             side: str) -> dict:
+    """The parameter placements of a LoRA layer under ``style``: its base layer's as the
+    style gives them, and the adapters' projections on ``side`` (``lora_B`` colwise: the
+    output features; ``lora_A`` rowwise: the input features) split the same way; the
+    other side, r wide, is replicated."""
+    params = {f"base_layer.{k}": p for k, p in style.shard(f"{fqn}.base_layer", base).params.items()}
+    for name, projection in split.items():
+        params.update({f"{side}.{name}.{k}": p for k, p in
+                       style.shard(f"{fqn}.{side}.{name}", projection).params.items()})
+    return params
+
+
 def _is_transposed_linear(module: nn.Module) -> bool:
     """Hugging Face's ``Conv1D`` (GPT-2): a linear layer whose weight is (in, out)."""
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
@@ -79,8 +102,12 @@ class ColwiseParallel(ParallelStyle):
             params = {"weight": Shard(0), "bias": Shard(0)}
         elif isinstance(module, nn.Embedding) or _is_transposed_linear(module):
             params = {"weight": Shard(1), "bias": Shard(0)}
+        elif _lora(module) is not None:
+            base, _, up = _lora(module)
+            params = _adapted(self, fqn, base, up, "lora_B")
         else:
-            raise self._unsupported(fqn, module, "nn.Linear, nn.Embedding and Conv1D")
+            raise self._unsupported(fqn, module, "nn.Linear, nn.Embedding, Conv1D and "
+                                    "PEFT's LoRA layers around them")
         return ModuleSharding(fqn, self, params, input_layouts=(self.input_layouts,),
                               desired_inputs=(Replicate(),),
                               desired_outputs=(self.output_layouts,))
@@ -104,8 +131,13 @@ class RowwiseParallel(ParallelStyle):
             params, desired = {"weight": Shard(0), "bias": Replicate()}, Shard(-1)
         elif isinstance(module, nn.Embedding):  # vocab-sharded: masked local lookup
             params, desired = {"weight": Shard(0)}, Replicate()
+        elif _lora(module) is not None:
+            base, down, _ = _lora(module)
+            params = _adapted(self, fqn, base, down, "lora_A")
+            desired = self.shard(f"{fqn}.base_layer", base).desired_inputs[0]
         else:
-            raise self._unsupported(fqn, module, "nn.Linear, nn.Embedding and Conv1D")
+            raise self._unsupported(fqn, module, "nn.Linear, nn.Embedding, Conv1D and "
+                                    "PEFT's LoRA layers around them")
         return ModuleSharding(fqn, self, params, input_layouts=(self.input_layouts,),
                               desired_inputs=(desired,),
                               desired_outputs=(self.output_layouts,))

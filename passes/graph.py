@@ -189,7 +189,8 @@ def layout(x: torch.Tensor, placement: Placement) -> torch.Tensor:
 class ModuleSharding:
     """The contract between a parallel style and the seed pass.
 
-    ``params``: parameter name (relative to the module) -> placement.
+    ``params``: parameter path (relative to the module: ``weight``, ``base_layer.weight``)
+    -> placement.
     ``input_layouts``: how each positional input is laid out when the module is the root
     (what every rank passes in). ``desired_inputs`` / ``desired_kwargs``: layouts the inputs
     are redistributed to on entry. ``desired_outputs``: layouts outputs are redistributed to
@@ -204,6 +205,18 @@ class ModuleSharding:
     desired_inputs: Layouts = None
     desired_kwargs: dict[str, Placement] = field(default_factory=dict)
     desired_outputs: Layouts = None
+
+
+def planned_placement(shardings: dict, fqn: str):
+    """The placement ``shardings`` (module FQN -> :class:`ModuleSharding`) give parameter
+    ``fqn``: its nearest planned ancestor's, which names it by its path below that module
+    (``weight``, or ``base_layer.weight`` for a wrapper); ``None`` where none does."""
+    parts = fqn.split(".")
+    for i in range(len(parts) - 1, -1, -1):
+        sharding = shardings.get(".".join(parts[:i]))
+        if sharding is not None and ".".join(parts[i:]) in sharding.params:
+            return sharding.params[".".join(parts[i:])]
+    return None
 
 
 @dataclass

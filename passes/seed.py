@@ -13,7 +13,8 @@ import torch.fx as fx
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 from .errors import PlanError
-from .graph import BOUNDARY, PLACEMENT, ModuleCall, ModuleSharding, inside, layout, val
+from .graph import (BOUNDARY, PLACEMENT, ModuleCall, ModuleSharding, inside, layout,
+                    planned_placement, val)
 from .placement import UnitShard, is_sharded, normalize
 
 aten = torch.ops.aten
@@ -48,8 +49,7 @@ def _param_placement(node, shardings, fqns) -> Placement:
     module the plan leaves out follow the others; planned names must agree."""
     planned = {}
     for fqn in fqns or [node.target]:
-        owner, _, name = fqn.rpartition(".")
-        p = shardings[owner].params.get(name) if owner in shardings else None
+        p = planned_placement(shardings, fqn)
         if p is not None:
             planned[fqn] = normalize(p, val(node).dim())
     if len(set(map(str, planned.values()))) > 1:
