@@ -10,7 +10,9 @@ Gemma's norms, linear attention); else in fp32. A mixture of experts whose defau
 ``grouped_mm`` experts have no fp64 kernel on CPU is tried in fp64 with transformers'
 ``batched_mm`` experts first, at either tolerance. Each attempt's failure is recorded.
 Families whose small config the config class refuses, or whose model does not run with it
-on one device, are listed as such. Results: ``benchmarks/results/hf_families.json``.
+on one device, are listed as such, and so are those whose plan names no layer (their
+embedding's or head's alone), which ``"auto"`` refuses, and those torch.export itself
+cannot trace (fxtp traces with it). Results: ``benchmarks/results/hf_families.json``.
 
     python -m benchmarks.hf_families [FAMILY ...]   # some families: their entries updated
 """
@@ -39,8 +41,20 @@ SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_la
              linear_value_head_dim=4, decoder_sparse_step=1,
              vocab_size_per_layer_input=128)  # Gemma-3n / 4: 262144 x layers by default
 MLA = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "hy_v4",
-       "minicpm3", "longcat_flash", "axk1", "axk2", "youtu")
-SKIP = {"phi4_multimodal": "its default audio and vision towers do not fit a small config"}
+       "minicpm3", "longcat_flash", "axk1", "axk2", "youtu", "sarvam_mla")
+OWN = {  # what a family's config needs beyond SMALL to build and run small
+    "codegen": dict(rotary_dim=4), "gptj": dict(rotary_dim=4),
+    "bamba": dict(mamba_n_heads=8, mamba_d_head=8),
+    "granitemoehybrid": dict(mamba_n_heads=8, mamba_d_head=8),
+    "dots3_note_text": dict(num_key_value_heads=8),
+    "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default",
+                                                                    "rope_theta": 10000.0}}),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+    "gemma3n_text": dict(num_kv_shared_layers=0),  # its 15 shared layers of 2
+    "longcat_flash": dict(head_dim=4),
+}
+SKIP = {"phi4_multimodal": "its default audio and vision towers do not fit a small config",
+        "llama4": "its config is the multimodal one; its causal LM is llama4_text's"}
 
 
 def families() -> list[str]:
@@ -63,6 +77,7 @@ def make(kind: str, experts: str | None = None):
     if kind in MLA:  # head dims of their own; every head has its key
         sizes.pop("head_dim")
         sizes["num_key_value_heads"] = sizes["num_attention_heads"]
+    sizes.update(OWN.get(kind, {}))
     config = CONFIG_MAPPING[kind](**sizes)
     config._attn_implementation = "sdpa"
     cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[kind])
@@ -100,6 +115,12 @@ def run(pool, kind) -> dict:
         model(TOKENS, use_cache=False)
     except Exception as e:  # noqa: BLE001 - reported
         return {"result": "config refused", "why": f"{type(e).__name__}: {e}"[:300]}
+    from fxtp import PlanError
+    from fxtp.hf_plans import model_plan
+    try:  # a plan for the embedding or head alone: "auto" refuses it
+        model_plan(model)
+    except PlanError as e:
+        return {"result": "no layer plan", "why": str(e)}
     tried, grouped = [], "grouped_mm" in model.get_experts_implementation().values()
     for dtype, tolerance, experts in ATTEMPTS:
         if experts is not None and not grouped:
@@ -113,6 +134,11 @@ def run(pool, kind) -> dict:
         except Exception as e:  # noqa: BLE001 - the next attempt, or reported
             tried.append(f"{dtype} ({tolerance} tolerance, {experts or 'default'} experts):"
                          f" {_last_error(str(e))}")
+    try:  # does torch.export itself trace the model, as fxtp needs?
+        torch.export.export(make(kind), (TOKENS,), {"use_cache": False}, strict=False)
+    except Exception as e:  # noqa: BLE001 - reported
+        return {"result": "export refuses", "why": f"{type(e).__name__}: {e}"[:300],
+                "tried": tried}
     return {"result": "failed", "tried": tried}
 
 
