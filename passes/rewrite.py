@@ -8,7 +8,9 @@ Backward: a replicated value consumed by ops that also touch sharded or partial 
 receives per-rank partial gradients from them. All those consumers are fed through one
 ``grad_sync`` (identity forward, all-reduce backward), so a replicated activation read by
 several colwise linears costs one backward all-reduce; an ``all_gather`` whose consumers
-are all such ops reduce-scatters its gradient instead.
+are all such ops reduce-scatters its gradient instead. A replicated view, or product of
+parameters and values synced anyway, whose readers all give partial gradients passes them
+on unsummed, to be summed with its inputs' (a LoRA adapter's ``lora_A``).
 """
 from __future__ import annotations
 
@@ -137,10 +139,14 @@ _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
           aten.contiguous.default, aten.expand.default}
 
 
+_PRODUCTS = {aten.linear.default, aten.mm.default, aten.matmul.default}
+
+
 def _contributes_partial_grad(user: fx.Node) -> bool:
     """Does ``user`` hand a replicated input a per-rank partial gradient? Either it touches
-    sharded or partial values, or it is a replicated view whose users all do (the gradient
-    is then synchronized before the view, on its input)."""
+    sharded or partial values, or it is a replicated view or product whose users all do
+    (the gradient is then synchronized before it, on its inputs: see
+    :func:`_forwards_partial`)."""
     if user.op != "call_function" or user.target is collectives.shard or STAMP in user.meta:
         return False  # a stamped block syncs its inputs' gradients inside, as its reference
     placements = list(user.meta.get(INPUTS) or ()) + [user.meta.get(PLACEMENT)]
@@ -149,8 +155,22 @@ def _contributes_partial_grad(user: fx.Node) -> bool:
 
 
 def _forwards_partial(node: fx.Node) -> bool:
-    return node.target in _VIEWS and bool(node.users) and \
-        all(_contributes_partial_grad(u) for u in node.users)
+    """Is ``node``'s partial gradient better summed on its inputs? A backward is linear in
+    the gradient, and a replicated node computes it alike on every rank, so summing before
+    or after it is the same. A view moves the same bytes. A product of replicated inputs
+    (a LoRA adapter's r-wide ``lora_A`` feeding a colwise ``lora_B``) does where each input
+    is a parameter (its partial gradient joins the block's bucket) or a value whose
+    gradient is summed anyway for another reader (the colwise base layer's input): one
+    all-reduce fewer."""
+    if not node.users or not all(_contributes_partial_grad(u) for u in node.users):
+        return False
+    if node.target in _VIEWS:
+        return True
+    return node.target in _PRODUCTS and all(
+        is_replicate(placement_of(a)) and (
+            a.op == "get_attr" or
+            any(u is not node and _contributes_partial_grad(u) for u in a.users))
+        for a in tensor_inputs(node))
 
 
 def _sync_partial_grads(graph: fx.Graph, group: str, scope) -> None:
