@@ -89,6 +89,10 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: Optional[dict],
 _UNKNOWN_OUTPUT = re.compile(r"Found <class '([\w.]+)'> in output, which is not a known type")
 
 
+_LIFTED = re.compile(r"following model attribute: (\S*?)\.?lifted_tensor_\d+")
+"""torch.export's words for a tensor a forward made it cannot lift (``.data`` written)."""
+
+
 def _hint(error: Exception) -> str:
     """What to change when torch.export failed with ``error``."""
     unknown = _UNKNOWN_OUTPUT.search(str(error))
@@ -104,9 +108,20 @@ def _hint(error: Exception) -> str:
         return (f"the model returns a {unknown.group(1)}, which torch.export cannot "
                 f"flatten: return tensors (or tuples, lists, dicts of them), or register "
                 f"the type with torch.utils._pytree.register_pytree_node.")
+    lifted = _LIFTED.search(str(error))
+    if lifted:
+        return (f"module '{lifted.group(1) or '<root>'}' changes a tensor in place through "
+                f"its .data in forward, which torch.export cannot trace (Gemma-3n's AltUp "
+                f"clips its coefficients so while training). Make that update outside "
+                f"forward, after optimizer.step(), or turn it off (Gemma-3n: "
+                f"config.altup_coef_clip = None).")
+    moe = (" A mixture of experts looping over the experts a batch routes to is the "
+           "usual case: pick an implementation without the loop (transformers: "
+           "model.set_experts_implementation('batched_mm'), where the model offers it)."
+           if type(error).__name__ == "GuardOnDataDependentSymNode" else "")
     return ("data-dependent Python control flow and non-tensor outputs are the usual "
             "causes; check that model(*example_inputs, **example_kwargs) runs, and rewrite "
-            "branches on tensor values with torch.where / torch.cond.")
+            "branches on tensor values with torch.where / torch.cond." + moe)
 
 
 def _trace(model, args, kwargs, boundaries, dynamic_shapes, checkpointed, stamper,

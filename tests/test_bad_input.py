@@ -49,12 +49,58 @@ class DataDependent(nn.Module):
         return x
 
 
+def trace_error(model, plan, match):
+    with pytest.raises(fxtp.TraceError, match=match):
+        fxtp.parallelize(model, plan, example_inputs=(torch.randn(B, D),))
+
+
 def test_a_model_that_cannot_be_traced_gives_the_trace_error_and_a_hint(fake_group):
     fake_group(2)
-    with pytest.raises(fxtp.TraceError, match=r"(?s)could not trace DataDependent.*"
-                                              r"data-dependent.*Hint:.*torch\.where"):
-        fxtp.parallelize(DataDependent(), {"net1": fxtp.ColwiseParallel()},
-                         example_inputs=(torch.randn(B, D),))
+    trace_error(DataDependent(), {"net1": fxtp.ColwiseParallel()},
+                r"(?s)could not trace DataDependent.*data-dependent.*Hint:.*torch\.where")
+
+
+class ClipsInForward(nn.Module):
+    """Clips its weight through ``.data`` while training, as Gemma-3n's AltUp does."""
+
+    def __init__(self):
+        super().__init__()
+        self.net1 = nn.Linear(D, D)
+
+    def forward(self, x):
+        if self.training:
+            self.net1.weight.data.clamp_(-1, 1)
+        return self.net1(x)
+
+
+class ExpertLoop(nn.Module):
+    """Loops over the experts its tokens are routed to, as many mixtures of experts do."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(D, 4)
+        self.experts = nn.ModuleList(nn.Linear(D, D) for _ in range(4))
+
+    def forward(self, x):
+        chosen = self.router(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for expert in torch.nonzero(torch.bincount(chosen, minlength=4)):
+            out = out + self.experts[expert](x) * (chosen == expert).unsqueeze(-1)
+        return out
+
+
+def test_a_write_through_data_in_forward_is_named_with_what_to_do(fake_group):
+    fake_group(2)
+    trace_error(ClipsInForward(), {"net1": fxtp.ColwiseParallel()},
+                r"(?s)Hint: module '<root>' changes a tensor in place through its \.data in "
+                r"forward.*after optimizer\.step\(\)")
+
+
+def test_a_loop_over_routed_experts_is_named_with_what_to_do(fake_group):
+    fake_group(2)
+    trace_error(ExpertLoop(), {"experts.*": fxtp.ColwiseParallel()},
+                r"(?s)Hint: data-dependent.*looping over the experts.*"
+                r"set_experts_implementation")
 
 
 def test_inputs_of_another_shape_than_traced_name_the_input_and_dynamic_shapes(fake_group):
