@@ -74,7 +74,8 @@ def _adapted(style: "ParallelStyle", fqn: str, base: nn.Module, split: nn.Module
     style gives them, and the adapters' projections on ``side`` (``lora_B`` colwise: the
     output features; ``lora_A`` rowwise: the input features) split the same way; the
     other side, r wide, is replicated."""
-    params = {f"base_layer.{k}": p for k, p in style.shard(f"{fqn}.base_layer", base).params.items()}
+    params = {f"base_layer.{k}": p
+              for k, p in style.shard(f"{fqn}.base_layer", base).params.items()}
     for name, projection in split.items():
         params.update({f"{side}.{name}.{k}": p for k, p in
                        style.shard(f"{fqn}.{side}.{name}", projection).params.items()})
@@ -102,8 +103,8 @@ class ColwiseParallel(ParallelStyle):
             params = {"weight": Shard(0), "bias": Shard(0)}
         elif isinstance(module, nn.Embedding) or _is_transposed_linear(module):
             params = {"weight": Shard(1), "bias": Shard(0)}
-        elif _lora(module) is not None:
-            base, _, up = _lora(module)
+        elif (lora := _lora(module)) is not None:
+            base, _, up = lora
             params = _adapted(self, fqn, base, up, "lora_B")
         else:
             raise self._unsupported(fqn, module, "nn.Linear, nn.Embedding, Conv1D and "
@@ -131,8 +132,8 @@ class RowwiseParallel(ParallelStyle):
             params, desired = {"weight": Shard(0), "bias": Replicate()}, Shard(-1)
         elif isinstance(module, nn.Embedding):  # vocab-sharded: masked local lookup
             params, desired = {"weight": Shard(0)}, Replicate()
-        elif _lora(module) is not None:
-            base, down, _ = _lora(module)
+        elif (lora := _lora(module)) is not None:
+            base, down, _ = lora
             params = _adapted(self, fqn, base, down, "lora_A")
             desired = self.shard(f"{fqn}.base_layer", base).desired_inputs[0]
         else:
