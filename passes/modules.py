@@ -255,6 +255,10 @@ def _call_stamp(graph: fx.Graph, part: list, fqn: str, reference, target: str,
         raise StampMismatch(f"block '{fqn}' is stamped from '{given.reference}', whose "
                             f"module reads or returns other values than the block's")
     args = [stamp.args[0][given.inputs.index(r)] for r in reads]
+    try:
+        graph.owning_module.get_submodule(target)
+    except AttributeError:  # a block holding no tensors has no holder: stamp_modules copies
+        graph.owning_module.add_submodule(target, nn.Module())  # its reference into this
     with graph.inserting_before(stamp):
         call = graph.call_module(target, tuple(args))
         results = [call] if len(gives) == 1 else \

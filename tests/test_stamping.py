@@ -92,6 +92,19 @@ class WeightReadingStack(nn.Module):
         return x
 
 
+class NormsAndActivations(nn.Module):
+    """Blocks holding no tensors (activations) between norms."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.LayerNorm(32), nn.GELU(), nn.LayerNorm(32), nn.GELU()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
 class AutocastSecond(nn.Module):
     """The second block runs under autocast (bf16), the others in fp32: the same code,
     given the same arguments, traces differently."""
@@ -361,6 +374,16 @@ def test_a_blocks_tensor_read_outside_its_call_is_there_to_read(fake_group):
     first from the second: the first's input, the model's, needs no gradient)."""
     fake_group(2)
     assert stamped_projections(WeightReadingStack) == {"layers.2": "layers.1"}
+
+
+def test_a_block_holding_no_tensors_is_stamped_too(fake_group):
+    """Its call needed a module to call, which only blocks holding tensors had (found by
+    the property test)."""
+    fake_group(2)
+    stamped, traced = stamped_and_traced(NormsAndActivations, {}, 2,
+                                         inputs=(torch.randn(2, 8, 32),))
+    assert stamped.meta[STAMPED] == {"layers.3": "layers.1"}  # the first norm's input
+    assert programs(stamped) == programs(traced)                # needs no gradient
 
 
 def test_checkpointed_blocks_are_stamped_with_a_region_each(fake_group):
