@@ -10,7 +10,7 @@ import os
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import fxtp
@@ -98,6 +98,7 @@ def stacks_and_plans(draw):
                 plan[f"layers.{i}.{name}"] = style
         if kind.endswith("norm") and draw(st.booleans()):
             plan[f"layers.{i}"] = ("sequence", None)
+    assume(any(layer["kind"] != "act" for layer in layers))  # something to train
     return {"dim": dim, "layers": layers}, plan
 
 
