@@ -135,7 +135,7 @@ def run(pool, kind) -> dict:
             tried.append(f"{dtype} ({tolerance} tolerance, {experts or 'default'} experts):"
                          f" {_last_error(str(e))}")
     try:  # does torch.export itself trace the model, as fxtp needs?
-        torch.export.export(make(kind), (TOKENS,), {"use_cache": False}, strict=False)
+        torch.export.export(model, (TOKENS,), {"use_cache": False}, strict=False)
     except Exception as e:  # noqa: BLE001 - reported
         return {"result": "export refuses", "why": f"{type(e).__name__}: {e}"[:300],
                 "tried": tried}

@@ -139,8 +139,6 @@ def _follow_ties(model: nn.Module, resolved: dict[str, ModuleSharding]) -> None:
                 resolved[owner] = style.shard(owner, modules[owner])
 
 
-
-
 def _tie_style(module: nn.Module, placement) -> ParallelStyle | None:
     """The style that gives ``module.weight`` (vocab x dim) ``placement``, replicated in
     and out."""

@@ -16,6 +16,7 @@ from typing import Iterable, Optional
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
+from torch.fx.operator_schemas import normalize_function
 import torch.utils.checkpoint as cp
 import torch.utils._pytree as pytree
 
@@ -342,7 +343,9 @@ def _returned_input(node: fx.Node, operands) -> Optional[fx.Node]:
     same dtype, device, layout and strides): eagerly, the very tensor, still requiring
     gradients under no_grad. ``None`` where ``node`` is a new tensor."""
     while isinstance(node, fx.Node) and node not in operands:
-        if node.target not in _RETURN_SELF or _argument(node, "copy", False):
+        if node.target not in _RETURN_SELF or normalize_function(
+                node.target, node.args, node.kwargs,
+                normalize_to_only_use_kwargs=True).kwargs.get("copy", False):
             return None
         source = node.args[0]
         new, old = node.meta.get("val"), getattr(source, "meta", {}).get("val")
@@ -352,14 +355,6 @@ def _returned_input(node: fx.Node, operands) -> Optional[fx.Node]:
             return None
         node = source
     return node if isinstance(node, fx.Node) else None
-
-
-def _argument(node: fx.Node, name: str, default):
-    """The value ``node``'s call passes for its operator's argument ``name``."""
-    if name in node.kwargs:
-        return node.kwargs[name]
-    names = [a.name for a in node.target._schema.arguments]
-    return node.args[names.index(name)] if names.index(name) < len(node.args) else default
 
 
 def _read_buffers_by_name(gm: fx.GraphModule, model: torch.nn.Module) -> None:

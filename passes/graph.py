@@ -213,9 +213,9 @@ def planned_placement(shardings: dict, fqn: str):
     (``weight``, or ``base_layer.weight`` for a wrapper); ``None`` where none does."""
     parts = fqn.split(".")
     for i in range(len(parts) - 1, -1, -1):
-        sharding = shardings.get(".".join(parts[:i]))
-        if sharding is not None and ".".join(parts[i:]) in sharding.params:
-            return sharding.params[".".join(parts[i:])]
+        sharding, path = shardings.get(".".join(parts[:i])), ".".join(parts[i:])
+        if sharding is not None and path in sharding.params:
+            return sharding.params[path]
     return None
 
 
