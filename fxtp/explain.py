@@ -21,6 +21,8 @@ grad_sync           none                      all-reduce of the full gradient
 grad_sync_bucket    none                      one all-reduce per dtype, of the summed
                                               parameter sizes
 loss_parallel       3 per-token all-reduces   none
+sharded_norm        the norm's powers summed  none
+                    (its output's bytes)
 ==================  ========================  =======================================
 
 Bytes per rank are those of the local tensor a rank hands to the collective, as
@@ -45,6 +47,7 @@ from .passes.placement import (UnitShard, blocks, describe, is_sharded, local_ra
 from .passes.modules import inline_program
 
 from .passes.cross_entropy import forward_all_reduce_bytes, loss_parallel_cross_entropy
+from .passes.sharded_norm import norm_of_shards
 from .names import model_fqn
 from .report import Comm, Fallback, Layer, NodeInfo, Report, Summary, Totals
 
@@ -124,6 +127,8 @@ def node_info(node: fx.Node, rank: int, world: int, hints: dict,
 def collective_of(node: fx.Node) -> Optional[str]:
     if node.op == "call_function" and node.target is loss_parallel_cross_entropy:
         return "loss_parallel"
+    if node.op == "call_function" and node.target is norm_of_shards:
+        return "sharded_norm"
     return node.meta.get(COLLECTIVE)
 
 
@@ -203,6 +208,8 @@ def _comms(node: fx.Node, kind: str, rank: int, world: int, grads) -> tuple[list
         sizes = forward_all_reduce_bytes(tokens, logits.dtype, target.is_floating_point(),
                                          args["label_smoothing"])
         return [Comm("all_reduce", b) for b in sizes], []
+    if kind == "sharded_norm":  # replicated: every rank sums a tensor of the norm's size
+        return [Comm("all_reduce", _local_bytes(node, rank, world))], []
     x = args["x"]
     forward, backward = CONJUGATES[kind]
     if kind == "all_gather" and not args["partial_grad"]:

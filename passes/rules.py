@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import sympy
@@ -33,6 +33,7 @@ from .dimspec import DimSpec, fixed_label, parse, strategies
 from .graph import is_tensor_node, output_vals, stamp_edge, tensor_inputs, val
 from .local_ops import mean_of_shard, sharded_dropout, vocab_parallel_embedding
 from .loss_parallel import class_sharded, cross_entropy_spec, loss_parallel
+from .sharded_norm import norm_rule_parts
 from .placement import (UnitShard, block_bounds, cut_in_blocks, is_blocked, is_sharded,
                         is_whole, local_range)
 
@@ -203,6 +204,17 @@ def reduction(dims_of: Callable[[fx.Node], list[int]], summed: bool = False,
         return DimSpec((labels,) + (None,) * (len(tensor_inputs(node)) - 1),
                        tuple(out for _ in output_vals(node)), partial)
     return Rule(spec)
+
+
+def vector_norm():
+    """A p-norm over ``dim`` (argument 2, every dim when omitted) of order argument 1:
+    a reduction whose reduced dims may also arrive sharded, for finite ``p > 0``: the
+    local op then sums every rank's powers (one all-reduce, see
+    :mod:`~fxtp.passes.sharded_norm`) into a replicated norm."""
+    dims_of = dims_arg(2, omitted="all")
+    extra, local_op = norm_rule_parts(dims_of)
+    return replace(reduction(dims_of, keepdim_arg=3), extra=extra, local_op=local_op,
+                   communicates=True)
 
 
 def permutation(perm_of: Callable[[fx.Node], list[int]]):
@@ -1021,8 +1033,8 @@ RULES.update({
     aten.std_mean.correction: reduction(dims_arg(1, omitted="all"), keepdim_arg=3),
     aten.var.dim: reduction(dims_arg(1, omitted="all"), keepdim_arg=3),
     aten.std.dim: reduction(dims_arg(1, omitted="all"), keepdim_arg=3),
-    aten.linalg_vector_norm.default: reduction(dims_arg(2, omitted="all"), keepdim_arg=3),
-    aten.norm.ScalarOpt_dim: reduction(dims_arg(2, omitted="all"), keepdim_arg=3),
+    aten.linalg_vector_norm.default: vector_norm(),
+    aten.norm.ScalarOpt_dim: vector_norm(),
     aten.count_nonzero.dim_IntList: reduction(dims_arg(1, omitted="all"), keepdim_arg=None),
     aten.count_nonzero.default: reduction(dims_arg(1, omitted="all"), keepdim_arg=None),
     aten.median.dim: reduction(dims_arg(1)),

@@ -157,13 +157,19 @@ def all_strategies(node: fx.Node, world: int, actual=(), strided: bool = False,
     also the unit-sharded forms offered when a sharded input arrives as
     ``UnitShard(d, n)``, for every ``n`` the dim's size allows (:func:`unit_counts`)."""
     rule = rule_for(node.target)
-    found = dict.fromkeys(rule.strategies(node, world, actual))
+    communicating = set()
+
+    def strategies(arrive):
+        if rule.communicates:
+            communicating.update(rule.extra(node, world, arrive))
+        return rule.strategies(node, world, arrive)
+    found = dict.fromkeys(strategies(actual))
     inputs = tensor_inputs(node)
     for ins, _ in list(found):
         if strided and any(type(p) is Shard for p in ins):
             arrive = tuple(_StridedShard(p.dim, split_factor=2) if type(p) is Shard else p
                            for p in ins)
-            for s in rule.strategies(node, world, arrive):
+            for s in strategies(arrive):
                 if any(isinstance(p, _StridedShard) for p in s[0] + s[1]):
                     found.setdefault(s)
     for i, p in enumerate(() if not units else actual or (None,) * len(inputs)):
@@ -171,10 +177,9 @@ def all_strategies(node: fx.Node, world: int, actual=(), strided: bool = False,
         for d in range(len(shape)):
             for n in unit_counts(shape[d], world):
                 arrive = tuple(UnitShard(d, n) if j == i else R for j in range(len(inputs)))
-                for s in rule.strategies(node, world, arrive):
+                for s in strategies(arrive):
                     if any(isinstance(q, UnitShard) for q in s[0] + s[1]):
                         found.setdefault(s)
-    communicating = set(rule.extra(node, world)) if rule.communicates else set()
     return [s for s in found if s not in communicating]
 
 

@@ -1,0 +1,117 @@
+"""Vector norms over a sharded dim: every rank's powers summed by one all-reduce, never a
+gather of the tensor.
+
+The kernel against ``torch.linalg.vector_norm`` of the whole tensor (every order it takes,
+even, uneven and strided shards, several reduced dims, ``keepdim``, ``dtype``, complex
+values, zero vectors), forward and the local gradient; then model code: ``F.normalize``
+over a colwise layer's features, at parity with single device and Megatron's collectives
+plus the norm's one all-reduce.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+import fxtp
+from fxtp.passes.placement import UnitShard
+from fxtp.passes.sharded_norm import norm_of_shards
+from tests.parity import TIGHT, check_parity, example, local_part
+
+# name: (shape, reduced dims, order, keepdim, dtype argument, placement of the input)
+CASES = {
+    "rows_l2": ((6, 16), [1], 2, False, None, Shard(1)),
+    "rows_l1": ((6, 16), [1], 1, False, None, Shard(1)),
+    "rows_l3": ((6, 16), [1], 3, True, None, Shard(1)),
+    "rows_half": ((6, 16), [1], 0.5, False, None, Shard(1)),
+    "two_dims": ((3, 8, 12), [1, 2], 2, True, None, Shard(2)),
+    "all_dims": ((8, 4), [], 2, False, None, Shard(0)),
+    "negative_dim": ((5, 16), [-1], 2, False, None, Shard(1)),
+    "uneven": ((4, 10), [1], 2, False, None, UnitShard(1, 10)),
+    "strided": ((4, 16), [1], 2, False, None, _StridedShard(1, split_factor=2)),
+    "upcast": ((6, 16), [1], 2, False, torch.float64, Shard(1)),
+    "complex": ((6, 16), [1], 2, False, None, Shard(1)),
+}
+
+
+def _full(name):
+    shape, _, _, _, dtype, _ = CASES[name]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64)
+    if name == "complex":
+        x = torch.complex(x, torch.randn(shape, generator=gen, dtype=torch.float64))
+    if dtype is not None:
+        x = x.float()
+    x[0] = 0  # a zero vector: no gradient through its norm, as torch's own backward
+    return x
+
+
+def norm_vs_full(rank, world, name):
+    shape, dims, order, keepdim, dtype, placement = CASES[name]
+    full = _full(name).requires_grad_()
+    ref = torch.linalg.vector_norm(full, order, dims or None, keepdim, dtype=dtype)
+    upstream = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1),
+                           dtype=ref.dtype)
+    (ref * upstream).sum().backward()
+    x = local_part(full.detach(), placement, rank, world).clone().requires_grad_()
+    with fxtp.count_collectives() as fwd:
+        norm = norm_of_shards(x, order, dims or list(range(x.dim())), keepdim, dtype,
+                              dist.group.WORLD.group_name)
+    with fxtp.count_collectives() as bwd:
+        (norm * upstream).sum().backward()
+    torch.testing.assert_close(norm, ref.detach(), **TIGHT)
+    assert norm.dtype == ref.dtype and x.grad.dtype == x.dtype
+    expected = local_part(full.grad, placement, rank, world)
+    assert not expected.isnan().any()
+    torch.testing.assert_close(x.grad, expected, **TIGHT)
+    return dict(fwd.counts), dict(bwd.counts)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_the_norm_of_the_whole_tensor(ranks, name):
+    """One all-reduce of the norm's size forward, none backward."""
+    assert ranks.run(norm_vs_full, name)[0] == ({"all_reduce": 1}, {})
+
+
+class CosineFeatures(nn.Module):
+    """A colwise projection normalized over its (sharded) features, scaled, then a
+    rowwise projection: nGPT-style unit-norm hidden states."""
+
+    def __init__(self, dim=16, hidden=32):
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)
+        self.scale = nn.Parameter(torch.linspace(0.5, 2.0, hidden))
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.down(F.normalize(self.up(x), dim=-1) * self.scale)
+
+
+PLAN = {"up": fxtp.ColwiseParallel(), "down": fxtp.RowwiseParallel()}
+
+
+def cosine_parity(rank, world, dtype):
+    return check_parity(rank, world, CosineFeatures, PLAN, [example(2, 8, 16)], dtype=dtype,
+                        strict=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_normalizing_sharded_features_matches_single_device(ranks, dtype):
+    """Forward: the norm's all-reduce and the rowwise output's. Backward: the colwise
+    input's gradient, and the norm's, which each rank's features give a part of (the
+    norm's own backward is local)."""
+    assert ranks.run(cosine_parity, dtype)[0] == ({"all_reduce": 2}, {"all_reduce": 2})
+
+
+def test_the_norm_is_computed_where_the_features_are_sharded(fake_group):
+    fake_group(4)
+    gm = fxtp.parallelize(CosineFeatures(), PLAN, example_inputs=(example(2, 8, 16),),
+                          strict=True)
+    report = fxtp.explain(gm)
+    norms = [n for n in report.nodes if n.collective == "sharded_norm"]
+    assert [(n.placement, [c.kind for c in n.forward]) for n in norms] == \
+        [("R", ["all_reduce"])]
+    assert gm.fxtp.param_placements["scale"] == Shard(0)
+    assert gm.fxtp.param_placements["down.bias"] == Replicate()
