@@ -34,6 +34,7 @@ from .graph import (FALLBACK, INPUTS, PINNED, PLACEMENT, STAMP, attr, branches, 
 from .placement import (R, describe, is_narrowing, is_replicate, is_sharded,
                         transition_cost)
 from .dimspec import indivisible
+from .reduce_early import reduce_early
 from .rules import PASSTHROUGH, returns_alias, rule_for, writes_first_input
 
 
@@ -57,6 +58,7 @@ def propagate(gm: fx.GraphModule, world: int, strict: bool = False) -> list[str]
                                         "the op's inputs arrive as its rule can take them.")
                 node.meta[FALLBACK] = message
                 fallbacks.append(message)
+    reduce_early(gm, world)
     _shard_at_source(gm, world)
     return fallbacks
 

@@ -30,7 +30,7 @@ from .graph import (AUTOCAST, COLLECTIVE, INPUTS, PLACEMENT, STAMP, attr, branch
                     placement_of, stack_upto, tensor_inputs, val)
 from .placement import (UnitShard, blocks, describe, is_replicate, is_sharded,
                         local_range, transition_steps)
-from .rules import writes_first_input
+from .rules import is_tagged_pointwise, writes_first_input
 
 aten = torch.ops.aten
 
@@ -142,35 +142,42 @@ _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
 _PRODUCTS = {aten.linear.default, aten.mm.default, aten.matmul.default}
 
 
-def _contributes_partial_grad(user: fx.Node) -> bool:
+def _contributes_partial_grad(user: fx.Node, carries: frozenset) -> bool:
     """Does ``user`` hand a replicated input a per-rank partial gradient? Either it touches
-    sharded or partial values, or it is a replicated view or product whose users all do
-    (the gradient is then synchronized before it, on its inputs: see
-    :func:`_forwards_partial`)."""
+    sharded or partial values, or it is a replicated view, product or elementwise op whose
+    users all do (the gradient is then synchronized before it, on its inputs: see
+    :func:`_forwards_partial`). ``carries``: the values that carry gradients."""
     if user.op != "call_function" or user.target is collectives.shard or STAMP in user.meta:
         return False  # a stamped block syncs its inputs' gradients inside, as its reference
     placements = list(user.meta.get(INPUTS) or ()) + [user.meta.get(PLACEMENT)]
     flat = [p for q in placements for p in (q if isinstance(q, tuple) else (q,))]
-    return any(p is not None and not is_replicate(p) for p in flat) or _forwards_partial(user)
+    return any(p is not None and not is_replicate(p) for p in flat) or \
+        _forwards_partial(user, carries)
 
 
-def _forwards_partial(node: fx.Node) -> bool:
+def _forwards_partial(node: fx.Node, carries: frozenset) -> bool:
     """Is ``node``'s partial gradient better summed on its inputs? A backward is linear in
     the gradient, and a replicated node computes it alike on every rank, so summing before
-    or after it is the same. A view moves the same bytes. A product of replicated inputs
-    (a LoRA adapter's r-wide ``lora_A`` feeding a colwise ``lora_B``) does where each input
-    is a parameter (its partial gradient joins the block's bucket) or a value whose
-    gradient is summed anyway for another reader (the colwise base layer's input): one
-    all-reduce fewer."""
-    if not node.users or not all(_contributes_partial_grad(u) for u in node.users):
+    or after it is the same. A view moves the same bytes. So does an elementwise op with
+    one input carrying a gradient, of the output's dtype (that input is no larger: DoRA's
+    ``magnitude / norm`` and ``scale - 1`` read by two partial products then take one sum,
+    on the magnitude). A product of replicated inputs (a LoRA adapter's r-wide ``lora_A``
+    feeding a colwise ``lora_B``) does where each input is a parameter (its partial
+    gradient joins the block's bucket) or a value whose gradient is summed anyway for
+    another reader (the colwise base layer's input): one all-reduce fewer."""
+    if not node.users or not all(_contributes_partial_grad(u, carries) for u in node.users):
         return False
     if node.target in _VIEWS:
         return True
+    inputs = tensor_inputs(node)
+    if is_tagged_pointwise(node.target) and not writes_first_input(node.target):
+        graded = [a for a in inputs if a in carries]
+        return len(graded) == 1 and val(graded[0]).dtype == val(node).dtype
     return node.target in _PRODUCTS and all(
         is_replicate(placement_of(a)) and (
             a.op == "get_attr" or
-            any(u is not node and _contributes_partial_grad(u) for u in a.users))
-        for a in tensor_inputs(node))
+            any(u is not node and _contributes_partial_grad(u, carries) for u in a.users))
+        for a in inputs)
 
 
 def _sync_partial_grads(graph: fx.Graph, group: str, scope) -> None:
@@ -181,13 +188,13 @@ def _sync_partial_grads(graph: fx.Graph, group: str, scope) -> None:
         graph, lambda n, v: n in trainable or
         n.op == "get_attr" and isinstance(attr(graph.owning_module, n.target), nn.Parameter))
     from_params = computed_from_parameters(graph)
-    for node in list(graph.nodes):
+    summed = {}  # each value whose partial gradient is summed -> the users giving it, all
+    for node in graph.nodes:  # decided on the graph as it is, before any sync is added
         v = val(node)
-        if node not in needs_grad or not isinstance(v, torch.Tensor) or \
-                not v.dtype.is_floating_point or not is_replicate(placement_of(node)) or \
-                _forwards_partial(node):
-            continue
-        partial_users = [u for u in node.users if _contributes_partial_grad(u)]
+        if node in needs_grad and isinstance(v, torch.Tensor) and v.dtype.is_floating_point \
+                and is_replicate(placement_of(node)) and not _forwards_partial(node, needs_grad):
+            summed[node] = [u for u in node.users if _contributes_partial_grad(u, needs_grad)]
+    for node, partial_users in summed.items():
         if not partial_users:
             continue
         if node in from_params and node in trainable:  # frozen ones: a sync each, which

@@ -3,7 +3,8 @@ takes the wrapped transformers model's plan under its FQN; a LoRA layer planned 
 rowwise splits its adapters with its base layer (colwise: ``lora_B`` by output features;
 rowwise: ``lora_A`` by input features; the r-wide side replicated), so the adapters add
 no collective. Parity in fp64 with the single-device PEFT model (base weights frozen, as
-PEFT leaves them), strict (no fallback)."""
+PEFT leaves them), strict (no fallback). DoRA's weight norm over a rowwise layer's sharded
+input features is summed across ranks, never gathered."""
 import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
@@ -18,18 +19,22 @@ TARGETS = ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]
 LAYER = "base_model.model.model.layers.0."
 
 
-def lora_llama():
+R = 4
+
+
+def lora_llama(use_dora=False):
     """A small Hugging Face Llama with rank-4 adapters on five of its seven projections,
     both factors random (PEFT's default makes ``lora_B`` zero: no gradient to check)."""
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0,
-                             init_lora_weights=False)
+    config = peft.LoraConfig(r=R, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0,
+                             init_lora_weights=False, use_dora=use_dora)
     return peft.get_peft_model(corpus.hf_llama(), config)
 
 
-def lora_parity(rank, world, plan):
-    return check_parity(rank, world, lora_llama, plan, [TOKENS], dtype=torch.float64,
-                        strict=True, input_grads=False, kwargs={"use_cache": False},
-                        output=lambda out: out.logits)
+def lora_parity(rank, world, plan, use_dora=False):
+    return check_parity(rank, world, lambda: lora_llama(use_dora), plan, [TOKENS],
+                        dtype=torch.float64, strict=True, input_grads=False,
+                        kwargs={"use_cache": False}, output=lambda out: out.logits,
+                        with_bytes=use_dora)
 
 
 def test_auto_on_a_lora_model_trains_its_adapters_as_on_one_device(ranks):
@@ -57,3 +62,19 @@ def test_a_lora_layer_splits_its_adapters_with_its_base_layer(fake_group):
     assert placements["self_attn.o_proj.lora_A.default.weight"] == Shard(1)
     assert placements["self_attn.o_proj.lora_B.default.weight"] == Replicate()
     assert not gm.fxtp.fallbacks
+
+
+def test_dora_trains_as_on_one_device_with_no_gather(ranks):
+    """DoRA (``use_dora=True``) scales each output feature by a trained magnitude over the
+    norm of the adapted weight's row, ``|W + s B A|`` over the input features. Colwise,
+    rows are local. Rowwise, the input features are sharded: each norm is one all-reduce
+    of the layer's output size (was: a reported gather of the whole weight), and PEFT's
+    ``B A``, built as ``lora_B(lora_A(eye))``, is partial at (in, r) and reduce-scattered
+    there, by rows, into the weight's layout (was: at (in, out)). Backward as plain LoRA:
+    the magnitudes' partial gradients join their block's bucket."""
+    fwd, bwd, fwd_bytes, _ = ranks.run(lora_parity, "auto", True)[0]
+    rowwise_in = [corpus.HIDDEN, 64]  # o_proj, down_proj
+    assert fwd == {"all_reduce": 2 * L + 1 + len(rowwise_in) * L,
+                   "reduce_scatter": len(rowwise_in) * L, "all_gather": 1}
+    assert bwd == {"all_reduce": 3 * L}
+    assert fwd_bytes["reduce_scatter"] == L * sum(n * R * 8 for n in rowwise_in)  # fp64
