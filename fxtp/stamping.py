@@ -27,7 +27,9 @@ Blocks are equivalent when nothing a trace depends on differs:
   as expressions) and non-tensor values, under the same grad mode and autocast state.
 
 A call that matches no reference of its kind is traced in full and becomes another
-reference (Gemma-2's sliding-window and global layers alternate: each stamps its own). A
+reference (Gemma-2's sliding-window and global layers alternate: each stamps its own).
+Blocks nested in a block that is traced (PEFT's adapters, in ``ModuleDict`` s inside each
+layer) trace with it, and are stamped with the blocks holding them. A
 reference whose nodes do not form a closed region (a value kept on ``self`` and read
 outside, a graph input read directly, another module's state, a higher-order op with
 subgraphs, a gradient hook, whose closure is that call's) makes its kind traced again
@@ -147,8 +149,9 @@ class Stamper:
                           [*model.named_parameters(remove_duplicate=False),
                            *model.named_buffers(remove_duplicate=False)]}
         firsts = set({kind: fqn for fqn, kind in reversed(self.kind.items())}.values())
-        self.hidden = _hideable(model, [f for f in self.kind
-                                        if f not in firsts and f not in set(shown)])
+        traced = tuple(f + "." for f in {*firsts, *shown})  # nested blocks trace with them
+        self.hidden = _hideable(model, [f for f in self.kind if f not in firsts and
+                                        f not in set(shown) and not f.startswith(traced)])
         self.held_back: list[tuple] = []  # (FQN, tensor, persistent?)
 
     def same_kind(self, fqn: str) -> list[str]:
@@ -194,6 +197,7 @@ class Stamper:
     def _forward(self, fqn: str, module: nn.Module, forward):
         kind = self.kind[fqn]
 
+        @functools.wraps(forward)
         def call(*args, **kwargs):
             if self._depth:
                 if fqn in self.hidden:  # traced after all: its tensors are needed
@@ -216,6 +220,7 @@ class Stamper:
             return pytree.tree_unflatten(
                 [next(outs) if isinstance(leaf, _Meta) else leaf
                  for leaf in reference.out_leaves], reference.out_spec)
+        call.stamper_patch = True
         return call
 
     def _trace_reference(self, kind, fqn, module, forward, args, kwargs):
@@ -528,8 +533,8 @@ def _modes() -> tuple:
 def _same(a, b) -> bool:
     """Equal as a trace sees them, without guarding on symbolic sizes; objects other than
     plain values, containers of them and ``functools.partial`` s only if identical."""
-    if a is b:
-        return True
+    if a is b or getattr(a, "stamper_patch", False) and getattr(b, "stamper_patch", False):
+        return True  # the stamper's own wrappers of equivalent nested blocks' forwards
     if isinstance(a, functools.partial) and type(a) is type(b):
         return a.func is b.func and _same(a.args, b.args) and _same(a.keywords, b.keywords)
     if isinstance(a, dict) and type(a) is type(b):
