@@ -20,7 +20,7 @@ from .hf_plans import model_plan, styles_of
 from .passes.errors import PlanError
 from .passes.graph import planned_placement
 from .styles import (ColwiseParallel, ModuleSharding, ParallelStyle, RowwiseParallel,
-                     from_torch)
+                     from_torch, shard_module)
 
 Plan = Union[ParallelStyle, Mapping[str, Union[ParallelStyle, str]], str]
 
@@ -110,7 +110,7 @@ def resolve_plan(model: nn.Module, plan: Plan, strict: bool = False
             if fqn in resolved:
                 raise PlanError(f"module '{fqn}' is matched by plan keys "
                                 f"{matched_by[fqn]!r} and {key!r}; give each module one style")
-            resolved[fqn] = style.shard(fqn, modules[fqn])
+            resolved[fqn] = shard_module(style, fqn, modules[fqn])
             matched_by[fqn] = key
     _follow_ties(model, resolved)
     return resolved
@@ -136,7 +136,7 @@ def _follow_ties(model: nn.Module, resolved: dict[str, ModuleSharding]) -> None:
                 continue
             style = _tie_style(modules[owner], placement)
             if style is not None:
-                resolved[owner] = style.shard(owner, modules[owner])
+                resolved[owner] = shard_module(style, owner, modules[owner])
 
 
 def _tie_style(module: nn.Module, placement) -> ParallelStyle | None:

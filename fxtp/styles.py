@@ -8,6 +8,7 @@ compatibility; fxtp's graph always computes the single-device program.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Sequence, Union
 
 import torch.nn as nn
@@ -56,6 +57,23 @@ class ParallelStyle:
             f"{type(module).__name__}: it supports {supported}. Plan its child modules "
             f"instead, or use PrepareModuleInput/PrepareModuleOutput to change layouts "
             f"at this module's boundary.")
+
+
+def shard_module(style: "ParallelStyle", fqn: str, module: nn.Module) -> ModuleSharding:
+    """``style.shard(fqn, module)``, also through PEFT's ``ModulesToSaveWrapper`` (a head
+    or embedding fine-tuned whole: ``modules_to_save=["lm_head"]``): the wrapped
+    ``original_module`` and each adapter's trainable copy in ``modules_to_save`` are split
+    as the style splits the module, and the wrapper's inputs and outputs laid out as its."""
+    original = getattr(module, "original_module", None)
+    copies = getattr(module, "modules_to_save", None)
+    if not (isinstance(original, nn.Module) and isinstance(copies, nn.ModuleDict)):
+        return style.shard(fqn, module)
+    inner = style.shard(f"{fqn}.original_module", original)
+    params = {f"original_module.{k}": p for k, p in inner.params.items()}
+    for name, copy in copies.items():
+        params.update({f"modules_to_save.{name}.{k}": p for k, p in
+                       style.shard(f"{fqn}.modules_to_save.{name}", copy).params.items()})
+    return dataclasses.replace(inner, fqn=fqn, params=params)
 
 
 def _lora(module: nn.Module):

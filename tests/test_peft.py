@@ -23,11 +23,12 @@ LAYER = "base_model.model.model.layers.0."
 R = 4
 
 
-def lora_llama(use_dora=False, layers=L):
+def lora_llama(use_dora=False, layers=L, modules_to_save=None):
     """A small Hugging Face Llama with rank-4 adapters on five of its seven projections,
     both factors random (PEFT's default makes ``lora_B`` zero: no gradient to check)."""
     config = peft.LoraConfig(r=R, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0,
-                             init_lora_weights=False, use_dora=use_dora)
+                             init_lora_weights=False, use_dora=use_dora,
+                             modules_to_save=modules_to_save)
     model = corpus._hf("LlamaConfig", "LlamaForCausalLM", num_hidden_layers=layers)
     return peft.get_peft_model(model, config)
 
@@ -105,3 +106,33 @@ def test_stamped_lora_layers_train_as_on_one_device(ranks2):
     """Layer 2 stamped from layer 1: parity and the counts of the unstamped model."""
     assert ranks2.run(stamped_lora_parity)[0] == ({"all_reduce": 2 * 3 + 1, "all_gather": 1},
                                                   {"all_reduce": 3 * 3})
+
+
+def saved_modules_parity(rank, world):
+    return check_parity(rank, world, lambda: lora_llama(modules_to_save=SAVED), "auto",
+                        [TOKENS], dtype=torch.float64, strict=True, input_grads=False,
+                        kwargs={"use_cache": False}, output=lambda out: out.logits)
+
+
+SAVED = ["embed_tokens", "lm_head"]
+
+
+def test_modules_fine_tuned_whole_are_split_as_the_plan_says(ranks):
+    """``modules_to_save`` (new tokens: the embedding and head trained whole beside the
+    adapters) wraps each module in a ``ModulesToSaveWrapper``; the plan's style for the
+    module splits the frozen original and the trainable copy alike (vocab-parallel
+    embedding, colwise head), at plain LoRA's forward collectives (before: a PlanError).
+    Backward one all-reduce more: the embedding trains, so layer 0's input gradient is
+    summed from its sharded q, k and v (the frozen embedding of plain LoRA needs none)."""
+    assert ranks.run(saved_modules_parity)[0] == ({"all_reduce": 2 * L + 1, "all_gather": 1},
+                                                  {"all_reduce": 3 * L + 1})
+
+
+def test_a_saved_modules_copy_and_original_are_both_split(fake_group):
+    fake_group(2)
+    gm = fxtp.parallelize(lora_llama(modules_to_save=SAVED), "auto",
+                          example_inputs=(TOKENS,), example_kwargs={"use_cache": False})
+    head = "base_model.model.lm_head."
+    assert gm.fxtp.param_placements[head + "original_module.weight"] == Shard(0)
+    assert gm.fxtp.param_placements[head + "modules_to_save.default.weight"] == Shard(0)
+    assert dict(gm.named_parameters())[head + "modules_to_save.default.weight"].requires_grad
