@@ -584,6 +584,19 @@ def _hideable(model: nn.Module, fqns: list[str]) -> list[str]:
             if not any(id(m) in elsewhere for m in model.get_submodule(f).modules())]
 
 
+def _recording_class(cls: type, get) -> type:
+    """A subclass of ``cls`` whose ``__getattribute__`` is ``get`` and nothing else: what a
+    base class's ``__init_subclass__`` adds to it is taken off again (Hugging Face's
+    checkpointed layers wrap each subclass's ``forward``, and checkpoint only in the
+    outermost wrapper: the recording class's would have made the layer's own call skip
+    checkpointing)."""
+    sub = type(cls.__name__, (cls,), {"__getattribute__": get, "__module__": cls.__module__,
+                                      "__qualname__": cls.__qualname__})
+    for name in [n for n in vars(sub) if not n.startswith("__")]:
+        delattr(sub, name)
+    return sub
+
+
 @contextlib.contextmanager
 def _recording_reads(block: nn.Module, reads: dict[str, set[str]]):
     """Record, per submodule path, the attributes of their own (``__dict__`` entries and
@@ -602,9 +615,7 @@ def _recording_reads(block: nn.Module, reads: dict[str, set[str]]):
                 _seen.add(name)  # an attribute of its own, or a __slots__ slot
             return _cls.__getattribute__(self, name)
         try:
-            module.__class__ = type(cls.__name__, (cls,), {
-                "__getattribute__": get, "__module__": cls.__module__,
-                "__qualname__": cls.__qualname__})
+            module.__class__ = _recording_class(cls, get)
         except TypeError:
             reads.setdefault(UNRECORDED, set()).add(path)
             continue

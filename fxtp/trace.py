@@ -235,9 +235,11 @@ def _take_boundaries(graph: fx.Graph, shapes: dict) -> dict[str, ModuleCall]:
 
 @contextlib.contextmanager
 def _marking_checkpoints(model: torch.nn.Module, fqns: Iterable[str], regions: dict):
-    """While tracing, mark the nodes of every non-reentrant checkpoint region (and of every
-    call of the modules ``fqns``) with the region's number; ``regions`` gets each region's
-    ``checkpoint`` options."""
+    """While tracing, mark the nodes of every checkpoint region (and of every call of the
+    modules ``fqns``) with the region's number; ``regions`` gets each region's
+    ``checkpoint`` options. A reentrant region (``use_reentrant=True``) is recomputed as a
+    non-reentrant one: the same gradients where an input requires one, which reentrant
+    checkpointing needs to compute any (``enable_input_require_grads``)."""
     def region(options):
         number = len(regions)
         regions[number] = options
@@ -260,12 +262,18 @@ def _marking_checkpoints(model: torch.nn.Module, fqns: Iterable[str], regions: d
         entered.pop().__exit__(None, None, None)
     hooks = [h for fqn in fqns for h in (model.get_submodule(fqn).register_forward_pre_hook(enter),
                                          model.get_submodule(fqn).register_forward_hook(leave))]
+    def reentrant(function, preserve_rng_state, *args):  # recomputed as a region too
+        with region(dict(preserve_rng_state=preserve_rng_state)):
+            return function(*args)
+
     original = cp._checkpoint_without_reentrant_generator
     cp._checkpoint_without_reentrant_generator = checkpoint_region
+    cp.CheckpointFunction.apply = reentrant
     try:
         yield
     finally:
         cp._checkpoint_without_reentrant_generator = original
+        del cp.CheckpointFunction.apply  # torch.autograd.Function's own again
         for hook in hooks:
             hook.remove()
         while entered:  # a trace stopped inside a module's call (a block to trace after

@@ -142,42 +142,65 @@ _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
 _PRODUCTS = {aten.linear.default, aten.mm.default, aten.matmul.default}
 
 
-def _contributes_partial_grad(user: fx.Node, carries: frozenset) -> bool:
+def _contributes_partial_grad(user: fx.Node, carries: frozenset, seen=frozenset()) -> bool:
     """Does ``user`` hand a replicated input a per-rank partial gradient? Either it touches
     sharded or partial values, or it is a replicated view, product or elementwise op whose
     users all do (the gradient is then synchronized before it, on its inputs: see
-    :func:`_forwards_partial`). ``carries``: the values that carry gradients."""
+    :func:`_forwards_partial`). ``carries``: the values that carry gradients; ``seen``:
+    the nodes whose answer is being decided (none is decided twice on one path)."""
     if user.op != "call_function" or user.target is collectives.shard or STAMP in user.meta:
         return False  # a stamped block syncs its inputs' gradients inside, as its reference
     placements = list(user.meta.get(INPUTS) or ()) + [user.meta.get(PLACEMENT)]
     flat = [p for q in placements for p in (q if isinstance(q, tuple) else (q,))]
     return any(p is not None and not is_replicate(p) for p in flat) or \
-        _forwards_partial(user, carries)
+        _forwards_partial(user, carries, seen)
 
 
-def _forwards_partial(node: fx.Node, carries: frozenset) -> bool:
+def _forwards_partial(node: fx.Node, carries: frozenset, seen=frozenset()) -> bool:
     """Is ``node``'s partial gradient better summed on its inputs? A backward is linear in
     the gradient, and a replicated node computes it alike on every rank, so summing before
-    or after it is the same. A view moves the same bytes. So does an elementwise op with
-    one input carrying a gradient, of the output's dtype (that input is no larger: DoRA's
-    ``magnitude / norm`` and ``scale - 1`` read by two partial products then take one sum,
-    on the magnitude). A product of replicated inputs (a LoRA adapter's r-wide ``lora_A``
-    feeding a colwise ``lora_B``) does where each input is a parameter (its partial
-    gradient joins the block's bucket) or a value whose gradient is summed anyway for
-    another reader (the colwise base layer's input): one all-reduce fewer."""
-    if not node.users or not all(_contributes_partial_grad(u, carries) for u in node.users):
+    or after it is the same. Where it :func:`_hands_on` the gradient, no more bytes are
+    summed. A product of replicated inputs (a LoRA adapter's r-wide ``lora_A`` feeding a
+    colwise ``lora_B``) is better summed on its inputs where each one's gradient is
+    :func:`_summed_anyway`: one all-reduce fewer."""
+    if node in seen or not node.users:
         return False
+    seen = seen | {node}
+    if not all(_contributes_partial_grad(u, carries, seen) for u in node.users):
+        return False
+    return _hands_on(node, carries) or node.target in _PRODUCTS and all(
+        is_replicate(placement_of(a)) and _summed_anyway(a, node, carries, seen)
+        for a in tensor_inputs(node))
+
+
+def _hands_on(node: fx.Node, carries: frozenset) -> bool:
+    """Does ``node``'s backward take its gradient to one input of no more bytes? A view;
+    an elementwise op with one input carrying a gradient, of the output's dtype (DoRA's
+    ``magnitude / norm`` and ``scale - 1``, read by two partial products, then take one
+    sum, on the magnitude); a replicated dropout (one mask on every rank)."""
     if node.target in _VIEWS:
         return True
-    inputs = tensor_inputs(node)
-    if is_tagged_pointwise(node.target) and not writes_first_input(node.target):
-        graded = [a for a in inputs if a in carries]
-        return len(graded) == 1 and val(graded[0]).dtype == val(node).dtype
-    return node.target in _PRODUCTS and all(
-        is_replicate(placement_of(a)) and (
-            a.op == "get_attr" or
-            any(u is not node and _contributes_partial_grad(u, carries) for u in a.users))
-        for a in inputs)
+    if not (is_tagged_pointwise(node.target) or node.target is aten.dropout.default) or \
+            writes_first_input(node.target):
+        return False
+    graded = [a for a in tensor_inputs(node) if a in carries]
+    return len(graded) == 1 and val(graded[0]).dtype == val(node).dtype
+
+
+def _summed_anyway(a: fx.Node, reader: fx.Node, carries: frozenset, seen) -> bool:
+    """Is the gradient ``reader`` hands ``a`` summed with no collective of its own? ``a``
+    is a parameter (its partial gradient joins the block's bucket), or another reader
+    hands ``a`` a partial gradient (the colwise base layer's input, beside its adapter's
+    ``lora_A``), or ``a``, read by ``reader`` alone, hands its gradient on to a value so
+    summed (the adapter's dropout of that input)."""
+    if a.op == "get_attr" or any(u is not reader and _contributes_partial_grad(u, carries, seen)
+                                 for u in a.users):
+        return True
+    if set(a.users) != {reader} or not _hands_on(a, carries):
+        return False
+    graded = [x for x in tensor_inputs(a) if x in carries]
+    return is_replicate(placement_of(graded[0])) and \
+        _summed_anyway(graded[0], a, carries, seen | {a})
 
 
 def _sync_partial_grads(graph: fx.Graph, group: str, scope) -> None:
