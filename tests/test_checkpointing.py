@@ -1,6 +1,7 @@
 """Activation checkpointing survives parallelization.
 
-A model's non-reentrant ``torch.utils.checkpoint`` regions, and the modules named by
+A model's ``torch.utils.checkpoint`` regions (reentrant ones recomputed non-reentrantly),
+and the modules named by
 ``parallelize(..., checkpoint=[...])``, run under checkpoint in the per-rank program: the
 activations saved for backward shrink as on a single device, numbers and collective counts
 stay exactly those of the uncheckpointed program (recomputation issues no collective again:
@@ -29,7 +30,7 @@ TP_COUNTS = ({"all_reduce": 2 * L}, {"all_reduce": 2 * L})  # Megatron's minimum
 
 class Stack(nn.Module):
     """``L`` blocks, each called through ``checkpoint`` when ``checkpointed`` (with the
-    selective-checkpoint ``context_fn`` when given)."""
+    selective-checkpoint ``context_fn`` when given; ``"reentrant"``: the reentrant form)."""
 
     def __init__(self, checkpointed=False, context_fn=None):
         super().__init__()
@@ -41,7 +42,7 @@ class Stack(nn.Module):
             if not self.checkpointed:
                 x = layer(x)
             elif self.context_fn is None:
-                x = checkpoint(layer, x, use_reentrant=False)
+                x = checkpoint(layer, x, use_reentrant=self.checkpointed == "reentrant")
             else:
                 x = checkpoint(layer, x, use_reentrant=False, context_fn=self.context_fn)
         return x
@@ -67,8 +68,9 @@ def parity(rank, world, checkpointed, option):
                         checkpoint=["layers.*"] if option else ())
 
 
-@pytest.mark.parametrize("checkpointed,option", [(True, False), (False, True)],
-                         ids=["in-model", "parallelize-option"])
+@pytest.mark.parametrize("checkpointed,option",
+                         [(True, False), ("reentrant", False), (False, True)],
+                         ids=["in-model", "in-model-reentrant", "parallelize-option"])
 def test_checkpointed_blocks_match_single_device_with_the_same_collectives(
         ranks, checkpointed, option):
     """strict=True: no fallback. Backward recomputes each block and issues exactly the
@@ -82,9 +84,11 @@ def test_checkpointing_at_least_halves_the_saved_activations(fake_group):
     plain = saved_bytes(fxtp.parallelize(Stack(), PLAN, example_inputs=(x,)), x)
     in_model = fxtp.parallelize(Stack(checkpointed=True), PLAN, example_inputs=(x,))
     by_option = fxtp.parallelize(Stack(), PLAN, example_inputs=(x,), checkpoint=["layers.*"])
-    regions = [n for n, _ in in_model.named_modules() if ".checkpoint_" in n]
-    assert regions == [f"layers.{i}.checkpoint_0" for i in range(L)]  # each in its block
-    for gm in (in_model, by_option):
+    reentrant = fxtp.parallelize(Stack("reentrant"), PLAN, example_inputs=(x,))
+    for gm in (in_model, reentrant):
+        regions = [n for n, _ in gm.named_modules() if ".checkpoint_" in n]
+        assert regions == [f"layers.{i}.checkpoint_0" for i in range(L)]  # each in its block
+    for gm in (in_model, by_option, reentrant):
         assert saved_bytes(gm, x) <= plain / 2, (saved_bytes(gm, x), plain)
         assert fxtp.explain(gm).summary.forward.counts == {"all_reduce": 2 * L}
 
