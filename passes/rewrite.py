@@ -29,7 +29,7 @@ from .errors import StampMismatch
 from .graph import (AUTOCAST, COLLECTIVE, INPUTS, PLACEMENT, STAMP, attr, branches, layout,
                     placement_of, stack_upto, tensor_inputs, val)
 from .placement import (UnitShard, blocks, describe, is_replicate, is_sharded,
-                        local_range, transition_steps)
+                        local_range, numel_hint, transition_steps)
 from .rules import is_tagged_pointwise, writes_first_input
 
 aten = torch.ops.aten
@@ -168,9 +168,10 @@ def _forwards_partial(node: fx.Node, carries: frozenset, seen=frozenset()) -> bo
     seen = seen | {node}
     if not all(_contributes_partial_grad(u, carries, seen) for u in node.users):
         return False
-    return _hands_on(node, carries) or node.target in _PRODUCTS and all(
-        is_replicate(placement_of(a)) and _summed_anyway(a, node, carries, seen)
-        for a in tensor_inputs(node))
+    return _hands_on(node, carries) or _shares_a_gather(node, carries) or \
+        node.target in _PRODUCTS and all(
+            is_replicate(placement_of(a)) and _summed_anyway(a, node, carries, seen)
+            for a in tensor_inputs(node))
 
 
 def _hands_on(node: fx.Node, carries: frozenset) -> bool:
@@ -185,6 +186,23 @@ def _hands_on(node: fx.Node, carries: frozenset) -> bool:
         return False
     graded = [a for a in tensor_inputs(node) if a in carries]
     return len(graded) == 1 and val(graded[0]).dtype == val(node).dtype
+
+
+_GATHERS = {aten.index.Tensor, aten.index_select.default}
+
+
+def _shares_a_gather(node: fx.Node, carries: frozenset) -> bool:
+    """Is ``node`` one of several gathers of rows of one replicated value (an MoE's experts
+    each taking their tokens, ``x[token_idx]``) that together take at least as many
+    elements as the value holds (top-k routing takes each token k times)? Its partial
+    gradient is then better summed once on the value, where the gathers' gradients are
+    added up, than once per gather: fewer collectives, no more bytes."""
+    if node.target not in _GATHERS:
+        return False
+    source = node.args[0]
+    gathers = [u for u in source.users if u.target in _GATHERS and u.args[0] is source]
+    return source in carries and is_replicate(placement_of(source)) and len(gathers) > 1 \
+        and sum(numel_hint(val(g)) for g in gathers) >= numel_hint(val(source))
 
 
 def _summed_anyway(a: fx.Node, reader: fx.Node, carries: frozenset, seen) -> bool:

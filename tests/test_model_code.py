@@ -255,3 +255,48 @@ def test_a_tensor_a_no_grad_region_hands_back_unchanged_keeps_its_gradient(ranks
     Megatron's collectives, the gate's input gradient summed with the projections'."""
     plan = {**ATTENTION, "g": fxtp.ColwiseParallel()}
     assert ranks.run(parity, NoGradIndexer, plan)[0] == MEGATRON
+
+
+class Expert(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Linear(DIM, 2 * DIM, bias=False)
+        self.w3 = nn.Linear(DIM, 2 * DIM, bias=False)
+        self.w2 = nn.Linear(2 * DIM, DIM, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class ListMoE(nn.Module):
+    """Mistral's reference mixture of experts (litgpt's too): experts in a ``ModuleList``,
+    each taking its tokens, ``x[token_idx]``, chosen by top-2 routing."""
+
+    def __init__(self, experts=4):
+        super().__init__()
+        self.gate = nn.Linear(DIM, experts, bias=False)
+        self.experts = nn.ModuleList(Expert() for _ in range(experts))
+
+    def forward(self, x):
+        x = x.view(-1, DIM)
+        probs, indices = torch.topk(self.gate(x), 2)
+        probs = probs.softmax(dim=1)
+        y = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            token_idx, slot = torch.where(indices == i)
+            y[token_idx] += probs[token_idx, slot, None] * expert(x[token_idx])
+        return y.view(B, T, DIM)
+
+
+SLICED_EXPERTS = {"experts.*.w1": fxtp.ColwiseParallel(), "experts.*.w3": fxtp.ColwiseParallel(),
+                  "experts.*.w2": fxtp.RowwiseParallel()}
+
+
+def test_experts_sliced_over_ranks_sum_their_inputs_gradient_once(ranks):
+    """Each expert sliced Megatron-style (litgpt's and Mistral's recipe): forward, the plan's
+    all-reduce of each expert's output. Backward, each expert's sharded ``w1`` / ``w3`` give
+    its tokens a partial gradient; the tokens' gradients are added up on ``x`` and summed
+    once there (was: once per expert, 4 all-reduces; top-2 routing gathers each token
+    twice, so the one sum is also half the bytes)."""
+    assert ranks.run(parity, ListMoE, SLICED_EXPERTS)[0] == ({"all_reduce": 4},
+                                                            {"all_reduce": 1})
