@@ -28,6 +28,7 @@ from .passes.rewrite import rewrite
 from .passes.seed import seed
 from .passes.strided import stride_fused_splits
 from .passes.units import deal_consumers, deal_sources
+from .passes.unpin import unpin_gathers_split_again
 
 from .dump import Dumper
 from .dtensor_params import as_dtensors
@@ -168,14 +169,20 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
                                                  model, gm, draw)
             stamped = gm.meta[STAMPED] if keep_stamps else {}
             seed(gm, _outside(shardings, stamped), calls, group.world, tied_names(model))
-            fallbacks = propagate(gm, group.world)
-            # layouts that serve what would be gathered: fused projections strided, heads
-            # that do not divide by the world size dealt whole (and their consumers alike),
-            # buffers written in place (KV caches) placed as what is written into them
-            for relayout in (stride_fused_splits, deal_sources, deal_consumers,
-                             shard_written_buffers):
-                if relayout(gm, group.world):
-                    fallbacks = propagate(gm, group.world)
+            def place() -> list:
+                fallbacks = propagate(gm, group.world)
+                # layouts that serve what would be gathered: fused projections strided,
+                # heads that do not divide by the world size dealt whole (and their
+                # consumers alike), buffers written in place (KV caches) placed as what
+                # is written into them
+                for relayout in (stride_fused_splits, deal_sources, deal_consumers,
+                                 shard_written_buffers):
+                    if relayout(gm, group.world):
+                        fallbacks = propagate(gm, group.world)
+                return fallbacks
+            fallbacks = place()
+            unpinned = unpin_gathers_split_again(gm, group.world, place)
+            fallbacks = fallbacks if unpinned is None else unpinned
             fallbacks += copied_fallbacks(gm, stamped)
             if strict and fallbacks:  # raises on the first
                 propagate(gm, group.world, strict=True)
