@@ -2,7 +2,9 @@
 
 For each op the rule registry yields candidate strategies (input placements -> output
 placements); the one that needs the fewest bytes of redistribution from the inputs' actual
-placements wins. Then, from the outputs back, a replicated value all of whose readers take
+placements wins. A partial value that grew through the ops carrying it is then reduced where
+it was smallest (:func:`~fxtp.passes.reduce_early.reduce_early`). Then, from the outputs
+back, a replicated value all of whose readers take
 the same shard of it is made as that shard where no collective is needed for it, backward
 included (:func:`_shard_at_source`): a parameter no style shards may so be held sharded.
 Results: ``meta[PLACEMENT]`` (what the node produces) and ``meta[INPUTS]`` (what it needs of

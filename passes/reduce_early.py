@@ -12,7 +12,7 @@ rows, ``lora_B`` and the transpose give the weight's own input-feature shards.
 :func:`reduce_early` rewrites placements only (``meta[INPUTS]`` of the chain's readers
 and ``meta[PLACEMENT]`` of the values after the new reduction point): the rewrite pass
 then inserts the collective there. A chain is a run of ops each reading exactly one
-partial value, read by nothing else; the others inputs of its ops are taken as they are
+partial value, read by nothing else; the other inputs of its ops are taken as they are
 placed, or sliced locally.
 """
 from __future__ import annotations

@@ -25,9 +25,9 @@ from .strided import redistribution_costs
 
 
 def unpin_gathers_split_again(gm: fx.GraphModule, world: int,
-                              replace: Callable[[], list]) -> Optional[list]:
+                              place: Callable[[], list]) -> Optional[list]:
     """Unpin the replicated layouts of the blocks that split a replicated value again and
-    run ``replace`` (propagation and the relayout passes; it returns the fallbacks).
+    run ``place`` (propagation and the relayout passes; it returns the fallbacks).
     Return its fallbacks if that redistributes less with no more fallbacks, else restore
     ``gm``'s placements and return ``None``."""
     markers = [n for n in gm.graph.nodes if n.target is layout]
@@ -41,7 +41,7 @@ def unpin_gathers_split_again(gm: fx.GraphModule, world: int,
     saved = {n: (n.args, dict(n.meta)) for n in gm.graph.nodes}
     for marker in gathers:
         marker.args = (marker.args[0], placement_of(marker.args[0]))
-    found = replace()
+    found = place()
     now, now_fallbacks = _cost(gm, world)
     if set(gm.graph.nodes) == set(saved) and now < cost and now_fallbacks <= fallbacks:
         return found
