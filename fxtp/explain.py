@@ -40,8 +40,8 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
 from .passes.gradients import gradient_carriers
-from .passes.graph import (COLLECTIVE, FALLBACK, PLACEMENT, attr, call_args, module_fqn,
-                           val)
+from .passes.graph import (COLLECTIVE, FALLBACK, PLACEMENT, attr, call_args, list_block,
+                           module_fqn, val)
 from .passes.placement import (UnitShard, blocks, describe, is_sharded, local_range,
                               size_hint)
 from .passes.modules import inline_program
@@ -124,11 +124,13 @@ def node_info(node: fx.Node, rank: int, world: int, hints: dict,
         fallback=node.meta.get(FALLBACK))
 
 
+# local ops that communicate inside -> the kind explain reports them as
+_COMMUNICATING = {loss_parallel_cross_entropy: "loss_parallel", norm_of_shards: "sharded_norm"}
+
+
 def collective_of(node: fx.Node) -> Optional[str]:
-    if node.op == "call_function" and node.target is loss_parallel_cross_entropy:
-        return "loss_parallel"
-    if node.op == "call_function" and node.target is norm_of_shards:
-        return "sharded_norm"
+    if node.op == "call_function" and node.target in _COMMUNICATING:
+        return _COMMUNICATING[node.target]
     return node.meta.get(COLLECTIVE)
 
 
@@ -146,11 +148,7 @@ def op_name(node: fx.Node) -> str:
 
 def layer_of(fqn: str) -> str:
     """``layers.3.attention.wq`` -> ``layers.3``; a module in no list is its own layer."""
-    parts = fqn.split(".")
-    for i, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[:i + 1])
-    return fqn
+    return list_block(fqn) or fqn
 
 
 def _dim(size, hints: dict) -> tuple:

@@ -71,9 +71,14 @@ def shard_module(style: "ParallelStyle", fqn: str, module: nn.Module) -> ModuleS
     inner = style.shard(f"{fqn}.original_module", original)
     params = {f"original_module.{k}": p for k, p in inner.params.items()}
     for name, copy in copies.items():
-        params.update({f"modules_to_save.{name}.{k}": p for k, p in
-                       style.shard(f"{fqn}.modules_to_save.{name}", copy).params.items()})
+        params.update(_params_under(style, fqn, f"modules_to_save.{name}", copy))
     return dataclasses.replace(inner, fqn=fqn, params=params)
+
+
+def _params_under(style: "ParallelStyle", fqn: str, path: str, module: nn.Module) -> dict:
+    """The placements ``style`` gives the parameters of ``module``, the submodule at
+    ``path`` of module ``fqn``, by their paths below ``fqn``."""
+    return {f"{path}.{k}": p for k, p in style.shard(f"{fqn}.{path}", module).params.items()}
 
 
 def _lora(module: nn.Module):
@@ -92,11 +97,9 @@ def _adapted(style: "ParallelStyle", fqn: str, base: nn.Module, split: nn.Module
     style gives them, and the adapters' projections on ``side`` (``lora_B`` colwise: the
     output features; ``lora_A`` rowwise: the input features) split the same way; the
     other side, r wide, is replicated."""
-    params = {f"base_layer.{k}": p
-              for k, p in style.shard(f"{fqn}.base_layer", base).params.items()}
+    params = _params_under(style, fqn, "base_layer", base)
     for name, projection in split.items():
-        params.update({f"{side}.{name}.{k}": p for k, p in
-                       style.shard(f"{fqn}.{side}.{name}", projection).params.items()})
+        params.update(_params_under(style, fqn, f"{side}.{name}", projection))
     return params
 
 

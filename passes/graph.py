@@ -88,6 +88,14 @@ def module_fqn(node: fx.Node) -> str:
     return fqns[-1] if fqns else ""
 
 
+def list_block(fqn: str) -> str:
+    """The block a module is in: its FQN up to the first list index (``layers.3.mlp`` ->
+    ``layers.3``); ``""`` for a module in no list."""
+    parts = fqn.split(".")
+    index = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+    return ".".join(parts[:index + 1]) if index is not None else ""
+
+
 def recompile_alone(gm: fx.GraphModule) -> None:
     """``gm.recompile()`` for a pass that edited ``gm``'s graph alone: the code of the
     graph modules below it is left as it is (``recompile`` regenerates all of it)."""

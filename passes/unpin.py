@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 import torch.fx as fx
 
-from .graph import FALLBACK, layout, module_fqn, placement_of
+from .graph import FALLBACK, layout, list_block, module_fqn, placement_of
 from .placement import is_replicate, is_sharded
 from .strided import redistribution_costs
 
@@ -58,8 +58,4 @@ def _cost(gm: fx.GraphModule, world: int) -> tuple[float, int]:
 
 
 def _block(node: fx.Node) -> str:
-    """The block a node is in: its module's FQN up to the first list index
-    (``model.layers.3``)."""
-    parts = module_fqn(node).split(".")
-    index = next((i for i, p in enumerate(parts) if p.isdigit()), None)
-    return ".".join(parts[:index + 1]) if index is not None else ""
+    return list_block(module_fqn(node))
