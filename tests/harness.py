@@ -63,6 +63,7 @@ class RankPool:
             p.start()
 
     def run(self, fn, *args, timeout: float = TIMEOUT_S):
+        pickle.dumps((fn, args))  # a task that cannot reach the ranks fails here, not by timeout
         for q in self.tasks:
             q.put((fn, args))
         out, errors = [None] * self.world, []
