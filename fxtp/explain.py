@@ -39,6 +39,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
+from .passes.collectives import CONJUGATES
 from .passes.gradients import gradient_carriers
 from .passes.graph import (COLLECTIVE, FALLBACK, PLACEMENT, attr, call_args, list_block,
                            module_fqn, val)
@@ -50,16 +51,6 @@ from .passes.cross_entropy import forward_all_reduce_bytes, loss_parallel_cross_
 from .passes.sharded_norm import norm_of_shards
 from .names import model_fqn
 from .report import Comm, Fallback, Layer, NodeInfo, Report, Summary, Totals
-
-# fxtp collective -> (forward, backward) collective; the forward one sends the input's
-# local tensor, the backward one the gradient, which has the output's placement
-CONJUGATES = {
-    "all_reduce": ("all_reduce", None),
-    "reduce_scatter": ("reduce_scatter", "all_gather"),
-    "all_gather": ("all_gather", "reduce_scatter"),  # when the gradient is partial
-    "shard": (None, "all_gather"),
-    "grad_sync": (None, "all_reduce"),
-}
 
 
 def explain(gm: fx.GraphModule, *, input_grads: bool = False) -> Report:

@@ -28,7 +28,7 @@ from .passes.rewrite import rewrite
 from .passes.seed import seed
 from .passes.strided import stride_fused_splits
 from .passes.units import deal_consumers, deal_sources
-from .passes.unpin import unpin_gathers_split_again
+from .passes.unpin import unpin_layouts
 
 from .dump import Dumper
 from .dtensor_params import as_dtensors
@@ -181,7 +181,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
                         fallbacks = propagate(gm, group.world)
                 return fallbacks
             fallbacks = place()
-            unpinned = unpin_gathers_split_again(gm, group.world, place)
+            unpinned = unpin_layouts(gm, group.world, place)
             fallbacks = fallbacks if unpinned is None else unpinned
             fallbacks += copied_fallbacks(gm, stamped)
             if strict and fallbacks:  # raises on the first

@@ -39,7 +39,8 @@ def shard_written_buffers(gm: fx.GraphModule, world: int) -> bool:
     for nodes in reads.values():
         if not all(is_replicate(placement_of(n)) for n in nodes):
             continue
-        wanted = {_wanted(writer, views, world) for n in nodes for writer, views in _writes(n)}
+        wanted = {_wanted(writer, views, world)
+                  for n in nodes for writer, views in writes_into(n)}
         wanted.discard(ANY)
         if len(wanted) == 1 and (placement := wanted.pop()) is not None:
             for n in nodes:
@@ -51,7 +52,7 @@ def shard_written_buffers(gm: fx.GraphModule, world: int) -> bool:
 ANY = "any placement"  # what a write of replicated values asks of the value written
 
 
-def _writes(node: fx.Node) -> Iterator[tuple[fx.Node, tuple[fx.Node, ...]]]:
+def writes_into(node: fx.Node) -> Iterator[tuple[fx.Node, tuple[fx.Node, ...]]]:
     """``(writer, views)``: each in-place write into ``node``'s tensor, and the views
     (in order) from ``node`` to the tensor it writes."""
     stack = [(node, ())]

@@ -366,6 +366,17 @@ def _split_like(flat: torch.Tensor, xs: Sequence[torch.Tensor]) -> tuple[torch.T
     return tuple(p.view(x.shape) for p, x in zip(flat.split([x.numel() for x in xs]), xs))
 
 
+CONJUGATES = {
+    "all_reduce": ("all_reduce", None),
+    "reduce_scatter": ("reduce_scatter", "all_gather"),
+    "all_gather": ("all_gather", "reduce_scatter"),  # when the gradient is partial
+    "shard": (None, "all_gather"),
+    "grad_sync": (None, "all_reduce"),
+}
+"""A rewrite node's ``meta[COLLECTIVE]`` -> its (forward, backward) collective: the forward
+one sends the input's local tensor, the backward one the gradient, which has the output's
+placement."""
+
 COLLECTIVES = (all_reduce, reduce_scatter, all_gather, shard, grad_sync, all_gather_units,
                shard_units)
 BUCKETS = {all_reduce: all_reduce_bucket, grad_sync: grad_sync_bucket,

@@ -15,7 +15,10 @@ passes (:class:`ModuleSharding`, :class:`ModuleCall`). Imports no pass.
 ``STAMP``       on a node standing for a whole block's call that runs the program of an
                 equivalent block traced in full (:class:`Stamp`); trace
 ``PINNED``      the placement a fresh tensor (a factory's output) is made in, chosen for
-                what is written into it; propagation keeps it. buffers
+                what is written into it (or ``Partial`` zeros partial sums are added
+                into); propagation keeps it. buffers, unpin
+``INTO_PARTIAL``  on an add or subtraction partial sums left unreduced may reach: it may add
+                a replicated operand into a partial one (on one rank). unpin
 ==============  ==========================================================================
 
 Every node also keeps export's ``val`` (a fake tensor with the *global* shape) and
@@ -41,6 +44,7 @@ FALLBACK = "fxtp_fallback"
 AUTOCAST = "fxtp_autocast"
 STAMP = "fxtp_stamp"
 PINNED = "fxtp_pinned"
+INTO_PARTIAL = "fxtp_into_partial"
 
 Layouts = Optional[tuple[Optional[Placement], ...]]
 

@@ -76,3 +76,32 @@ def mean_of_shard(x: torch.Tensor, length: int, size: int, dim=None, keepdim: bo
     mean = torch.mean(x, dtype=dtype) if dim is None else torch.mean(x, dim, keepdim,
                                                                      dtype=dtype)
     return mean * length / size if length else torch.zeros_like(mean)  # an empty shard
+
+
+def add_replicated_once(a: torch.Tensor, b: torch.Tensor, alpha, subtract: bool,
+                        replicated: int, keep: bool, inplace: bool) -> torch.Tensor:
+    """``a + alpha * b`` (``-`` with ``subtract``; into ``a`` with ``inplace``) where operand
+    ``replicated`` (0: ``a``, 1: ``b``) is replicated and the other is this rank's part of
+    a partial sum: the replicated one is added on one rank (``keep``) only, so the parts
+    still sum to the result (a rowwise layer's bias, a residual added to the sum of a
+    parallel block's attention and MLP). Its gradient is the partial sum's, which is
+    replicated: whole on every rank, with nothing to sum in backward."""
+    if replicated == 0:
+        a = _ReplicatedOnce.apply(a, keep)
+    else:
+        b = _ReplicatedOnce.apply(b, keep)
+    alpha = -alpha if subtract else alpha
+    return a.add_(b, alpha=alpha) if inplace else torch.add(a, b, alpha=alpha)
+
+
+class _ReplicatedOnce(torch.autograd.Function):
+    """``x`` on the keeping rank, an expanded zero (no memory) on the others; backward
+    passes the gradient on as it is, on every rank."""
+
+    @staticmethod
+    def forward(ctx, x, keep):
+        return x.view_as(x) if keep else x.new_zeros(()).expand(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None

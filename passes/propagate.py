@@ -16,7 +16,9 @@ returned and kept in ``meta[FALLBACK]``, or in strict mode raised as a
 :class:`ShardingError`. An in-place op's written input keeps its placement (gathering it
 would write a copy), unless no other value can see the write (a temporary only that op
 reads); where that is impossible, :class:`ShardingError`. Propagation may run
-again after seeds change; each run starts over.
+again after seeds change; each run starts over. A partial value entering a block others are
+stamped from (:class:`~fxtp.passes.graph.Stamp`) is reduced there, so that the blocks
+stamped from it can take their inputs as it does.
 """
 from __future__ import annotations
 
@@ -37,12 +39,13 @@ from .placement import (R, describe, is_narrowing, is_replicate, is_sharded,
                         transition_cost)
 from .dimspec import indivisible
 from .reduce_early import reduce_early
-from .rules import PASSTHROUGH, returns_alias, rule_for, writes_first_input
+from .rules import PASSTHROUGH, ZERO_FILLED, returns_alias, rule_for, writes_first_input
 
 
 def propagate(gm: fx.GraphModule, world: int, strict: bool = False) -> list[str]:
     """Annotate ``gm`` in place; return the fallback messages."""
     fallbacks = []
+    entering = {edge for n in gm.graph.nodes if STAMP in n.meta for edge in n.meta[STAMP].inputs}
     for node in gm.graph.nodes:
         node.meta.pop(FALLBACK, None)
         if node.op == "output":
@@ -53,6 +56,8 @@ def propagate(gm: fx.GraphModule, world: int, strict: bool = False) -> list[str]
                 fallbacks += _propagate_cond(gm, node, world, strict)
                 continue
             message = _propagate_call(node, world)
+            if node in entering and isinstance(placement_of(node), Partial):
+                node.meta[INPUTS], node.meta[PLACEMENT] = (R,), R  # the stamped blocks' too
             if message:
                 if strict:
                     raise ShardingError(message + " (strict=True). Add a rule to "
@@ -177,6 +182,12 @@ def _propagate_call(node: fx.Node, world: int) -> str | None:
     in_vals = [val(a) for a in inputs]
     best = None
     pinned = node.meta.get(PINNED)
+    if isinstance(pinned, Partial) and node.target in ZERO_FILLED:
+        if all(map(is_replicate, actual)):  # global zeros on every rank
+            node.meta[INPUTS] = (None,) * len(inputs)
+            node.meta[PLACEMENT] = pinned
+            return None
+        pinned = None  # zeros of a shard's shape: placed as the shard is
     for ins, out in rule.strategies(node, world, actual):
         if writes and ins[0] != actual[0]:
             continue  # an in-place op writes the caller's tensor, as it is placed

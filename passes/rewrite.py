@@ -21,7 +21,7 @@ import operator
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Partial, Replicate
 
 from . import collectives
 from .gradients import gradient_carriers
@@ -30,7 +30,7 @@ from .graph import (AUTOCAST, COLLECTIVE, INPUTS, PLACEMENT, STAMP, attr, branch
                     placement_of, stack_upto, tensor_inputs, val)
 from .placement import (UnitShard, blocks, describe, is_replicate, is_sharded,
                         local_range, numel_hint, transition_steps)
-from .rules import is_tagged_pointwise, writes_first_input
+from .rules import is_tagged_pointwise, replicated_into_partial, writes_first_input
 
 aten = torch.ops.aten
 
@@ -84,9 +84,11 @@ def rewrite(gm: fx.GraphModule, group: str, rank: int, world: int,
 
 
 def _check_stamp(node: fx.Node, needed) -> None:
-    """A stamped block runs its reference's program, which takes its inputs as they are."""
+    """A stamped block runs its reference's program, which takes its inputs as they are,
+    or reduced to that where they arrive partial (a sum a parallel block leaves partial)."""
     for i, (src, dst) in enumerate(zip(tensor_inputs(node), needed)):
-        if placement_of(src) != dst:
+        if placement_of(src) != dst and not (isinstance(placement_of(src), Partial) and
+                                             not isinstance(dst, Partial)):
             raise StampMismatch(
                 f"input {i} of the block stamped as node '{node.name}' arrives "
                 f"{describe(placement_of(src))}, where its reference "
@@ -150,6 +152,9 @@ def _contributes_partial_grad(user: fx.Node, carries: frozenset, seen=frozenset(
     the nodes whose answer is being decided (none is decided twice on one path)."""
     if user.op != "call_function" or user.target is collectives.shard or STAMP in user.meta:
         return False  # a stamped block syncs its inputs' gradients inside, as its reference
+    if replicated_into_partial(user.target, user.meta.get(INPUTS) or (),
+                               (user.meta.get(PLACEMENT),)) is not None:
+        return False  # added into a partial sum: the operand's gradient is whole
     placements = list(user.meta.get(INPUTS) or ()) + [user.meta.get(PLACEMENT)]
     flat = [p for q in placements for p in (q if isinstance(q, tuple) else (q,))]
     return any(p is not None and not is_replicate(p) for p in flat) or \
@@ -189,18 +194,29 @@ def _hands_on(node: fx.Node, carries: frozenset) -> bool:
 
 
 _GATHERS = {aten.index.Tensor, aten.index_select.default}
+_SAME_SIZE_VIEWS = _VIEWS - {aten.expand.default}
 
 
 def _shares_a_gather(node: fx.Node, carries: frozenset) -> bool:
-    """Is ``node`` one of several gathers of rows of one replicated value (an MoE's experts
-    each taking their tokens, ``x[token_idx]``) that together take at least as many
-    elements as the value holds (top-k routing takes each token k times)? Its partial
-    gradient is then better summed once on the value, where the gathers' gradients are
-    added up, than once per gather: fewer collectives, no more bytes."""
+    """Is ``node`` one of several gathers of rows of one replicated value, or of views of
+    it of as many elements (an MoE's experts each taking their tokens, ``x[token_idx]``,
+    and their routing weights, ``probs.unsqueeze(-1)[token_idx, slot]``), that together
+    take at least as many elements as the value holds (top-k routing takes each token k
+    times)? Its partial gradient is then better summed once on the value, where the
+    gathers' gradients are added up, than once per gather: fewer collectives, no more
+    bytes."""
     if node.target not in _GATHERS:
         return False
     source = node.args[0]
-    gathers = [u for u in source.users if u.target in _GATHERS and u.args[0] is source]
+    while source.target in _SAME_SIZE_VIEWS:
+        source = source.args[0]
+    gathers, todo = [], [source]
+    while todo:
+        for user in todo.pop().users:
+            if user.target in _SAME_SIZE_VIEWS:
+                todo.append(user)
+            elif user.target in _GATHERS:
+                gathers.append(user)
     return source in carries and is_replicate(placement_of(source)) and len(gathers) > 1 \
         and sum(numel_hint(val(g)) for g in gathers) >= numel_hint(val(source))
 

@@ -27,15 +27,17 @@ from typing import Callable, Optional
 import sympy
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from .dimspec import DimSpec, fixed_label, parse, strategies
-from .graph import is_tensor_node, output_vals, stamp_edge, tensor_inputs, val
-from .local_ops import mean_of_shard, sharded_dropout, vocab_parallel_embedding
+from .graph import (INTO_PARTIAL, is_tensor_node, output_vals, stamp_edge, tensor_inputs,
+                    val)
+from .local_ops import (add_replicated_once, mean_of_shard, sharded_dropout,
+                        vocab_parallel_embedding)
 from .loss_parallel import class_sharded, cross_entropy_spec, loss_parallel
 from .sharded_norm import norm_rule_parts
-from .placement import (UnitShard, block_bounds, cut_in_blocks, is_blocked, is_sharded,
-                        is_whole, local_range)
+from .placement import (P, R, UnitShard, block_bounds, cut_in_blocks, is_blocked,
+                        is_sharded, is_whole, local_range)
 
 aten = torch.ops.aten
 
@@ -784,7 +786,8 @@ def _vocab_parallel(node, inputs, output, group):
 def _dropout(node, inputs, output, group):
     """Dropout of a shard draws the whole mask and keeps its chunk (see
     :func:`~fxtp.passes.local_ops.sharded_dropout`); of a replicated value, the same mask on
-    every rank (all ranks' generators are in step)."""
+    every rank (all ranks' generators are in step), which also drops the same elements of
+    every rank's part of a partial sum."""
     if not isinstance(inputs[0], (Shard, UnitShard)):
         return node.target, node.args, node.kwargs
     x, p, train = node.args[0], _arg(node, 1, "p"), _arg(node, 2, "train")
@@ -945,6 +948,53 @@ Python operator aliases of the bitwise ops; Hugging Face's mask code uses them).
 
 RULES: dict = {op: pointwise("sum") for op in LINEAR_POINTWISE}
 RULES.update({op: pointwise() for op in NONLINEAR_POINTWISE})
+_ADDS = {aten.add.Tensor: False, aten.add_.Tensor: False, aten.sub.Tensor: True,
+         aten.sub_.Tensor: True}
+"""Adds and subtractions -> whether they subtract."""
+
+
+def replicated_into_partial(target, ins, outs) -> Optional[int]:
+    """Under the strategy ``ins -> outs`` of an add or subtraction, the index of its
+    replicated operand added into the other's partial sum (on one rank:
+    :func:`~fxtp.passes.local_ops.add_replicated_once`), whose gradient is then whole on
+    every rank, not partial; else ``None``."""
+    if target not in _ADDS or len(ins) != 2 or not isinstance(outs[0], Partial):
+        return None
+    partial = [isinstance(p, Partial) for p in ins]
+    return partial.index(False) if sum(partial) == 1 and \
+        isinstance(ins[partial.index(False)], Replicate) else None
+
+
+def _into_partial(node: fx.Node, world: int, actual=()):
+    """On an add marked ``meta[INTO_PARTIAL]`` (by :mod:`~fxtp.passes.unpin`, which leaves
+    partial sums unreduced; elsewhere reducing first costs as much and keeps the plan's
+    layouts): ``(R, P) -> P`` and ``(P, R) -> P``, where the partial operand has the
+    output's shape (a sum is not broadcast to more elements) and this op alone reads it (a
+    value another op needs reduced is reduced once, for both), and the other arrives
+    replicated (``actual``; never gathered for it). The replicated value is added into the
+    partial sum; in place, into a partial ``self`` only."""
+    inputs = tensor_inputs(node)
+    if not node.meta.get(INTO_PARTIAL) or len(inputs) != 2 or inputs[0] is inputs[1]:
+        return
+    out = val(node).shape
+    for i in (0,) if writes_first_input(node.target) else (0, 1):
+        shape = val(inputs[i]).shape
+        if len(shape) == len(out) and all(map(_same, shape, out)) and \
+                len(inputs[i].users) == 1 and (not actual or isinstance(actual[1 - i], Replicate)):
+            yield (P, R) if i == 0 else (R, P), (P,)
+
+
+def _added_once(node: fx.Node, inputs, output, group):
+    replicated = replicated_into_partial(node.target, inputs, (output,))
+    if replicated is None:
+        return node.target, node.args, node.kwargs
+    return add_replicated_once, (*node.args[:2], node.kwargs.get("alpha", 1),
+                                 _ADDS[node.target], replicated, group.rank == 0,
+                                 writes_first_input(node.target)), {}
+
+
+RULES.update({op: replace(RULES[op], extra=_into_partial, local_op=_added_once)
+              for op in _ADDS})
 RULES.update({
     # pointwise with a Partial pass-through in one operand
     aten.mul.Tensor: pointwise("product"),
@@ -953,7 +1003,8 @@ RULES.update({
     aten.div_.Tensor: pointwise("product", partial_args=(0,)),
     aten.type_as.default: pointwise("sum", unread=(1,)),
     aten.to.other: pointwise("sum", unread=(1,)),
-    aten.dropout.default: Rule(pointwise().spec, local_op=_dropout, strided=False),
+    aten.dropout.default: Rule(lambda node: replace(pointwise().spec(node), partial="sum"),
+                               local_op=_dropout, strided=False),
     aten.tril.default: Rule(_tri_spec, local_op=_shifted_diagonal, strided=False),
     aten.triu.default: Rule(_tri_spec, local_op=_shifted_diagonal, strided=False),
     # matrix products
@@ -1097,6 +1148,11 @@ FACTORIES = {aten.new_zeros.default: 1, aten.new_ones.default: 1, aten.new_empty
 """Ops making a fresh tensor from sizes alone (reading at most another tensor's metadata),
 which may be made in any placement -> the position of their size argument."""
 RULES.update({op: Rule(_factory, shape_arg=i) for op, i in FACTORIES.items()})
+
+ZERO_FILLED = frozenset({aten.zeros.default, aten.new_zeros.default, aten.zeros_like.default})
+"""Ops making zeros from sizes (or a replicated tensor's): zeros on every rank are also a
+``Partial`` sum, which partial values can be added into without reducing them first
+(:mod:`fxtp.passes.unpin` pins them so, ``meta[PINNED]``)."""
 
 PASSTHROUGH = {operator.getitem, stamp_edge}
 

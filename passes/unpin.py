@@ -1,46 +1,76 @@
-"""Keep values sharded where a plan gathers them only to split them again.
+"""Leave a plan's layouts where keeping them only costs: values gathered to be split again,
+and partial sums reduced one by one where they are added up.
 
-Plans written for DTensor gather inside a block what DTensor cannot compute on shards, and
-split it again for the next projection: Hugging Face's ``colwise_gather_output`` before a
-fused ``chunk`` (GLM, Phi-3) or a norm over all heads (OLMo-2), then
-``rowwise_split_input``. fxtp computes on the shards those ops see (strided splits, a
-norm's partial mean), so the gather and the split are a cost, not a need. A layout is only
-a module boundary's communication: the values are the same whatever it is.
+A layout is only a module boundary's communication: the values are the same whatever it is.
+Two patterns make the plan's layouts a cost, not a need:
 
-:func:`unpin_gathers_split_again` tries, in every block that splits a replicated value
-for a rowwise input, leaving the outputs the plan gathers in that block as they are
-produced, places the graph again and keeps that only if it redistributes strictly less
-(propagation's own cost: bytes per rank and a latency per collective) with no more
-fallbacks; otherwise every placement is as before.
+* Plans written for DTensor gather inside a block what DTensor cannot compute on shards,
+  and split it again for the next projection: Hugging Face's ``colwise_gather_output``
+  before a fused ``chunk`` (GLM, Phi-3) or a norm over all heads (OLMo-2), then
+  ``rowwise_split_input``. fxtp computes on the shards those ops see (strided splits, a
+  norm's partial mean).
+* Row-parallel outputs that are summed: a parallel block's attention and MLP
+  (``x + attn(x) + mlp(x)``: GPT-J, GPT-NeoX, Cohere, Phi), or experts in a ``ModuleList``
+  adding their outputs into zeros (Mistral's and litgpt's mixture of experts). Each
+  output's plan layout reduces it alone; the sum of partial sums reduces once (GPT-NeoX's
+  and Megatron's hand-written blocks do so), and zeros to add into are a partial sum too.
+
+:func:`unpin_layouts` tries each pattern in turn: it leaves the matching layouts as their
+values are produced (and makes the zeros the partial sums are added into partial), places
+the graph again and keeps that only if the program then sends strictly less, forward and
+backward (the rewrite is run on a copy of the graph and its collectives counted: bytes per
+rank and a fixed cost each), with no more fallbacks; otherwise every placement is as
+before.
 """
 from __future__ import annotations
 
+import math
+from collections import defaultdict
 from typing import Callable, Optional
 
 import torch.fx as fx
+from torch.distributed.tensor import Partial
 
-from .graph import FALLBACK, layout, list_block, module_fqn, placement_of
-from .placement import is_replicate, is_sharded
-from .strided import redistribution_costs
+from .buffers import writes_into
+from .collectives import CONJUGATES
+from .errors import StampMismatch
+from .gradients import gradient_carriers
+from .graph import (COLLECTIVE, FALLBACK, INTO_PARTIAL, PINNED, STAMP, branches, call_args,
+                    layout, list_block, module_fqn, placement_of, val)
+from .placement import is_replicate, is_sharded, numel_hint
+from .rewrite import rewrite
+from .rules import ZERO_FILLED
+
+Trial = tuple[list[fx.Node], list[fx.Node]]
+"""Layout markers to leave as their values are produced, zero-filled tensors to make
+partial."""
 
 
-def unpin_gathers_split_again(gm: fx.GraphModule, world: int,
-                              place: Callable[[], list]) -> Optional[list]:
-    """Unpin the replicated layouts of the blocks that split a replicated value again and
-    run ``place`` (propagation and the relayout passes; it returns the fallbacks).
-    Return its fallbacks if that redistributes less with no more fallbacks, else restore
-    ``gm``'s placements and return ``None``."""
-    markers = [n for n in gm.graph.nodes if n.target is layout]
-    split = {_block(m) for m in markers if is_sharded(m.args[1]) and
-             is_replicate(placement_of(m.args[0]))} - {""}
-    gathers = [m for m in markers if is_replicate(m.args[1]) and
-               is_sharded(placement_of(m.args[0])) and _block(m) in split]
-    if not gathers:
-        return None
+def unpin_layouts(gm: fx.GraphModule, world: int, place: Callable[[], list]) -> Optional[list]:
+    """Try, in turn, unpinning the gathers split again and the partial sums reduced apart,
+    running ``place`` (propagation and the relayout passes; it returns the fallbacks) for
+    each. Keep each that redistributes less with no more fallbacks and return the last
+    kept one's fallbacks; ``None`` if none was kept (``gm``'s placements as before)."""
+    if any(branches(gm, node) for node in gm.graph.nodes):
+        return None  # the rewrite edits torch.cond branches in place: no trial run
+    kept = None
+    for find in (_gathers_split_again, _partial_sums_added_up):
+        markers, zeros = find(gm)
+        if markers:
+            kept = _try(gm, world, place, markers, zeros) or kept
+    return kept
+
+
+def _try(gm: fx.GraphModule, world: int, place: Callable[[], list],
+         markers: list[fx.Node], zeros: list[fx.Node]) -> Optional[list]:
     cost, fallbacks = _cost(gm, world)
     saved = {n: (n.args, dict(n.meta)) for n in gm.graph.nodes}
-    for marker in gathers:
+    for marker in markers:
         marker.args = (marker.args[0], placement_of(marker.args[0]))
+    for node in zeros:
+        node.meta[PINNED] = Partial()
+    for node in _reached_from(gm, markers):
+        node.meta[INTO_PARTIAL] = True
     found = place()
     now, now_fallbacks = _cost(gm, world)
     if set(gm.graph.nodes) == set(saved) and now < cost and now_fallbacks <= fallbacks:
@@ -52,9 +82,127 @@ def unpin_gathers_split_again(gm: fx.GraphModule, world: int,
     return None
 
 
+def _gathers_split_again(gm: fx.GraphModule) -> Trial:
+    """The replicated layouts of sharded values in the blocks that split a replicated value
+    again for a sharded layout."""
+    markers = _markers(gm)
+    split = {_block(m) for m in markers if is_sharded(m.args[1]) and
+             is_replicate(placement_of(m.args[0]))} - {""}
+    return [m for m in markers if is_replicate(m.args[1]) and
+            is_sharded(placement_of(m.args[0])) and _block(m) in split], []
+
+
+def _partial_sums_added_up(gm: fx.GraphModule) -> Trial:
+    """The layouts reducing partial sums that another such layout of the same list of
+    blocks neither feeds nor reads (siblings: a parallel block's attention and MLP, the
+    experts of a layer), and the zero-filled tensors their values are written into."""
+    markers = [m for m in _markers(gm) if isinstance(placement_of(m.args[0]), Partial)
+               and not isinstance(m.args[1], Partial)]
+    if len(markers) < 2:
+        return [], []
+    bit = {m: 1 << i for i, m in enumerate(markers)}
+    upstream: dict[fx.Node, int] = {}  # node -> the markers it is computed from, as bits
+    for node in gm.graph.nodes:
+        found = 0
+        for source in node.all_input_nodes:
+            found |= upstream.get(source, 0) | bit.get(source, 0)
+        upstream[node] = found
+    lists = defaultdict(list)
+    for m in markers:
+        lists[_block(m).rpartition(".")[0]].append(m)
+    siblings = [m for group in lists.values() for m in group
+                if any(not (upstream[m] & bit[o] or upstream[o] & bit[m])
+                       for o in group if o is not m)]
+    reached = 0
+    for m in siblings:
+        reached |= bit[m]
+    zeros = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ZERO_FILLED
+             and is_replicate(placement_of(n)) and _written_from(n, upstream, reached)]
+    return siblings, zeros
+
+
+def _reached_from(gm: fx.GraphModule, markers: list[fx.Node]) -> set[fx.Node]:
+    """The nodes computed from any of ``markers``' values."""
+    found = set(markers)
+    for node in gm.graph.nodes:
+        if any(a in found for a in node.all_input_nodes):
+            found.add(node)
+    return found - set(markers)
+
+
+def _written_from(node: fx.Node, upstream: dict, markers: int) -> bool:
+    """Whether a value computed from one of ``markers`` is written in place into ``node``
+    (or a view of it)."""
+    return any(upstream[writer] & markers for writer, _ in writes_into(node))
+
+
+def _markers(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.target is layout]
+
+
 def _cost(gm: fx.GraphModule, world: int) -> tuple[float, int]:
-    return (sum(redistribution_costs(gm, world).values()),
-            sum(FALLBACK in n.meta for n in gm.graph.nodes))
+    """What the program sends per rank, forward and backward (ring bytes and a fixed cost per
+    collective), as the rewrite makes it of ``gm``'s placements (on a copy of the graph),
+    and its fallbacks; ``inf`` where the rewrite refuses the placements (a stamped block
+    placed unlike its reference)."""
+    fallbacks = sum(FALLBACK in n.meta for n in gm.graph.nodes)
+    original, graph, copies = gm.graph, fx.Graph(owning_module=gm), {}
+    outputs, output = graph.graph_copy(original, copies, return_output_node=True)
+    graph.output(outputs).meta.update(output.meta)
+    gm._graph = graph  # the module's own attributes, its code not regenerated
+    try:
+        rewrite(gm, "", 0, world)
+    except StampMismatch:
+        return math.inf, fallbacks
+    finally:
+        gm._graph = original
+    carries = gradient_carriers(graph, lambda n, v: n.op == "placeholder" or
+                                getattr(v, "requires_grad", False))
+    sent = {node: _sent(node, carries, world) for node in graph.nodes}
+    total = sum(sent.values())
+    stamps = [n.meta[STAMP] for n in graph.nodes if STAMP in n.meta]
+    entering = {copies[edge] for stamp in stamps for edge in stamp.inputs}
+    for reference in {stamp.reference for stamp in stamps}:  # a stamped block sends what
+        inside = sum(c for n, c in sent.items()  # its reference sends past its entry
+                     if f"{module_fqn(n)}.".startswith(f"{reference}.") and
+                     not set(n.users) <= entering)
+        total += inside * sum(stamp.reference == reference for stamp in stamps)
+    return total, fallbacks
+
+
+def _sent(node: fx.Node, carries: frozenset, world: int) -> float:
+    """What rewrite node ``node`` sends per rank, forward and backward (its gradient is
+    sent where its input carries one)."""
+    kind = node.meta.get(COLLECTIVE)
+    if kind == "grad_sync_bucket":
+        flows = any(p in carries for p in node.args[0])
+        return _ring("all_reduce", sum(_bytes(p) for p in node.args[0]), world) if flows else 0
+    if kind not in CONJUGATES:
+        return 0.0
+    args = call_args(node)
+    forward, backward = CONJUGATES[kind]
+    if kind == "all_gather" and not args.get("partial_grad"):
+        backward = None  # the gradient is replicated: each rank takes its chunk
+    return (_ring(forward, _bytes(args["x"]), world) if forward else 0.0) + \
+        (_ring(backward, _bytes(node), world) if backward and args["x"] in carries else 0.0)
+
+
+def _bytes(node: fx.Node) -> int:
+    """The bytes of ``node``'s whole (global) value."""
+    return numel_hint(val(node)) * val(node).dtype.itemsize
+
+
+STARTUP_BYTES = 1 << 18
+"""A collective's fixed cost, in the bytes a ring sends in that time (tens of microseconds
+on NVLink, more over gloo): a trial trading one collective for several small ones costs
+more, not less."""
+
+
+def _ring(kind: str, nbytes: float, world: int) -> float:
+    """Bytes one rank sends in a ring ``kind`` of a tensor of ``nbytes`` whole, plus
+    :data:`STARTUP_BYTES`."""
+    share = (world - 1) / world * nbytes
+    return (2 * share if kind == "all_reduce" else share) + STARTUP_BYTES
 
 
 def _block(node: fx.Node) -> str:

@@ -26,9 +26,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._pytree import tree_map
 
 from fxtp.mesh import Group
-from fxtp.passes.graph import tensor_inputs
+from fxtp.passes.graph import INTO_PARTIAL, tensor_inputs
 from fxtp.passes.placement import BlockShard, UnitShard
-from fxtp.passes.rules import rule_for
+from fxtp.passes.rules import replicated_into_partial, rule_for
 from tests.parity import local_part
 
 SEED = 1234  # every run of an op (reference and each rank) starts from it: dropout agrees
@@ -158,6 +158,7 @@ def all_strategies(node: fx.Node, world: int, actual=(), strided: bool = False,
     ``UnitShard(d, n)``, for every ``n`` the dim's size allows (:func:`unit_counts`)."""
     rule = rule_for(node.target)
     communicating = set()
+    node.meta[INTO_PARTIAL] = True  # every strategy a rule offers, also where a pass asks
 
     def strategies(arrive):
         if rule.communicates:
@@ -265,7 +266,8 @@ def _check_one(node, values, world, inputs, ins, outs, reference, gen, tol):
         msg = f"{name}: gradient of input {i}"
         if is_sharded(p):
             whole = assemble(got, p, sum_groups=True)
-        elif isinstance(p, Partial) or replicated:
+        elif isinstance(p, Partial) or replicated or \
+                i == replicated_into_partial(node.target, ins, outs):
             whole = _combine(got, R, msg, tol)
         else:
             whole = sum(got)

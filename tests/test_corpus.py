@@ -95,14 +95,21 @@ EXPECTED = {
                          "all_reduce": 2 * L + L + 1})},  # + one norm-weight bucket per block
     # parallel block: one input_layernorm feeds both attention and MLP, so backward has
     # one all-reduce per layer (TP), and SP gathers that norm's output once per layer
-    # (its conjugate: one reduce-scatter per layer). The two rowwise outputs are still
-    # reduced separately: the residual is added between them.
+    # (its conjugate: one reduce-scatter per layer). Its two rowwise outputs reduced as
+    # one sum (as GPT-NeoX's below) is tried and, at these sizes, sends more: the final
+    # norm would then read a partial value, and small backward all-reduces come with it.
     "hf_cohere": {"tp": tp_counts(bwd_all_reduce=L + 1),
                   "sp": sp_counts(fwd_all_gather=L + 2, bwd_reduce_scatter=L + 1)},
     # parallel residual with two norms: attention and MLP inputs are different values,
-    # so the counts are Llama's; the fused query_key_value is laid out per head
-    # ((B, T, H, 3 * head_dim) then chunked in the head dim), so plain Shard serves it
-    "hf_gpt_neox": STANDARD,
+    # so backward is Llama's; the fused query_key_value is laid out per head
+    # ((B, T, H, 3 * head_dim) then chunked in the head dim), so plain Shard serves it.
+    # Forward, the attention's and the MLP's partial outputs (biases added on one rank)
+    # are summed with the residual and reduced once per layer: L all-reduces fewer (TP),
+    # or reduce-scatters (SP), whose conjugate all-gathers backward go too.
+    "hf_gpt_neox": {"tp": tp_counts(fwd_all_reduce=L + 1),
+                    "sp": ({"all_gather": 2 * L + 2, "reduce_scatter": L + 1},
+                           {"all_gather": L + 1, "reduce_scatter": 2 * L + 1,
+                            "all_reduce": L + 1})},
 }
 
 # world 4 under the SP plan only (it redistributes the most) for the models whose layouts

@@ -46,10 +46,12 @@ AUTO = {
     # parallel block: one norm output feeds attention and MLP, one backward all-reduce per
     # layer for it
     "hf_cohere_tied": (MEGATRON_TP[0], {"all_reduce": L + 1}),
-    # transformers 5.24's plan splits embed_in by rows as the others do; before, it left
-    # embed_in out (replicated): no forward all-reduce for it
-    "hf_gpt_neox": MEGATRON_TP if "embed_in" in transformers.GPTNeoXConfig.base_model_tp_plan
-    else ({"all_reduce": 2 * L, "all_gather": 1}, {"all_reduce": 2 * L + 1}),
+    # parallel residual: the attention's and the MLP's partial outputs are summed with the
+    # residual and reduced once per layer. transformers 5.24's plan splits embed_in by rows
+    # as the others do; before, it left embed_in out (replicated): no all-reduce for it
+    "hf_gpt_neox": ({"all_reduce": L + 1, "all_gather": 1}, MEGATRON_TP[1])
+    if "embed_in" in transformers.GPTNeoXConfig.base_model_tp_plan
+    else ({"all_reduce": L, "all_gather": 1}, {"all_reduce": 2 * L + 1}),
     # the plans Hugging Face ships for these gather colwise outputs (colwise_gather_output)
     # and split them again for the rowwise layer (rowwise_split_input): 2 gathers per layer
     # forward and 2 backward (Phi-3's fused qkv and gate_up) or 3 and 1 (OLMo-2's q, k, v),

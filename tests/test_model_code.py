@@ -4,6 +4,7 @@ ops whose order varies between processes (a ``set`` iterated in ``forward``), an
 called more than once per step (recurrent models). Parity with the single-device model in
 fp64 (forward, every gradient, 3 AdamW steps), strict (no fallback) unless a test is about
 one, and the collectives each case needs."""
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -292,11 +293,80 @@ SLICED_EXPERTS = {"experts.*.w1": fxtp.ColwiseParallel(), "experts.*.w3": fxtp.C
                   "experts.*.w2": fxtp.RowwiseParallel()}
 
 
-def test_experts_sliced_over_ranks_sum_their_inputs_gradient_once(ranks):
-    """Each expert sliced Megatron-style (litgpt's and Mistral's recipe): forward, the plan's
-    all-reduce of each expert's output. Backward, each expert's sharded ``w1`` / ``w3`` give
-    its tokens a partial gradient; the tokens' gradients are added up on ``x`` and summed
-    once there (was: once per expert, 4 all-reduces; top-2 routing gathers each token
-    twice, so the one sum is also half the bytes)."""
-    assert ranks.run(parity, ListMoE, SLICED_EXPERTS)[0] == ({"all_reduce": 4},
-                                                            {"all_reduce": 1})
+def test_experts_sliced_over_ranks_are_summed_once_forward_and_backward(ranks):
+    """Each expert sliced Megatron-style (litgpt's and Mistral's recipe). Forward, each
+    expert's partial output, scaled by its routing weight, is added into the zeros ``y``
+    starts as, and ``y`` is reduced once (was: the plan's all-reduce of each expert's
+    output, 4). Backward, each expert's sharded ``w1`` / ``w3`` give its tokens a partial
+    gradient; the tokens' gradients are added up on ``x`` and summed once there (was: once
+    per expert; top-2 routing gathers each token twice, so the one sum is also half the
+    bytes). The routing weights, multiplied by partial outputs, get partial gradients:
+    summed once, on the softmax all experts' weights are gathered from."""
+    assert ranks.run(parity, ListMoE, SLICED_EXPERTS)[0] == ({"all_reduce": 1},
+                                                            {"all_reduce": 2})
+
+
+class ParallelBlock(nn.Module):
+    """GPT-J's, GPT-NeoX's and Cohere's block: attention and MLP read the same normed input
+    and both add to the residual, in either order of the sums."""
+
+    def __init__(self, residual_first: bool):
+        super().__init__()
+        self.residual_first = residual_first
+        self.ln = nn.LayerNorm(DIM)
+        self.q, self.kv = nn.Linear(DIM, DIM), nn.Linear(DIM, 2 * DIM)
+        self.o = nn.Linear(DIM, DIM)
+        self.up, self.down = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x):
+        h = self.ln(x)
+        q = self.q(h).view(B, T, HEADS, HEAD).transpose(1, 2)
+        k, v = self.kv(h).view(B, T, HEADS, 2 * HEAD).transpose(1, 2).chunk(2, dim=-1)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        attn = self.o(a.transpose(1, 2).reshape(B, T, DIM))
+        mlp = self.down(F.gelu(self.up(h)))
+        return x + attn + mlp if self.residual_first else attn + mlp + x
+
+
+class ParallelStack(nn.Module):
+    def __init__(self, residual_first: bool = False):
+        super().__init__()
+        self.layers = nn.ModuleList(ParallelBlock(residual_first) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class ResidualFirstStack(ParallelStack):
+    def __init__(self):
+        super().__init__(residual_first=True)
+
+
+PARALLEL_PLAN = {"layers.*.q": fxtp.ColwiseParallel(), "layers.*.kv": fxtp.ColwiseParallel(),
+                 "layers.*.o": fxtp.RowwiseParallel(), "layers.*.up": fxtp.ColwiseParallel(),
+                 "layers.*.down": fxtp.RowwiseParallel()}
+PARALLEL_SP_PLAN = {**PARALLEL_PLAN, "layers.*.ln": fxtp.SequenceParallel(),
+                    "layers.*.o": fxtp.RowwiseParallel(output_layouts=fxtp.Shard(1)),
+                    "layers.*.down": fxtp.RowwiseParallel(output_layouts=fxtp.Shard(1))}
+
+
+@pytest.mark.parametrize("residual_first", [False, True], ids=["residual_last", "residual_first"])
+def test_a_parallel_blocks_attention_and_mlp_are_reduced_once(ranks, residual_first):
+    """The two row-parallel outputs (and their biases, added on one rank) are summed before
+    they are reduced, and the residual is added into that sum: one all-reduce per layer
+    (GPT-NeoX's and Megatron's hand-written parallel blocks do so), where the plan's
+    layouts say two. Backward is Megatron's: the normed input's gradient, summed once."""
+    make = ResidualFirstStack if residual_first else ParallelStack
+    assert ranks.run(parity, make, PARALLEL_PLAN)[0] == ({"all_reduce": 2}, {"all_reduce": 2})
+
+
+def test_a_sequence_parallel_parallel_block_reduce_scatters_once(ranks):
+    """Under sequence parallelism the sum of the two partial outputs is reduce-scattered
+    once per layer (the plan says twice) and added to the sequence-sharded residual; the
+    input arrives whole, so the first layer adds it into the sum, and the last one's
+    output, asked for whole, is all-reduced rather than reduce-scattered and gathered."""
+    assert ranks.run(parity, ParallelStack, PARALLEL_SP_PLAN)[0] == (
+        {"all_gather": 2, "reduce_scatter": 1, "all_reduce": 1},
+        {"reduce_scatter": 2, "all_reduce": 2, "all_gather": 2})
