@@ -121,7 +121,8 @@ def _labels(n: int, prefix="d") -> tuple:
 def pointwise(partial: str = "none", partial_args=None, unread=()):
     """Broadcasting elementwise op. ``partial="sum"`` applies only when every operand is a
     tensor (adding a Python scalar to a Partial value would add it once per rank), except
-    for ops that scale by their scalar (:data:`_SCALAR_LINEAR`). ``unread``: indices of
+    for ops that scale by their scalar (:data:`_SCALAR_LINEAR`), and ``partial`` not at all
+    where the op casts an operand to a narrower dtype (:func:`_narrows`). ``unread``: indices of
     tensor inputs the op reads only the metadata of (``type_as``'s other)."""
     def spec(node):
         out = output_vals(node)[0].shape  # every output (frexp's two) has this shape
@@ -140,9 +141,22 @@ def pointwise(partial: str = "none", partial_args=None, unread=()):
         scalars = [a for a in node.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
         if kind == "sum" and scalars and node.target not in _SCALAR_LINEAR:
             kind = "none"
+        dtype = output_vals(node)[0].dtype
+        if kind != "none" and any(_narrows(val(a).dtype, dtype) for a in tensor_inputs(node)):
+            kind = "none"  # rounding each rank's part is not rounding their sum
         outs = tuple(_labels(n) for _ in output_vals(node))
         return DimSpec(tuple(inputs), outs, kind, partial_args)
     return Rule(spec)
+
+
+def _narrows(source: torch.dtype, target: torch.dtype) -> bool:
+    """Does casting ``source`` to ``target`` lose what a sum of parts needs (precision,
+    range, or the fraction: a cast to an integer)? Only widening a floating dtype keeps
+    a partial sum's parts summing to the cast of their sum."""
+    if source == target:
+        return False
+    return not (source.is_floating_point and target.is_floating_point and
+                target.itemsize > source.itemsize)
 
 
 def _is_one(size) -> bool:

@@ -96,8 +96,10 @@ EXPECTED = {
     # parallel block: one input_layernorm feeds both attention and MLP, so backward has
     # one all-reduce per layer (TP), and SP gathers that norm's output once per layer
     # (its conjugate: one reduce-scatter per layer). Its two rowwise outputs reduced as
-    # one sum (as GPT-NeoX's below) is tried and, at these sizes, sends more: the final
-    # norm would then read a partial value, and small backward all-reduces come with it.
+    # one sum (as GPT-NeoX's below) is tried and, in fp32 at these sizes, sends more: the
+    # final norm would then read a partial value, and small backward all-reduces come with
+    # it (in fp64 the norm's cast to fp32 narrows, the sum is reduced before it, and the
+    # one sum is kept: tests/test_hf_plans.py).
     "hf_cohere": {"tp": tp_counts(bwd_all_reduce=L + 1),
                   "sp": sp_counts(fwd_all_gather=L + 2, bwd_reduce_scatter=L + 1)},
     # parallel residual with two norms: attention and MLP inputs are different values,

@@ -44,8 +44,11 @@ AUTO = {
     # replicated_with_grad_allreduce)
     "hf_qwen3": (MEGATRON_TP[0], {"all_reduce": 2 * L + 1 + L}),
     # parallel block: one norm output feeds attention and MLP, one backward all-reduce per
-    # layer for it
-    "hf_cohere_tied": (MEGATRON_TP[0], {"all_reduce": L + 1}),
+    # layer for it; forward, the attention's and the MLP's partial outputs are summed with
+    # the residual and reduced once per layer (its norms cast to fp32, narrower than this
+    # fp64 model: the sum is reduced before; in an fp32 model the final norm would read it
+    # partial, which sends more at these sizes: tests/test_corpus.py)
+    "hf_cohere_tied": ({"all_reduce": L + 1, "all_gather": 1}, {"all_reduce": L + 1}),
     # parallel residual: the attention's and the MLP's partial outputs are summed with the
     # residual and reduced once per layer. transformers 5.24's plan splits embed_in by rows
     # as the others do; before, it left embed_in out (replicated): no all-reduce for it

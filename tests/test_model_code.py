@@ -339,6 +339,22 @@ class ParallelStack(nn.Module):
         return x
 
 
+class Fp32NormAfter(ParallelStack):
+    """litgpt's final norm: computed in fp32 whatever the model's dtype (``x.float()``)."""
+
+    def forward(self, x):
+        x = super().forward(x).float()
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)).double()
+
+
+def test_a_partial_sum_is_reduced_before_a_cast_narrows_it(ranks):
+    """The last block's sum is still partial where the norm casts it to fp32: each rank's
+    part rounded to fp32 would not sum to the rounded sum (fp32-sized errors in an fp64
+    model). It is reduced in fp64 first, so the model matches single device tightly."""
+    assert ranks.run(parity, Fp32NormAfter, PARALLEL_PLAN)[0] == \
+        ({"all_reduce": 2}, {"all_reduce": 2})
+
+
 class ResidualFirstStack(ParallelStack):
     def __init__(self):
         super().__init__(residual_first=True)
