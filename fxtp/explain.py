@@ -39,7 +39,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
-from .passes.collectives import CONJUGATES
+from .passes.collectives import conjugates
 from .passes.gradients import gradient_carriers
 from .passes.graph import (COLLECTIVE, FALLBACK, PLACEMENT, attr, call_args, list_block,
                            module_fqn, val)
@@ -199,13 +199,9 @@ def _comms(node: fx.Node, kind: str, rank: int, world: int, grads) -> tuple[list
         return [Comm("all_reduce", b) for b in sizes], []
     if kind == "sharded_norm":  # replicated: every rank sums a tensor of the norm's size
         return [Comm("all_reduce", _local_bytes(node, rank, world))], []
-    x = args["x"]
-    forward, backward = CONJUGATES[kind]
-    if kind == "all_gather" and not args["partial_grad"]:
-        backward = None  # the gradient is replicated: this rank's chunk is taken
-    return ([Comm(forward, _local_bytes(x, rank, world))] if forward else [],
-            [Comm(backward, _local_bytes(node, rank, world))] if backward and x in grads
-            else [])
+    forward, backward = conjugates(node, grads)
+    return ([Comm(forward, _local_bytes(args["x"], rank, world))] if forward else [],
+            [Comm(backward, _local_bytes(node, rank, world))] if backward else [])
 
 
 def _hint(size) -> int:

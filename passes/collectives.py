@@ -45,10 +45,12 @@ traces through them when the graph is lowered.
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
+import torch.fx as fx
 
+from .graph import COLLECTIVE, call_args
 from .placement import UnitShard, local_range
 
 _c10d = torch.ops._c10d_functional
@@ -376,6 +378,19 @@ CONJUGATES = {
 """A rewrite node's ``meta[COLLECTIVE]`` -> its (forward, backward) collective: the forward
 one sends the input's local tensor, the backward one the gradient, which has the output's
 placement."""
+
+
+def conjugates(node: fx.Node, carries) -> tuple[Optional[str], Optional[str]]:
+    """The (forward, backward) collectives a rewrite node whose ``meta[COLLECTIVE]`` is in
+    :data:`CONJUGATES` issues: the backward one only where its input (its first argument)
+    is among ``carries`` (the values carrying a gradient), and none for an all-gather whose
+    gradient is replicated (each rank takes its chunk)."""
+    kind = node.meta[COLLECTIVE]
+    forward, backward = CONJUGATES[kind]
+    if node.args[0] not in carries or \
+            kind == "all_gather" and not call_args(node)["partial_grad"]:
+        backward = None
+    return forward, backward
 
 COLLECTIVES = (all_reduce, reduce_scatter, all_gather, shard, grad_sync, all_gather_units,
                shard_units)

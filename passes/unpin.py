@@ -32,11 +32,11 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial
 
 from .buffers import writes_into
-from .collectives import CONJUGATES
+from .collectives import CONJUGATES, conjugates
 from .errors import StampMismatch
 from .gradients import gradient_carriers
-from .graph import (COLLECTIVE, FALLBACK, INTO_PARTIAL, PINNED, STAMP, branches, call_args,
-                    layout, list_block, module_fqn, placement_of, val)
+from .graph import (COLLECTIVE, FALLBACK, INTO_PARTIAL, PINNED, STAMP, branches, layout,
+                    list_block, module_fqn, placement_of, val)
 from .placement import is_replicate, is_sharded, numel_hint
 from .rewrite import rewrite
 from .rules import ZERO_FILLED
@@ -69,8 +69,9 @@ def _try(gm: fx.GraphModule, world: int, place: Callable[[], list],
         marker.args = (marker.args[0], placement_of(marker.args[0]))
     for node in zeros:
         node.meta[PINNED] = Partial()
-    for node in _reached_from(gm, markers):
-        node.meta[INTO_PARTIAL] = True
+    for node, reached in _upstream(gm, markers).items():
+        if reached:  # adds computed from what the markers leave unreduced
+            node.meta[INTO_PARTIAL] = True
     found = place()
     now, now_fallbacks = _cost(gm, world)
     if set(gm.graph.nodes) == set(saved) and now < cost and now_fallbacks <= fallbacks:
@@ -101,12 +102,7 @@ def _partial_sums_added_up(gm: fx.GraphModule) -> Trial:
     if len(markers) < 2:
         return [], []
     bit = {m: 1 << i for i, m in enumerate(markers)}
-    upstream: dict[fx.Node, int] = {}  # node -> the markers it is computed from, as bits
-    for node in gm.graph.nodes:
-        found = 0
-        for source in node.all_input_nodes:
-            found |= upstream.get(source, 0) | bit.get(source, 0)
-        upstream[node] = found
+    upstream = _upstream(gm, markers)
     lists = defaultdict(list)
     for m in markers:
         lists[_block(m).rpartition(".")[0]].append(m)
@@ -121,13 +117,17 @@ def _partial_sums_added_up(gm: fx.GraphModule) -> Trial:
     return siblings, zeros
 
 
-def _reached_from(gm: fx.GraphModule, markers: list[fx.Node]) -> set[fx.Node]:
-    """The nodes computed from any of ``markers``' values."""
-    found = set(markers)
+def _upstream(gm: fx.GraphModule, markers: list[fx.Node]) -> dict[fx.Node, int]:
+    """Each node -> the markers it is computed from, as bits (``1 << i`` for
+    ``markers[i]``)."""
+    bit = {m: 1 << i for i, m in enumerate(markers)}
+    upstream: dict[fx.Node, int] = {}
     for node in gm.graph.nodes:
-        if any(a in found for a in node.all_input_nodes):
-            found.add(node)
-    return found - set(markers)
+        found = 0
+        for source in node.all_input_nodes:
+            found |= upstream[source] | bit.get(source, 0)
+        upstream[node] = found
+    return upstream
 
 
 def _written_from(node: fx.Node, upstream: dict, markers: int) -> bool:
@@ -179,12 +179,9 @@ def _sent(node: fx.Node, carries: frozenset, world: int) -> float:
         return _ring("all_reduce", sum(_bytes(p) for p in node.args[0]), world) if flows else 0
     if kind not in CONJUGATES:
         return 0.0
-    args = call_args(node)
-    forward, backward = CONJUGATES[kind]
-    if kind == "all_gather" and not args.get("partial_grad"):
-        backward = None  # the gradient is replicated: each rank takes its chunk
-    return (_ring(forward, _bytes(args["x"]), world) if forward else 0.0) + \
-        (_ring(backward, _bytes(node), world) if backward and args["x"] in carries else 0.0)
+    forward, backward = conjugates(node, carries)
+    return (_ring(forward, _bytes(node.args[0]), world) if forward else 0.0) + \
+        (_ring(backward, _bytes(node), world) if backward else 0.0)
 
 
 def _bytes(node: fx.Node) -> int:
