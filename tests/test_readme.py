@@ -10,25 +10,29 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_readme_script(tmp_path, name: str):
-    """The README's ``# save as <name>`` script, run under torchrun with 2 ranks: the run and
-    each rank's stdout (one file per rank, so their prints cannot interleave)."""
+    """The README's ``# save as <name>`` script, run under torchrun with 2 ranks: each rank's
+    stdout and stderr (one file each per rank, so their prints cannot interleave). A failed run
+    reports every rank's logs, so that a crash says which rank died where."""
     readme = (ROOT / "README.md").read_text()
     code = re.search(rf"```python\n(# save as {re.escape(name)}.*?)```", readme, re.S).group(1)
     script = tmp_path / name
     script.write_text(code)
     logs = tmp_path / "logs"
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                          "2", "--standalone", "--log-dir", str(logs), "--redirects", "1",
+                          "2", "--standalone", "--log-dir", str(logs), "--redirects", "3",
                           str(script)], cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"),
                          capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    out = {int(f.parent.name): f.read_text() for f in logs.rglob("stdout.log")}
-    assert sorted(out) == [0, 1], out
-    return run, out
+    out, err = ({int(f.parent.name): f.read_text() for f in logs.rglob(stream)}
+                for stream in ("stdout.log", "stderr.log"))
+    ranks = "".join(f"\n--- rank {r} stdout ---\n{out.get(r, '')[-1500:]}"
+                    f"\n--- rank {r} stderr ---\n{err.get(r, '')[-3000:]}" for r in (0, 1))
+    assert run.returncode == 0, run.stderr[-2000:] + ranks
+    assert sorted(out) == [0, 1], ranks
+    return out, err
 
 
 def test_quick_start_runs_as_written(tmp_path):
-    _, out = run_readme_script(tmp_path, "quickstart.py")
+    out, _ = run_readme_script(tmp_path, "quickstart.py")
     lines = [next(line.split() for line in out[r].splitlines() if line.startswith(f"{r} "))
              for r in (0, 1)]
     assert lines[0][1] == lines[1][1]  # the same loss on both ranks
@@ -39,9 +43,9 @@ def test_quick_start_runs_as_written(tmp_path):
 def test_plans_from_other_projects_run_as_written(tmp_path):
     """The "Plans from other projects" script: torch's, torchtitan's, torchtune's and
     Hugging Face's plans, each checked against the single-device model inside it."""
-    run, out = run_readme_script(tmp_path, "plans.py")
+    out, err = run_readme_script(tmp_path, "plans.py")
     assert all("all four plans match the single-device model" in out[r] for r in (0, 1))
-    assert "plan key 'output' matches no module of TunedLlama" in run.stderr
+    assert all("plan key 'output' matches no module of TunedLlama" in err[r] for r in (0, 1))
 
 
 def test_scaling_out_recipe_runs_as_written(tmp_path):
@@ -84,7 +88,7 @@ def test_explain_output_shown_is_the_quick_starts(fake_group):
 def test_serving_script_runs_as_written(tmp_path):
     """The "Serving" script: a Hugging Face Llama generates through fxtp as through its own
     generate(), greedy and sampled, with half the KV cache on each of 2 ranks."""
-    _, out = run_readme_script(tmp_path, "serve.py")
+    out, _ = run_readme_script(tmp_path, "serve.py")
     lines = [next(line for line in out[r].splitlines() if "cache elements" in line)
              for r in (0, 1)]
     assert lines[0].startswith("0 ") and lines[1].startswith("1 ") and \
