@@ -139,7 +139,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
     """
     allow_in_dynamo_graphs()  # the result may be compiled: its collectives stay calls
     check_fresh(model)
-    shardings = resolve_plan(model, plan, strict)
+    shardings = resolve_plan(model, plan, strict, lambda: resolve_group(mesh).device_mesh())
     checkpointed = module_fqns(model, checkpoint, "checkpoint pattern")
     repeated = block_fqns(model)
     blocks = [*repeated, *checkpointed, *module_fqns(model, modules, "modules pattern")]

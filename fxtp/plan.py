@@ -10,12 +10,14 @@ from __future__ import annotations
 import difflib
 import warnings
 from fnmatch import fnmatchcase
-from typing import Mapping, Union
+from typing import Callable, Mapping, Optional, Union
 
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle as TorchStyle
 
+from .foreign_styles import ForeignStyle
 from .hf_plans import model_plan, styles_of
 from .passes.errors import PlanError
 from .passes.graph import planned_placement
@@ -68,10 +70,13 @@ def _closest(key: str, fqns: list[str], n: int = 3) -> list[str]:
     return sorted(fqns, key=score, reverse=True)[:n]
 
 
-def resolve_plan(model: nn.Module, plan: Plan, strict: bool = False
+def resolve_plan(model: nn.Module, plan: Plan, strict: bool = False,
+                 mesh_of: Optional[Callable[[], DeviceMesh]] = None
                  ) -> dict[str, ModuleSharding]:
     """Return FQN -> :class:`ModuleSharding` for every module the plan names. Styles may be
-    fxtp's or ``torch.distributed.tensor.parallel``'s own objects.
+    fxtp's or ``torch.distributed.tensor.parallel``'s own objects, or another project's
+    ``ParallelStyle`` s, read on the mesh ``mesh_of()`` gives
+    (:class:`~fxtp.foreign_styles.ForeignStyle`).
 
     A key that matches no module is skipped with a warning naming the key and the closest
     FQNs, as torch's ``parallelize_module`` does (plans are shared between model variants:
@@ -93,7 +98,7 @@ def resolve_plan(model: nn.Module, plan: Plan, strict: bool = False
     matched_by: dict[str, str] = {}
     for key, style in plan.items():
         if isinstance(style, TorchStyle):
-            style = from_torch(style)
+            style = from_torch(style) or ForeignStyle(style, mesh_of)
         if not isinstance(style, ParallelStyle):
             raise PlanError(f"plan[{key!r}] must be an fxtp parallel style "
                             f"(ColwiseParallel(), RowwiseParallel(), ...), got {style!r}")

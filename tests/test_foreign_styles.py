@@ -1,0 +1,235 @@
+"""Parallel styles written by other projects (subclasses of torch's ``ParallelStyle`` that
+act through ``distribute_module``, as torchtitan's ``NoParallel`` and grouped-experts
+``TensorParallel`` do) are read from what they do to a meta copy of the module: the
+placements of its parameters and the layouts its hooks declare and redistribute to. A
+style that computes, reorders a parameter or communicates on its own is refused, naming
+the module."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed._functional_collectives import all_to_all_single
+from torch.distributed.tensor import (DTensor, Partial, Replicate, Shard, distribute_module,
+                                      distribute_tensor)
+from torch.distributed.tensor.parallel import ParallelStyle
+
+import fxtp
+from fxtp.plan import resolve_plan
+from tests.parity import check_parity, example
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.float64, torch.float32],
+                                 ids=["fp64", "fp32"])
+B, T, D, H, E = 2, 8, 16, 32, 4
+
+
+class ReplicatedCompute(ParallelStyle):
+    """torchtitan's ``NoParallel``, as projects copy it: the module's parameters replicated
+    DTensors, its input declared ``input_layout`` and redistributed to Replicate, its
+    output redistributed to ``output_layout``."""
+
+    def __init__(self, *, input_layout=None, output_layout=None, use_local_output=True):
+        super().__init__()
+        self.input_layout = input_layout or Replicate()
+        self.output_layout = output_layout or Replicate()
+        self.use_local_output = use_local_output
+
+    def _prepare_input(self, module, inputs, mesh):
+        x = inputs[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, (self.input_layout,), run_check=False)
+        if x.placements != (Replicate(),):
+            x = x.redistribute(placements=(Replicate(),))
+        return (x, *inputs[1:])
+
+    def _prepare_output(self, module, outputs, mesh):
+        if outputs.placements != (self.output_layout,):
+            outputs = outputs.redistribute(placements=(self.output_layout,))
+        return outputs.to_local() if self.use_local_output else outputs
+
+    def _apply(self, module, mesh):
+        return distribute_module(module, mesh, None, self._prepare_input,
+                                 self._prepare_output)
+
+
+class ExpertsTensorParallel(ParallelStyle):
+    """torchtitan's grouped-experts ``TensorParallel``: every expert's input projections
+    split on the hidden dim and its output projection on its input dim; the routed input is
+    replicated (its gradient a partial sum) and the output's partial sums are reduced."""
+
+    def _partition(self, name, module, mesh):
+        for param, dim in (("w1", 1), ("w2", 2), ("w3", 1)):
+            module.register_parameter(param, nn.Parameter(
+                distribute_tensor(getattr(module, param), mesh, [Shard(dim)])))
+
+    def _prepare_input(self, module, inputs, mesh):
+        routed, probs = inputs
+        routed = DTensor.from_local(routed, mesh, (Replicate(),)).to_local(
+            grad_placements=(Partial(),))
+        return routed, probs
+
+    def _prepare_output(self, module, outputs, mesh):
+        return DTensor.from_local(outputs, mesh, (Partial(),)).redistribute(
+            placements=(Replicate(),)).to_local()
+
+    def _apply(self, module, mesh):
+        return distribute_module(module, mesh, self._partition, self._prepare_input,
+                                 self._prepare_output)
+
+
+class GroupedExperts(nn.Module):
+    """Experts stacked in 3-D parameters, as torchtitan's MoE holds them; every token goes
+    through every expert, weighted by its routing probability (dense, for exact parity)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1, self.w3 = (nn.Parameter(torch.randn(E, H, D) / D ** 0.5) for _ in range(2))
+        self.w2 = nn.Parameter(torch.randn(E, D, H) / H ** 0.5)
+
+    def forward(self, x, probs):
+        # torchtitan's experts compute on their local shards under DTensor TP
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w
+                      for w in (self.w1, self.w2, self.w3))
+        h = F.silu(torch.einsum("btd,ehd->bteh", x, w1)) * torch.einsum("btd,ehd->bteh", x, w3)
+        return torch.einsum("bteh,edh->bted", h, w2).mul(probs.unsqueeze(-1)).sum(2)
+
+
+class MoE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(D, E, bias=False)
+        self.experts = GroupedExperts()
+
+    def forward(self, x):
+        return x + self.experts(x, torch.softmax(self.router(x), dim=-1))
+
+
+TORCHTITAN_MOE_PLAN = {"router": ReplicatedCompute(), "experts": ExpertsTensorParallel()}
+
+
+def moe_parity(rank, world, dtype):
+    return check_parity(rank, world, MoE, TORCHTITAN_MOE_PLAN, [example(B, T, D)],
+                        dtype=dtype)
+
+
+@DTYPES
+def test_torchtitans_moe_styles_are_read_and_match_single_device(ranks, dtype):
+    fwd, bwd = ranks.run(moe_parity, dtype)[0]
+    assert fwd == {"all_reduce": 1}  # the experts' partial sums
+    # the gradients of the routed input and of the routing probabilities: each is a sum of
+    # the experts' hidden slices, partial on every rank
+    assert bwd == {"all_reduce": 2}
+
+
+def test_a_replicated_compute_style_reads_as_its_layouts(fake_group):
+    """Declared Shard(1) and redistributed to Replicate on entry; the output (replicated, as
+    the input it was computed from) redistributed to Shard(1) on exit."""
+    fake_group(4)
+    style = ReplicatedCompute(input_layout=Shard(1), output_layout=Shard(1))
+    sharding = resolve_plan(MoE(), {"router": style}, mesh_of=_mesh)["router"]
+    assert sharding.params == {"weight": Replicate()}
+    assert sharding.input_layouts == (Shard(1),)
+    assert sharding.desired_inputs == (Replicate(),)
+    assert sharding.desired_outputs == (Shard(1),)
+    assert "ReplicatedCompute" in repr(sharding.style)
+
+
+def test_a_layout_only_declared_moves_nothing(fake_group):
+    """torchtitan's NoParallel as planned for Qwen3's q/k norms: it declares the (head-
+    sharded) input Replicate and redistributes nothing, so DTensor computes on the local
+    heads; fxtp keeps the placement it knows instead of gathering the heads."""
+    fake_group(4)
+    sharding = resolve_plan(MoE(), {"router": ReplicatedCompute()}, mesh_of=_mesh)["router"]
+    assert sharding.input_layouts == (Replicate(),)
+    assert sharding.desired_inputs == (None,)
+    assert sharding.desired_outputs == (None,)
+
+
+def test_a_distribute_module_colwise_reads_as_fxtps_colwise(fake_group):
+    """The DTensor tutorial's hand-written colwise style splits the parameters as fxtp's
+    ColwiseParallel(output_layouts=Replicate()) does and gathers the output; its input, only
+    declared Replicate, keeps the placement it arrives with."""
+    fake_group(4)
+
+    class TutorialColwise(ParallelStyle):
+        def _apply(self, module, mesh):
+            def partition(name, m, mesh):
+                for n, p in list(m.named_parameters(recurse=False)):
+                    m.register_parameter(n, nn.Parameter(distribute_tensor(p, mesh,
+                                                                           [Shard(0)])))
+
+            def inputs(m, args, mesh):
+                return (DTensor.from_local(args[0], mesh, (Replicate(),)),)
+
+            def outputs(m, out, mesh):
+                return out.redistribute(placements=(Replicate(),)).to_local()
+            return distribute_module(module, mesh, partition, inputs, outputs)
+
+    model = nn.Sequential(nn.Linear(D, H), nn.ReLU(), nn.Linear(H, D))
+    read = resolve_plan(model, {"0": TutorialColwise()}, mesh_of=_mesh)["0"]
+    ours = resolve_plan(model, {"0": fxtp.ColwiseParallel(output_layouts=Replicate())})["0"]
+    assert (read.params, read.input_layouts, read.desired_outputs) == \
+        (ours.params, ours.input_layouts, ours.desired_outputs)
+    assert read.desired_inputs == (None,)
+
+
+def _mesh():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    return DeviceMesh.from_group(dist.group.WORLD, "cpu")
+
+
+class Masking(ReplicatedCompute):
+    """A hook that computes on the input (as a vocab-parallel embedding's mask does)."""
+
+    def _prepare_input(self, module, inputs, mesh):
+        return (inputs[0] * 2,)
+
+
+class Transposing(ParallelStyle):
+    """A partition function that transposes a square weight before splitting it."""
+
+    def _apply(self, module, mesh):
+        def partition(name, m, mesh):
+            if isinstance(m, nn.Linear):
+                m.weight = nn.Parameter(distribute_tensor(m.weight.detach().t(), mesh, [Shard(0)]))
+        return distribute_module(module, mesh, partition)
+
+
+class AllToAll(ReplicatedCompute):
+    """Expert parallelism's token exchange: a collective outside any redistribution."""
+
+    def _prepare_input(self, module, inputs, mesh):
+        return (all_to_all_single(inputs[0], None, None, mesh.get_group()),)
+
+
+@pytest.mark.parametrize("style, says", [
+    (Masking(), "its input hook runs aten.mul"),
+    (Transposing(), "its partition function runs aten.t"),
+    (AllToAll(), "its input hook runs _c10d_functional.all_to_all_single"),
+], ids=["computes", "reorders", "communicates"])
+def test_a_style_that_does_more_than_lay_out_is_refused_naming_the_module(fake_group, style,
+                                                                          says):
+    fake_group(4)
+    model = nn.Sequential(nn.Linear(D, D), nn.ReLU(), nn.Linear(D, D))
+    with pytest.raises(fxtp.PlanError, match=rf"on module '0' \(Linear\): {says}"):
+        fxtp.parallelize(model, {"0": style}, example_inputs=(torch.randn(B, D),))
+
+
+def qwen3_with_norms_planned(rank, world):
+    from tests import corpus
+    plan = {**corpus.hf_tp_plan(), "model.layers.*.self_attn.[qk]_norm": ReplicatedCompute()}
+    return check_parity(rank, world, corpus.hf_qwen3, plan, [corpus.TOKENS],
+                        dtype=torch.float64, input_grads=False, kwargs={"use_cache": False},
+                        output=lambda out: out.logits)
+
+
+def test_torchtitans_qk_norm_entries_cost_no_collective(ranks2):
+    """torchtitan plans Qwen3's per-head q/k norms NoParallel. Their inputs are head-sharded
+    by the colwise q/k projections; the style declares them Replicate and moves nothing, so
+    the model keeps Megatron's collectives (as without the entries) and its numbers."""
+    pytest.importorskip("transformers")
+    from tests.corpus import L
+    from tests.test_corpus import tp_counts
+    # Megatron's, and per layer one all-reduce (bucketed) of the q and k norm weights'
+    # gradients, which each rank sums over its own heads
+    assert ranks2.run(qwen3_with_norms_planned)[0] == tp_counts(bwd_all_reduce=3 * L + 1)
