@@ -31,6 +31,7 @@ from .passes.units import deal_consumers, deal_sources
 from .passes.unpin import unpin_layouts
 
 from .dump import Dumper
+from .dtensor_outputs import dtensor_positions, hand_out_dtensors
 from .dtensor_params import as_dtensors
 from .passes.errors import PlanError, StampMismatch
 from .guards import check_fresh, check_same_on_every_rank, guard_casts, guard_inputs
@@ -57,6 +58,7 @@ class ParallelInfo:
     mesh: Optional[DeviceMesh] = None
     state_keys: tuple = ()  # the model's state_dict() keys, in order
     inlined: tuple = ()  # FQNs of modules kept in their parent's graph, not as submodules
+    dtensor_outputs: tuple = ()  # positions of the flat outputs returned as DTensors
 
 
 def info_of(gm: nn.Module) -> ParallelInfo:
@@ -164,6 +166,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
                 owner, _, name = fqn.rpartition(".")
                 gm.get_submodule(owner)._parameters[name] = model.get_parameter(fqn)
             dump.code("traced", gm)
+            handed_on = dtensor_positions(gm, calls, shardings)
             draw = int(torch.randint(2 ** 62, (), device="cpu")) if meta else 0  # init seed
             init_seed = check_same_on_every_rank(group, _device(None, group), shardings,
                                                  model, gm, draw)
@@ -216,6 +219,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
             gm.fxtp = _info(gm, model, shardings, group, fallbacks, placements, shapes,
                             device_mesh)
             gm.fxtp.inlined = tuple(inlined)
+            gm.fxtp.dtensor_outputs = handed_on
             keep_on_copy(gm, "fxtp")
             dump.report(gm)
         return gm
@@ -245,6 +249,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
                                stamp_blocks=stamp_blocks)
     keep_programs(gm, model.training, other_mode if shadow is not None else None, unbuildable)
     guard_casts(gm, param_dtype)
+    hand_out_dtensors(gm, gm.fxtp.dtensor_outputs)
     return gm
 
 

@@ -3,8 +3,9 @@
 The constructors mirror ``torch.distributed.tensor.parallel`` (same keyword arguments and
 defaults). fxtp tracks the true placement of every value, so a style reduces to a
 :class:`ModuleSharding`: how the module's parameters are split and which layouts its
-inputs and outputs must have at the module boundary. ``use_local_output`` is accepted for
-compatibility; fxtp's graph always computes the single-device program.
+inputs and outputs must have at the module boundary. fxtp's graph always computes on local
+tensors; ``use_local_output=False`` only makes a root output that is the module's output
+come back as a DTensor, as torch's style hands it on (:mod:`fxtp.dtensor_outputs`).
 """
 from __future__ import annotations
 
@@ -312,6 +313,15 @@ class PrepareModuleInputOutput(ParallelStyle):
         sharding.style = self
         sharding.desired_outputs = self.prepare_module_output.desired_output_layouts
         return sharding
+
+
+def returns_dtensors(style: ParallelStyle) -> bool:
+    """Whether torch's version of ``style`` hands its module's outputs on as DTensors: a
+    style that lays out outputs, built with ``use_local_output=False``."""
+    if isinstance(style, PrepareModuleInputOutput):
+        style = style.prepare_module_output
+    return isinstance(style, (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                              PrepareModuleOutput)) and not style.use_local_output
 
 
 def from_torch(style) -> Optional[ParallelStyle]:

@@ -131,7 +131,7 @@ def check_parity(rank, world, make_model, plan, inputs, *, dtype, steps=3,
                     for x, p in zip(xs, placements)]
         torch.manual_seed(1000 + step)  # both draw the same random numbers (dropout)
         with fxtp.count_collectives() as fwd:
-            out = output(gm(*local_xs, **kwargs))
+            out = local_of(output(gm(*local_xs, **kwargs)))  # a DTensor where the plan says
         torch.manual_seed(1000 + step)
         ref_out = output(ref(*xs, **kwargs))
         out_placement = gm.fxtp.output_placements[output_index]

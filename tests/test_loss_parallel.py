@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 import fxtp
 from fxtp import Replicate, Shard
@@ -328,6 +329,45 @@ def test_loss_outside_the_graph_on_sharded_logits(ranks, flatten):
     fwd, bwd = ranks.run(loss_outside, flatten)[0]
     assert fwd == {"all_reduce": 3}
     assert bwd == {"all_reduce": 2 * L + 1}
+
+
+def torchtitan_loop(rank, world, steps=3):
+    """torchtitan's loop as written: its head planned with torch's own
+    ``ColwiseParallel(use_local_output=False)`` returns the logits as a DTensor sharded by
+    class, and torch's ``loss_parallel()`` computes the loss on it."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel
+    torch.manual_seed(0)
+    model = tm.Llama(tm.LlamaConfig(n_heads=8, n_kv_heads=4)).double()
+    ref = copy.deepcopy(model)
+    plan = {**{k[len("model."):]: v for k, v in llama_plan().items()},
+            "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    gm = fxtp.parallelize(model, plan, example_inputs=(TOKENS,))
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=LR) for m in (gm, ref))
+    for step in range(steps):
+        logits = gm(TOKENS)
+        assert isinstance(logits, DTensor) and logits.placements == (Shard(2),)
+        assert logits.shape == (*TOKENS.shape, model.config.vocab_size)
+        with loss_parallel():
+            loss = F.cross_entropy(logits.flatten(0, 1), TARGETS_IGNORED.flatten())
+            loss.backward()
+        ref_logits = ref(TOKENS)
+        ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), TARGETS_IGNORED.flatten())
+        ref_loss.backward()
+        torch.testing.assert_close(loss.full_tensor(), ref_loss,
+                                   **tolerance(torch.float64, steps=0))
+        for name, p in gm.named_parameters():
+            expected = local_part(ref.get_parameter(name).grad, gm.fxtp.param_placements[name],
+                                  rank, world)
+            torch.testing.assert_close(local_of(p.grad), expected,
+                                       **tolerance(torch.float64, expected, step),
+                                       msg=lambda m: f"step {step} grad of {name}: {m}")
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+
+
+def test_a_head_planned_to_hand_on_a_dtensor_feeds_torchs_loss_parallel(ranks):
+    ranks.run(torchtitan_loop)
 
 
 def hf_llama_loss(rank, world):
