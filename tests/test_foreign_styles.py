@@ -19,7 +19,7 @@ from tests.parity import check_parity, example
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float64, torch.float32],
                                  ids=["fp64", "fp32"])
-B, T, D, H, E = 2, 8, 16, 32, 4
+B, T, D, H, E, TOP_K, L = 2, 8, 16, 32, 4, 2, 2
 
 
 class ReplicatedCompute(ParallelStyle):
@@ -54,7 +54,8 @@ class ReplicatedCompute(ParallelStyle):
 class ExpertsTensorParallel(ParallelStyle):
     """torchtitan's grouped-experts ``TensorParallel``: every expert's input projections
     split on the hidden dim and its output projection on its input dim; the routed input is
-    replicated (its gradient a partial sum) and the output's partial sums are reduced."""
+    declared replicated (its gradient a partial sum). It has no output hook: the experts'
+    partial sums are reduced where the plan's enclosing MoE module says."""
 
     def _partition(self, name, module, mesh):
         for param, dim in (("w1", 1), ("w2", 2), ("w3", 1)):
@@ -62,18 +63,13 @@ class ExpertsTensorParallel(ParallelStyle):
                 distribute_tensor(getattr(module, param), mesh, [Shard(dim)])))
 
     def _prepare_input(self, module, inputs, mesh):
-        routed, probs = inputs
+        routed, counts = inputs
         routed = DTensor.from_local(routed, mesh, (Replicate(),)).to_local(
             grad_placements=(Partial(),))
-        return routed, probs
-
-    def _prepare_output(self, module, outputs, mesh):
-        return DTensor.from_local(outputs, mesh, (Partial(),)).redistribute(
-            placements=(Replicate(),)).to_local()
+        return routed, counts
 
     def _apply(self, module, mesh):
-        return distribute_module(module, mesh, self._partition, self._prepare_input,
-                                 self._prepare_output)
+        return distribute_module(module, mesh, self._partition, self._prepare_input)
 
 
 class GroupedExperts(nn.Module):
@@ -108,7 +104,7 @@ TORCHTITAN_MOE_PLAN = {"router": ReplicatedCompute(), "experts": ExpertsTensorPa
 
 def moe_parity(rank, world, dtype):
     return check_parity(rank, world, MoE, TORCHTITAN_MOE_PLAN, [example(B, T, D)],
-                        dtype=dtype)
+                        dtype=dtype, strict=True)
 
 
 @DTYPES
@@ -118,6 +114,127 @@ def test_torchtitans_moe_styles_are_read_and_match_single_device(ranks, dtype):
     # the gradients of the routed input and of the routing probabilities: each is a sum of
     # the experts' hidden slices, partial on every rank
     assert bwd == {"all_reduce": 2}
+
+
+class TokenChoiceRouter(nn.Module):
+    """torchtitan's top-k token-choice router: sigmoid scores, top k experts per token,
+    and how many tokens each expert gets."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(D, E, bias=False)
+
+    def forward(self, x):
+        scores = torch.sigmoid(self.gate(x))
+        top_scores, experts = torch.topk(scores, k=TOP_K, dim=1)
+        counts = torch.histc(experts.view(-1).float(), bins=E, min=0, max=E)
+        return top_scores, experts, counts
+
+
+class GroupedMatmulExperts(GroupedExperts):
+    """torchtitan's ``GroupedExperts``: the routed tokens, sorted by expert, through
+    ``torch._grouped_mm`` (bf16: its only dtype on CPU) with offsets from the counts."""
+
+    def forward(self, x, counts):
+        offsets = torch.cumsum(counts, dim=0).to(torch.int32)
+        x, w1, w2, w3 = (t.bfloat16() for t in (x, self.w1, self.w2, self.w3))
+        h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
+        h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
+        return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets).float()
+
+
+class FeedForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(D, H, bias=False), nn.Linear(D, H, bias=False)
+        self.w2 = nn.Linear(H, D, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TokenChoiceMoE(nn.Module):
+    """torchtitan's MoE layer: tokens sorted by their experts, gathered, scaled by their
+    scores, through the grouped experts, and scattered back onto the shared expert's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.router, self.experts = TokenChoiceRouter(), GroupedMatmulExperts()
+        self.shared_experts = FeedForward()
+
+    def forward(self, x):
+        batch, seq, dim = x.shape
+        x = x.view(-1, dim)
+        top_scores, experts, counts = self.router(x)
+        order = torch.argsort(experts.view(-1), stable=True)
+        token = order // TOP_K
+        routed = x[token] * top_scores.view(-1)[order].reshape(-1, 1)
+        out = self.shared_experts(x)
+        out = out.scatter_add(0, token.reshape(-1, 1).expand(-1, dim),
+                              self.experts(routed, counts))
+        return out.view(batch, seq, dim)
+
+
+class MoEBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.moe_norm, self.moe = nn.RMSNorm(D), TokenChoiceMoE()
+
+    def forward(self, x):
+        return x + self.moe(self.moe_norm(x))
+
+
+class MoEStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(MoEBlock() for _ in range(L))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def torchtitan_moe_plan(sequence_parallel: bool):
+    """torchtitan's TP plan for its MoE layers (``apply_moe_ep_tp`` without expert
+    parallelism), in torch's and torchtitan's own styles."""
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInputOutput,
+                                                   RowwiseParallel, SequenceParallel)
+    activations = Shard(1) if sequence_parallel else Replicate()
+    plan = {"layers.*.moe": PrepareModuleInputOutput(
+                input_layouts=(activations,), desired_input_layouts=(Replicate(),),
+                use_local_input=True, output_layouts=(Partial(),),
+                desired_output_layouts=(activations,)),
+            "layers.*.moe.router.gate": ReplicatedCompute(),
+            "layers.*.moe.shared_experts.w1": ColwiseParallel(),
+            "layers.*.moe.shared_experts.w3": ColwiseParallel(),
+            "layers.*.moe.shared_experts.w2": RowwiseParallel(output_layouts=Partial()),
+            "layers.*.moe.experts": ExpertsTensorParallel()}
+    if sequence_parallel:
+        plan["layers.*.moe_norm"] = SequenceParallel()
+    return plan
+
+
+def token_choice_parity(rank, world, sequence_parallel):
+    return check_parity(rank, world, MoEStack, torchtitan_moe_plan(sequence_parallel),
+                        [example(B, T, D)], dtype=torch.float32,
+                        compare_dtype=torch.bfloat16, strict=True)  # strict: no fallback
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+def test_torchtitans_token_choice_moe_under_its_own_plan(ranks, sequence_parallel):
+    """Sorting, gathering and scattering the routed tokens, grouped matmuls, and the plan's
+    own styles: single device's numbers (at bf16's tolerance: the experts compute in bf16).
+    Per layer, forward: the MoE's output reduced once (the routed and the shared experts'
+    partial sums scattered together); backward: the gradients of the MoE's input at the
+    shared and at the routed experts, each a partial sum reduced where it is read, as
+    DTensor's TP reduces them (and with SP, each block's norm weight, bucketed)."""
+    fwd, bwd = ranks.run(token_choice_parity, sequence_parallel)[0]
+    if not sequence_parallel:
+        assert (fwd, bwd) == ({"all_reduce": L}, {"all_reduce": 2 * L})
+    else:  # and the replicated input's gradient, gathered from its sequence shards
+        assert (fwd, bwd) == ({"all_gather": L, "reduce_scatter": L},
+                              {"all_gather": L + 1, "all_reduce": 3 * L})
 
 
 def test_a_replicated_compute_style_reads_as_its_layouts(fake_group):
