@@ -116,6 +116,7 @@ class ForeignStyle(ParallelStyle):
 
     def __init__(self, style, mesh_of: Optional[Callable[[], DeviceMesh]]):
         self.style, self.mesh_of, self.mesh = style, mesh_of, None
+        self.use_local_output = True  # until its output hook is seen to hand on a DTensor
 
     def __repr__(self):
         return f"{type(self.style).__name__} (read from its DTensor hooks)"
@@ -236,6 +237,7 @@ class ForeignStyle(ParallelStyle):
                 failures.append(e)
                 continue
             _refuse_computing(where, "output", watch)
+            self.use_local_output = not isinstance(output, DTensor)
             return (boundary.desired.get(0),)
         raise PlanError(f"{where}: fxtp could not call the style's output hook with one "
                         f"tensor to read its layouts ({failures[-1]!r}); write them with "

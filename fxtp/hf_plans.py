@@ -32,7 +32,8 @@ STYLES: dict[str, Callable[[], ParallelStyle]] = {
     "embedding_colwise": lambda: ColwiseParallel(output_layouts=Replicate()),
     "packed_colwise": ColwiseParallel,  # a fused projection: its split gets a strided layout
     "packed_rowwise": RowwiseParallel,
-    "sequence_parallel": SequenceParallel,
+    # transformers' layers run on local tensors: its SequenceParallel hands them on so
+    "sequence_parallel": lambda: SequenceParallel(use_local_output=True),
     "moe_tp_experts": ExpertTensorParallel,  # its parameters' own entries are its to say
 }
 """Plan strings with a style: the layouts transformers registers for each."""

@@ -316,12 +316,13 @@ class PrepareModuleInputOutput(ParallelStyle):
 
 
 def returns_dtensors(style: ParallelStyle) -> bool:
-    """Whether torch's version of ``style`` hands its module's outputs on as DTensors: a
-    style that lays out outputs, built with ``use_local_output=False``."""
+    """Whether torch's version of ``style`` hands its module's outputs on as DTensors:
+    ``use_local_output=False`` on a style that lays out outputs (``PrepareModuleInput``'s
+    is about the module's inputs)."""
     if isinstance(style, PrepareModuleInputOutput):
         style = style.prepare_module_output
-    return isinstance(style, (ColwiseParallel, RowwiseParallel, SequenceParallel,
-                              PrepareModuleOutput)) and not style.use_local_output
+    return not isinstance(style, PrepareModuleInput) and \
+        getattr(style, "use_local_output", True) is False
 
 
 def from_torch(style) -> Optional[ParallelStyle]:

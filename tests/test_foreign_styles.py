@@ -289,6 +289,23 @@ def test_a_distribute_module_colwise_reads_as_fxtps_colwise(fake_group):
     assert read.desired_inputs == (None,)
 
 
+def test_a_style_handing_on_a_dtensor_at_the_end_makes_the_result_return_one(fake_group):
+    """NoParallel(use_local_output=False) on the model's last module: its output comes back
+    as torch's style hands it on, a replicated DTensor holding what the model computes."""
+    fake_group(2)
+    model = nn.Sequential(nn.Linear(D, H), nn.ReLU(), nn.Linear(H, D))
+    x = torch.randn(B, D)
+    gm = fxtp.parallelize(model, {"0": fxtp.ColwiseParallel(),
+                                  "2": ReplicatedCompute(use_local_output=False)},
+                          example_inputs=(x,))
+    out = gm(x)
+    assert isinstance(out, DTensor) and out.placements == (Replicate(),)
+    assert gm.fxtp.dtensor_outputs == (0,)
+    local = fxtp.parallelize(model, {"0": fxtp.ColwiseParallel(), "2": ReplicatedCompute()},
+                             example_inputs=(x,))(x)
+    assert type(local) is torch.Tensor and local.shape == out.shape
+
+
 def _mesh():
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh

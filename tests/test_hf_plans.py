@@ -190,6 +190,14 @@ def test_every_dense_plan_string_has_a_meaning():
         "replicated_with_grad_allreduce"}
 
 
+def test_every_plan_strings_style_hands_on_local_tensors_as_transformers_layers_do():
+    """transformers registers ``sequence_parallel`` with ``use_local_output=True`` (its
+    models compute on plain tensors), so a base model whose last norm is planned with it
+    returns a plain tensor, not a DTensor."""
+    from fxtp.styles import returns_dtensors
+    assert [name for name, make in STYLES.items() if returns_dtensors(make())] == []
+
+
 def test_unknown_strings_and_styles_a_module_cannot_take_are_rejected_naming_them(
         fake_group):
     fake_group(2)
