@@ -349,21 +349,28 @@ def test_a_style_that_does_more_than_lay_out_is_refused_naming_the_module(fake_g
         fxtp.parallelize(model, {"0": style}, example_inputs=(torch.randn(B, D),))
 
 
-def qwen3_with_norms_planned(rank, world):
+def qwen3_with_norms_planned(rank, world, style):
+    from torch.distributed.tensor.parallel import SequenceParallel
     from tests import corpus
-    plan = {**corpus.hf_tp_plan(), "model.layers.*.self_attn.[qk]_norm": ReplicatedCompute()}
+    norms = {"NoParallel": ReplicatedCompute(use_local_output=True),
+             "SequenceParallel": SequenceParallel(sequence_dim=2)}[style]
+    plan = {**corpus.hf_tp_plan(), "model.layers.*.self_attn.[qk]_norm": norms}
     return check_parity(rank, world, corpus.hf_qwen3, plan, [corpus.TOKENS],
                         dtype=torch.float64, input_grads=False, kwargs={"use_cache": False},
-                        output=lambda out: out.logits)
+                        output=lambda out: out.logits, strict=True)
 
 
-def test_torchtitans_qk_norm_entries_cost_no_collective(ranks2):
-    """torchtitan plans Qwen3's per-head q/k norms NoParallel. Their inputs are head-sharded
-    by the colwise q/k projections; the style declares them Replicate and moves nothing, so
-    the model keeps Megatron's collectives (as without the entries) and its numbers."""
+@pytest.mark.parametrize("style", ["NoParallel", "SequenceParallel"])
+def test_torchtitans_qk_norm_entries_cost_no_collective(ranks2, style):
+    """torchtitan plans Qwen3's per-head q/k norms ``NoParallel`` (older releases, and the
+    libraries that copy them) or ``SequenceParallel(sequence_dim=2)`` (the head dim of
+    (batch, seq, heads, head_dim)). Their inputs are head-sharded by the colwise q/k
+    projections: NoParallel declares them Replicate and moves nothing, SequenceParallel
+    asks for the head shards they are. Either way the model keeps Megatron's collectives
+    (as without the entries) and its numbers."""
     pytest.importorskip("transformers")
     from tests.corpus import L
     from tests.test_corpus import tp_counts
     # Megatron's, and per layer one all-reduce (bucketed) of the q and k norm weights'
     # gradients, which each rank sums over its own heads
-    assert ranks2.run(qwen3_with_norms_planned)[0] == tp_counts(bwd_all_reduce=3 * L + 1)
+    assert ranks2.run(qwen3_with_norms_planned, style)[0] == tp_counts(bwd_all_reduce=3 * L + 1)
