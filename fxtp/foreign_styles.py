@@ -83,8 +83,9 @@ class _Boundary:
         def tracked(fn, into: dict):
             """``fn`` (from_local or redistribute), noting the placement it gives a value
             of a known position in ``into``, and that its result holds that position."""
-            def run(value, device_mesh=None, placements=None, *args, **kwargs):
-                out = inside(fn)(value, device_mesh, placements, *args, **kwargs)
+            def run(*args, **kwargs):
+                out = inside(fn)(*args, **kwargs)
+                value = args[0] if args else kwargs.get("local_tensor")
                 if id(value) in self.position:
                     i = self.position[id(value)]
                     into[i] = out.placements[0]

@@ -274,8 +274,9 @@ def test_a_distribute_module_colwise_reads_as_fxtps_colwise(fake_group):
                     m.register_parameter(n, nn.Parameter(distribute_tensor(p, mesh,
                                                                            [Shard(0)])))
 
-            def inputs(m, args, mesh):
-                return (DTensor.from_local(args[0], mesh, (Replicate(),)),)
+            def inputs(m, args, mesh):  # by keyword, as some projects write it
+                return (DTensor.from_local(local_tensor=args[0], device_mesh=mesh,
+                                           placements=(Replicate(),)),)
 
             def outputs(m, out, mesh):
                 return out.redistribute(placements=(Replicate(),)).to_local()
@@ -295,14 +296,14 @@ def test_a_style_handing_on_a_dtensor_at_the_end_makes_the_result_return_one(fak
     fake_group(2)
     model = nn.Sequential(nn.Linear(D, H), nn.ReLU(), nn.Linear(H, D))
     x = torch.randn(B, D)
-    gm = fxtp.parallelize(model, {"0": fxtp.ColwiseParallel(),
-                                  "2": ReplicatedCompute(use_local_output=False)},
-                          example_inputs=(x,))
+    gathered = fxtp.ColwiseParallel(output_layouts=Replicate())
+    gm = fxtp.parallelize(model, {"0": gathered, "2": ReplicatedCompute(use_local_output=False)},
+                          example_inputs=(x,), strict=True)
     out = gm(x)
     assert isinstance(out, DTensor) and out.placements == (Replicate(),)
     assert gm.fxtp.dtensor_outputs == (0,)
-    local = fxtp.parallelize(model, {"0": fxtp.ColwiseParallel(), "2": ReplicatedCompute()},
-                             example_inputs=(x,))(x)
+    local = fxtp.parallelize(model, {"0": gathered, "2": ReplicatedCompute()},
+                             example_inputs=(x,), strict=True)(x)
     assert type(local) is torch.Tensor and local.shape == out.shape
 
 
