@@ -198,13 +198,14 @@ _SAME_SIZE_VIEWS = _VIEWS - {aten.expand.default}
 
 
 def _shares_a_gather(node: fx.Node, carries: frozenset) -> bool:
-    """Is ``node`` one of several gathers of rows of one replicated value, or of views of
-    it of as many elements (an MoE's experts each taking their tokens, ``x[token_idx]``,
-    and their routing weights, ``probs.unsqueeze(-1)[token_idx, slot]``), that together
-    take at least as many elements as the value holds (top-k routing takes each token k
-    times)? Its partial gradient is then better summed once on the value, where the
-    gathers' gradients are added up, than once per gather: fewer collectives, no more
-    bytes."""
+    """Is ``node`` a gather of rows of a replicated value, or of a view of it of as many
+    elements, that with the value's other such gathers takes at least as many elements as
+    the value holds? Top-k routing takes each token k times: an MoE's experts each taking
+    their tokens, ``x[token_idx]``, and their routing weights,
+    ``probs.unsqueeze(-1)[token_idx, slot]``, or one gather of every token's k copies sorted
+    by expert (torchtitan's). Its partial gradient is then better summed on the value, where
+    the gathers' gradients are added up and other readers' partial gradients (a shared
+    expert's) join them, than on each gather: no more bytes, and no more collectives."""
     if node.target not in _GATHERS:
         return False
     source = node.args[0]
@@ -217,8 +218,8 @@ def _shares_a_gather(node: fx.Node, carries: frozenset) -> bool:
                 todo.append(user)
             elif user.target in _GATHERS:
                 gathers.append(user)
-    return source in carries and is_replicate(placement_of(source)) and len(gathers) > 1 \
-        and sum(numel_hint(val(g)) for g in gathers) >= numel_hint(val(source))
+    return source in carries and is_replicate(placement_of(source)) and \
+        sum(numel_hint(val(g)) for g in gathers) >= numel_hint(val(source))
 
 
 def _summed_anyway(a: fx.Node, reader: fx.Node, carries: frozenset, seen) -> bool:

@@ -133,14 +133,13 @@ class TokenChoiceRouter(nn.Module):
 
 class GroupedMatmulExperts(GroupedExperts):
     """torchtitan's ``GroupedExperts``: the routed tokens, sorted by expert, through
-    ``torch._grouped_mm`` (bf16: its only dtype on CPU) with offsets from the counts."""
+    ``torch._grouped_mm`` with offsets from the counts."""
 
     def forward(self, x, counts):
         offsets = torch.cumsum(counts, dim=0).to(torch.int32)
-        x, w1, w2, w3 = (t.bfloat16() for t in (x, self.w1, self.w2, self.w3))
-        h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
-        h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
-        return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets).float()
+        h = F.silu(torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offsets))
+        h = h * torch._grouped_mm(x, self.w3.transpose(-2, -1), offs=offsets)
+        return torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offsets)
 
 
 class FeedForward(nn.Module):
@@ -154,13 +153,15 @@ class FeedForward(nn.Module):
 
 
 class TokenChoiceMoE(nn.Module):
-    """torchtitan's MoE layer: tokens sorted by their experts, gathered, scaled by their
-    scores, through the grouped experts, and scattered back onto the shared expert's output."""
+    """torchtitan's MoE layer: tokens sorted by their experts, gathered, through the grouped
+    experts, and scattered back onto the shared expert's output; scaled by their scores
+    before the experts or after (torchtitan's ``score_before_experts``)."""
 
-    def __init__(self):
+    def __init__(self, score_before_experts: bool):
         super().__init__()
         self.router, self.experts = TokenChoiceRouter(), GroupedMatmulExperts()
         self.shared_experts = FeedForward()
+        self.score_before_experts = score_before_experts
 
     def forward(self, x):
         batch, seq, dim = x.shape
@@ -168,26 +169,29 @@ class TokenChoiceMoE(nn.Module):
         top_scores, experts, counts = self.router(x)
         order = torch.argsort(experts.view(-1), stable=True)
         token = order // TOP_K
-        routed = x[token] * top_scores.view(-1)[order].reshape(-1, 1)
+        scores = top_scores.view(-1)[order].reshape(-1, 1)
+        if self.score_before_experts:
+            routed = self.experts(x[token] * scores, counts)
+        else:
+            routed = self.experts(x[token], counts) * scores
         out = self.shared_experts(x)
-        out = out.scatter_add(0, token.reshape(-1, 1).expand(-1, dim),
-                              self.experts(routed, counts))
+        out = out.scatter_add(0, token.reshape(-1, 1).expand(-1, dim), routed)
         return out.view(batch, seq, dim)
 
 
 class MoEBlock(nn.Module):
-    def __init__(self):
+    def __init__(self, score_before_experts: bool):
         super().__init__()
-        self.moe_norm, self.moe = nn.RMSNorm(D), TokenChoiceMoE()
+        self.moe_norm, self.moe = nn.RMSNorm(D), TokenChoiceMoE(score_before_experts)
 
     def forward(self, x):
         return x + self.moe(self.moe_norm(x))
 
 
 class MoEStack(nn.Module):
-    def __init__(self):
+    def __init__(self, score_before_experts: bool):
         super().__init__()
-        self.layers = nn.ModuleList(MoEBlock() for _ in range(L))
+        self.layers = nn.ModuleList(MoEBlock(score_before_experts) for _ in range(L))
 
     def forward(self, x):
         for layer in self.layers:
@@ -215,24 +219,32 @@ def torchtitan_moe_plan(sequence_parallel: bool):
     return plan
 
 
-def token_choice_parity(rank, world, sequence_parallel):
-    return check_parity(rank, world, MoEStack, torchtitan_moe_plan(sequence_parallel),
-                        [example(B, T, D)], dtype=torch.float32,
-                        compare_dtype=torch.bfloat16, strict=True)  # strict: no fallback
+def token_choice_parity(rank, world, sequence_parallel, score_before_experts):
+    return check_parity(rank, world, lambda: MoEStack(score_before_experts),
+                        torchtitan_moe_plan(sequence_parallel), [example(B, T, D)],
+                        dtype=torch.bfloat16,  # torch._grouped_mm's only dtype on CPU
+                        strict=True)  # strict: no fallback
 
 
+@pytest.mark.parametrize("score_before_experts", [True, False], ids=["score_first",
+                                                                     "score_last"])
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
-def test_torchtitans_token_choice_moe_under_its_own_plan(ranks, sequence_parallel):
+def test_torchtitans_token_choice_moe_under_its_own_plan(ranks, sequence_parallel,
+                                                         score_before_experts):
     """Sorting, gathering and scattering the routed tokens, grouped matmuls, and the plan's
-    own styles: single device's numbers (at bf16's tolerance: the experts compute in bf16).
-    Per layer, forward: the MoE's output reduced once (the routed and the shared experts'
-    partial sums scattered together); backward: the gradients of the MoE's input at the
-    shared and at the routed experts, each a partial sum reduced where it is read, as
-    DTensor's TP reduces them (and with SP, each block's norm weight, bucketed)."""
-    fwd, bwd = ranks.run(token_choice_parity, sequence_parallel)[0]
+    own styles: single device's numbers. Per layer, forward: the MoE's output reduced once
+    (the routed and the shared experts' partial sums scattered together). Backward: where
+    the experts read the gathered tokens themselves, their partial gradient is summed on
+    the MoE's input with the shared experts' (one reduction; DTensor's TP reduces each
+    apart), and the scores' gradient (partial: the experts' output is) once; where they
+    read the tokens scaled by their scores, the product's gradient is reduced on its own,
+    as in DTensor, and the shared experts' input gradient too. With SP, each block's norm
+    weight as well (bucketed), and the replicated input's gradient is gathered from its
+    sequence shards."""
+    fwd, bwd = ranks.run(token_choice_parity, sequence_parallel, score_before_experts)[0]
     if not sequence_parallel:
         assert (fwd, bwd) == ({"all_reduce": L}, {"all_reduce": 2 * L})
-    else:  # and the replicated input's gradient, gathered from its sequence shards
+    else:
         assert (fwd, bwd) == ({"all_gather": L, "reduce_scatter": L},
                               {"all_gather": L + 1, "all_reduce": 3 * L})
 
