@@ -5,6 +5,7 @@ train as the single-device model trained on the global batch (forward, every gra
 (dp 2, tp 2) load at (1, 4), (4, 1) and into the single-device model, bit-exact."""
 import warnings
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 import fxtp
 from tests import transformer_models as tm
@@ -32,12 +33,17 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 def build(dp: int, tp: int, wrap: str, mp=None, seed=0, dtype=torch.float64, rope="real",
-          loss_parallel=False):
-    """This rank's model on a (dp, tp) mesh and its slice of the global batch."""
+          loss_parallel=False, dtensor_logits=False):
+    """This rank's model on a (dp, tp) mesh and its slice of the global batch;
+    ``dtensor_logits``: the head hands its logits on as a DTensor (torchtitan's
+    ``use_local_output=False``)."""
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     tokens = TOKENS.chunk(dp)[mesh["dp"].get_local_rank()]
-    gm = fxtp.parallelize(llama(seed, rope).to(dtype), tm.llama_sp_plan(loss_parallel),
-                          mesh["tp"],
+    plan = tm.llama_sp_plan(loss_parallel)
+    if dtensor_logits:
+        plan["output"] = fxtp.ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+                                              use_local_output=False)
+    gm = fxtp.parallelize(llama(seed, rope).to(dtype), plan, mesh["tp"],
                           example_inputs=(tokens,),
                           param_dtype=None if mp is None else mp.param_dtype)
     if wrap == "fsdp":
@@ -123,8 +129,11 @@ def test_ddp_on_a_2x2_mesh_trains_as_single_device(ranks4):
     ranks4.run(train, "ddp")
 
 
-def loss_parallel(rank, world):
-    gm, tokens, mesh = build(2, 2, "fsdp", loss_parallel=True)
+def loss_parallel(rank, world, torchs=False):
+    """fxtp.cross_entropy on the local logits, or (``torchs``) torch's ``loss_parallel()``
+    on the DTensor logits the head hands on, as torchtitan's loop takes its loss."""
+    from torch.distributed.tensor.parallel import loss_parallel as torch_loss_parallel
+    gm, tokens, mesh = build(2, 2, "fsdp", loss_parallel=True, dtensor_logits=torchs)
     ref = llama().double()
     opt = torch.optim.AdamW(gm.parameters(), lr=LR)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
@@ -134,12 +143,20 @@ def loss_parallel(rank, world):
         logits = gm(tokens)  # this rank's classes of its dp rank's tokens
         ref_all = ref(TOKENS)
         ref_logits = ref_all.chunk(2)[mesh["dp"].get_local_rank()]
-        torch.testing.assert_close(logits, ref_logits.chunk(2, -1)[mesh["tp"].get_local_rank()],
-                                   **TIGHT)
-        loss = fxtp.cross_entropy(logits.flatten(0, 1), mine.flatten(), group=mesh["tp"])
+        assert isinstance(logits, DTensor) == torchs
+        torch.testing.assert_close(full(logits) if torchs else logits,
+                                   ref_logits if torchs else
+                                   ref_logits.chunk(2, -1)[mesh["tp"].get_local_rank()], **TIGHT)
+        if torchs:
+            with torch_loss_parallel():
+                loss = F.cross_entropy(logits.flatten(0, 1), mine.flatten())
+                loss.backward()
+            loss = loss.full_tensor()
+        else:
+            loss = fxtp.cross_entropy(logits.flatten(0, 1), mine.flatten(), group=mesh["tp"])
+            loss.backward()
         torch.testing.assert_close(loss, F.cross_entropy(ref_logits.flatten(0, 1), mine.flatten()),
                                    **TIGHT)
-        loss.backward()
         F.cross_entropy(ref_all.flatten(0, 1), targets.flatten()).backward()
         for name, p in gm.named_parameters():
             torch.testing.assert_close(full(p.grad), ref.get_parameter(name).grad, **TIGHT,
@@ -153,11 +170,15 @@ def loss_parallel(rank, world):
                                    **tolerance(torch.float64, steps=3))
 
 
-def test_loss_parallel_under_fsdp2_per_block_trains_as_single_device(ranks4):
-    """torchtitan's default loss: the head's logits stay sharded by class on "tp" and
-    ``fxtp.cross_entropy`` takes the loss there; each dp rank's mean loss, averaged by
-    FSDP's gradient reduction, trains as the single-device mean over the global batch."""
-    ranks4.run(loss_parallel)
+@pytest.mark.parametrize("torchs", [False, True], ids=["fxtp_cross_entropy",
+                                                     "torch_loss_parallel"])
+def test_loss_parallel_under_fsdp2_per_block_trains_as_single_device(ranks4, torchs):
+    """torchtitan's default loss: the head's logits stay sharded by class on "tp" and the
+    loss is taken there, by ``fxtp.cross_entropy`` on the local logits or, as torchtitan's
+    loop does, by torch's ``loss_parallel()`` on the DTensor the head hands on; each dp
+    rank's mean loss, averaged by FSDP's gradient reduction, trains as the single-device
+    mean over the global batch."""
+    ranks4.run(loss_parallel, torchs)
 
 
 def save_2d(rank, world, path):
