@@ -27,6 +27,13 @@ def _rand(*shape, seed, dtype=torch.float64):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
 
 
+def _replicated(t):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    return DTensor.from_local(t, mesh, (Replicate(),), run_check=False)
+
+
 def _indices(*shape, seed, ignore=()):
     t = torch.randint(0, C, shape, generator=torch.Generator().manual_seed(seed))
     for i in ignore:
@@ -196,8 +203,10 @@ def test_group_may_be_a_process_group_or_a_1d_device_mesh(ranks):
      "reduction must be one of"),
     (lambda: fxtp.cross_entropy(_rand(6, 8, seed=0), torch.tensor([0, 1, 2, 3, 4, 16])),
      r"a target is outside \[0, 16\)"),
+    (lambda: fxtp.cross_entropy(_replicated(_rand(6, 16, seed=0)), _indices(6, seed=0)),
+     r"DTensor logits sharded by class on a 1-D mesh \(Shard\(1\)\), got \(Replicate\(\),\)"),
 ], ids=["class_dim", "weight_shape", "probability_shape", "probability_ignore_index",
-        "reduction", "target_out_of_bounds"])
+        "reduction", "target_out_of_bounds", "dtensor_not_sharded_by_class"])
 def test_bad_arguments_are_clear_errors(fake_group, call, message):
     fake_group(2)
     with pytest.raises((ValueError, RuntimeError), match=message):
@@ -347,9 +356,11 @@ def torchtitan_loop(rank, world, steps=3):
         logits = gm(TOKENS)
         assert isinstance(logits, DTensor) and logits.placements == (Shard(2),)
         assert logits.shape == (*TOKENS.shape, model.config.vocab_size)
+        ours = fxtp.cross_entropy(logits.flatten(0, 1), TARGETS_IGNORED.flatten())
         with loss_parallel():
             loss = F.cross_entropy(logits.flatten(0, 1), TARGETS_IGNORED.flatten())
             loss.backward()
+        torch.testing.assert_close(ours, loss.full_tensor(), **TIGHT)  # takes the DTensor
         ref_logits = ref(TOKENS)
         ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), TARGETS_IGNORED.flatten())
         ref_loss.backward()
