@@ -32,12 +32,13 @@ def dtensor_positions(gm: fx.GraphModule, calls: dict, shardings: dict) -> tuple
     return tuple(i for i, node in enumerate(outputs) if node in handed_on)
 
 
-def hand_out_dtensors(gm: nn.Module, positions: tuple[int, ...]) -> None:
-    """Have ``gm`` return its outputs at ``positions`` as DTensors of the placements
-    ``gm.fxtp.output_placements`` gives them; one whose layout DTensor cannot describe
-    (whole heads dealt unevenly, unequal blocks) stays local, with a warning."""
+def hand_out_dtensors(gm: nn.Module) -> None:
+    """Have ``gm`` return its outputs at ``gm.fxtp.dtensor_outputs`` as DTensors of the
+    placements ``gm.fxtp.output_placements`` gives them; one whose layout DTensor cannot
+    describe (whole heads dealt unevenly, unequal blocks) stays local, with a warning, and
+    leaves ``dtensor_outputs``."""
     info = gm.fxtp
-    placements = {i: info.output_placements[i] for i in positions}
+    placements = {i: info.output_placements[i] for i in info.dtensor_outputs}
     kept = {i: p for i, p in placements.items() if type(p) in (Shard, Replicate)}
     for i in placements.keys() - kept.keys():
         warnings.warn(f"fxtp: output {i} is laid out {placements[i]}, which a DTensor cannot "

@@ -194,27 +194,18 @@ class ForeignStyle(ParallelStyle):
         input hooks with as many meta tensors as they take."""
         if not hooks:
             return None, None
-        failures = []
-        for n in _ARITIES:
-            values = tuple(torch.empty((8 * self.mesh.size(),) * 3, device="meta")
-                           for _ in range(n))
-            boundary, watch = _Boundary(values), _Watch()
-            try:
-                with boundary.recording(watch):
-                    args = values
-                    for hook, with_kwargs in hooks:
-                        out = hook(shadow, args, {}) if with_kwargs else hook(shadow, args)
-                        if out is not None:
-                            args = out[0] if with_kwargs else out
-                            args = args if isinstance(args, tuple) else (args,)
-            except (TypeError, ValueError, IndexError, RuntimeError) as e:
-                failures.append(e)
-                continue
-            _refuse_computing(where, "input", watch)
-            return boundary.layouts(n)
-        raise PlanError(f"{where}: fxtp could not call the style's input hook with 1 to "
-                        f"{_ARITIES[-1]} tensors to read its layouts ({failures[-1]!r}); "
-                        f"write them with PrepareModuleInput instead")
+
+        def call(args):
+            for hook, with_kwargs in hooks:
+                out = hook(shadow, args, {}) if with_kwargs else hook(shadow, args)
+                if out is not None:
+                    args = out[0] if with_kwargs else out
+                    args = args if isinstance(args, tuple) else (args,)
+        attempts = [tuple(self._meta() for _ in range(n)) for n in _ARITIES]
+        boundary, values, _ = _first_run(
+            where, "input", attempts, call, f"with 1 to {_ARITIES[-1]} tensors",
+            "PrepareModuleInput")
+        return boundary.layouts(len(values))
 
     def _outputs(self, where, shadow, hooks, placement):
         """Layouts the module's output hooks redistribute its output to, from calling them
@@ -223,26 +214,44 @@ class ForeignStyle(ParallelStyle):
         leave it as it is."""
         if not hooks:
             return None
-        local = torch.empty((8 * self.mesh.size(),) * 3, device="meta")
-        failures = []
-        for output in (local, DTensor.from_local(local, self.mesh, (placement,),
-                                                 run_check=False)):
-            boundary, watch = _Boundary((output,)), _Watch()
-            try:
-                with boundary.recording(watch):
-                    for hook, with_kwargs in hooks:
-                        got = hook(shadow, (), {}, output) if with_kwargs else \
-                            hook(shadow, (), output)
-                        output = output if got is None else got
-            except (TypeError, ValueError, IndexError, RuntimeError, AttributeError) as e:
-                failures.append(e)
-                continue
-            _refuse_computing(where, "output", watch)
-            self.use_local_output = not isinstance(output, DTensor)
-            return (boundary.desired.get(0),)
-        raise PlanError(f"{where}: fxtp could not call the style's output hook with one "
-                        f"tensor to read its layouts ({failures[-1]!r}); write them with "
-                        f"PrepareModuleOutput instead")
+
+        def call(values):
+            (output,) = values
+            for hook, with_kwargs in hooks:
+                got = hook(shadow, (), {}, output) if with_kwargs else hook(shadow, (), output)
+                output = output if got is None else got
+            return output
+        local = self._meta()
+        attempts = [(local,), (DTensor.from_local(local, self.mesh, (placement,),
+                                                  run_check=False),)]
+        boundary, _, output = _first_run(where, "output", attempts, call, "with one tensor",
+                                         "PrepareModuleOutput")
+        self.use_local_output = not isinstance(output, DTensor)
+        return (boundary.desired.get(0),)
+
+    def _meta(self) -> torch.Tensor:
+        """A meta tensor to call a hook with: 3-D, each dim divisible by the mesh's size."""
+        return torch.empty((8 * self.mesh.size(),) * 3, device="meta")
+
+
+def _first_run(where: str, side: str, attempts, call, tried: str, instead: str):
+    """``call(values)`` for each tuple of meta ``values`` in ``attempts`` in turn, recording
+    what DTensor's calls in it do; the first that runs -> (its :class:`_Boundary`, its
+    values, what ``call`` returned), refused if it computes besides. A :class:`PlanError`
+    (``tried``: how it was called; ``instead``: the style to use) where none runs."""
+    failures = []
+    for values in attempts:
+        boundary, watch = _Boundary(values), _Watch()
+        try:
+            with boundary.recording(watch):
+                result = call(values)
+        except (TypeError, ValueError, IndexError, RuntimeError, AttributeError) as e:
+            failures.append(e)
+            continue
+        _refuse_computing(where, side, watch)
+        return boundary, values, result
+    raise PlanError(f"{where}: fxtp could not call the style's {side} hook {tried} to read "
+                    f"its layouts ({failures[-1]!r}); write them with {instead} instead")
 
 
 def _hooks(module: nn.Module):

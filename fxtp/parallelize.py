@@ -249,7 +249,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
                                stamp_blocks=stamp_blocks)
     keep_programs(gm, model.training, other_mode if shadow is not None else None, unbuildable)
     guard_casts(gm, param_dtype)
-    hand_out_dtensors(gm, gm.fxtp.dtensor_outputs)
+    hand_out_dtensors(gm)
     return gm
 
 
