@@ -214,7 +214,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
                     for called in outline_checkpoints(module, gm.meta[REGION]):
                         recomputed.update(id(m) for m in called.modules())
             generate_code(gm)
-            stamp_modules(gm, stamped)
+            stamp_modules(gm, stamped, model)
             dump.code("localized", gm)
             gm.fxtp = _info(gm, model, shardings, group, fallbacks, placements, shapes,
                             device_mesh)

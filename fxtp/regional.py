@@ -25,7 +25,6 @@ from typing import Iterable, Optional
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from .backend import NO_BUFFER_REUSE
 from .dtensor_params import local_tensor
@@ -182,5 +181,5 @@ def _share_classes(block: nn.Module, like: nn.Module) -> None:
 
 def _generated(cls: type) -> bool:
     """Is ``cls`` the class a graph module was made with (not one wrapping it, e.g.
-    FSDP's)?"""
-    return cls.__bases__ in ((fx.GraphModule,), (_LazyGraphModule,))
+    FSDP's)? ``GraphModule.__new__`` names each ``GraphModuleImpl``."""
+    return cls.__qualname__.rsplit(".", 1)[-1] == "GraphModuleImpl"

@@ -35,6 +35,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from .errors import StampMismatch
 from .graph import COLLECTIVE, STAMP, Stamp, attr, recompile_alone, stamp_edge
+from .posing import COPIED, copy_plain_state, posing_class
 from .recompute import call_submodule, run_checkpointed
 
 
@@ -140,7 +141,7 @@ def _outline(gm: fx.GraphModule, base: str, tree: dict[str, set[str]], names: di
         if not _convex(part):
             skipped += left_inline(child)
             continue
-        sub = _extract(gm, part, base, child, names, type(model.get_submodule(child)), done,
+        sub = _extract(gm, part, base, child, names, model.get_submodule(child), done,
                        records)
         skipped += _outline(sub, child, tree, names, model, stamped, done, records)
     if children:
@@ -194,9 +195,10 @@ def _convex(part: list[fx.Node]) -> bool:
     return True
 
 
-def _extract(gm: fx.GraphModule, part: list, base: str, fqn: str, names: dict, cls,
-             done: dict, records: list) -> fx.GraphModule:
-    """Move ``part`` into a new submodule at ``fqn`` (relative to ``base``) and call it."""
+def _extract(gm: fx.GraphModule, part: list, base: str, fqn: str, names: dict,
+             original: nn.Module, done: dict, records: list) -> fx.GraphModule:
+    """Move ``part`` into a new submodule at ``fqn`` (relative to ``base``) and call it:
+    a graph module posing as ``original`` (the model's module there)."""
     graph, inside = gm.graph, set(part)
     prefix = fqn + "."
     inputs = list(dict.fromkeys(a for n in part for a in n.all_input_nodes if a not in inside))
@@ -220,7 +222,8 @@ def _extract(gm: fx.GraphModule, part: list, base: str, fqn: str, names: dict, c
     body.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[o] for o in outputs))
     # the stamps called in the block read and give ``body``'s values
     _rename(_stamps(part), env)
-    sub = _LazyGraphModule(attrs, body, class_name=cls.__name__)  # code: see generate_code
+    cls = type(original)  # code: see generate_code
+    sub = (posing_class(cls) or _LazyGraphModule)(attrs, body, class_name=cls.__name__)
     relative = fqn[len(base) + 1:] if base else fqn
     try:  # the holder it replaces: its tensors move along
         held = gm.get_submodule(relative)
@@ -232,6 +235,7 @@ def _extract(gm: fx.GraphModule, part: list, base: str, fqn: str, names: dict, c
         for name, t in module._buffers.items():
             hold(sub, f"{owner}.{name}" if owner else name, t,
                   name not in module._non_persistent_buffers_set)
+    copy_plain_state(sub, original)
     gm.add_submodule(relative, sub)
     done[fqn] = (inputs, _call(graph, [n for n in part if n in inside], inputs, outputs,
                                relative, records))
@@ -304,15 +308,17 @@ def _drop_stamp_edges(graph: fx.Graph) -> None:
             stamp.outputs[:] = [resolved.get(n, n) for n in stamp.outputs]
 
 
-def stamp_modules(gm: nn.Module, stamped: dict[str, str]) -> None:
+def stamp_modules(gm: nn.Module, stamped: dict[str, str], model: nn.Module) -> None:
     """Each stamped block (FQN -> reference FQN), a holder of its own tensors, becomes a
     copy of its reference's module: the same class, graph and generated code, holding the
-    block's tensors (and their state-dict hooks) at the same paths."""
+    block's tensors (and their state-dict hooks) at the same paths, and the plain
+    attributes of its own module in ``model``."""
     for fqn, reference in stamped.items():
         owner, _, name = fqn.rpartition(".")
         parent = gm.get_submodule(owner)
         parent._modules[name] = _copy_module(gm.get_submodule(reference),
-                                             parent._modules[name], fqn)
+                                             parent._modules[name], fqn,
+                                             model.get_submodule(fqn))
         parent._modules[name].meta[STAMP] = reference  # read by inline_program
 
 
@@ -320,12 +326,15 @@ _HELD = ("_parameters", "_buffers", "_non_persistent_buffers_set", "_fxtp_plain"
          "_fxtp_buffers")  # a module's own tensors and what fxtp keeps about them
 
 
-def _copy_module(like: nn.Module, holder: nn.Module, fqn: str) -> nn.Module:
+def _copy_module(like: nn.Module, holder: nn.Module, fqn: str,
+                 original: Optional[nn.Module]) -> nn.Module:
     """A module of ``like``'s class, graph and hooks (its own, those given the module
-    called with the copy) holding ``holder``'s tensors."""
+    called with the copy) holding ``holder``'s tensors, with ``original``'s plain
+    attributes where ``like`` is a graph module."""
     copy = object.__new__(like.__class__)  # its class: GraphModule.__new__ makes a new one
+    liked = set(like.__dict__.get(COPIED, ()))  # the reference's own; the block's below
     copy.__dict__.update({k: type(v)(v) if isinstance(v, (dict, set, list)) else v
-                          for k, v in like.__dict__.items()})
+                          for k, v in like.__dict__.items() if k not in liked})
     for key, hooks in copy.__dict__.items():
         if key.endswith("hooks") and isinstance(hooks, dict):
             hooks.update({k: _WrappedHook(h.hook, copy) for k, h in hooks.items()
@@ -337,15 +346,21 @@ def _copy_module(like: nn.Module, holder: nn.Module, fqn: str) -> nn.Module:
         else:
             copy.__dict__.pop(key, None)
     for kind in ("_parameters", "_buffers"):
-        if set(getattr(copy, kind, ())) != set(getattr(like, kind, ())):
-            raise StampMismatch(f"module '{fqn}' holds {sorted(getattr(copy, kind, ()))} "
-                                f"where the module it is stamped from holds "
-                                f"{sorted(getattr(like, kind, ()))}")
+        held = {k for k, v in getattr(copy, kind, {}).items() if v is not None}
+        liked = {k for k, v in getattr(like, kind, {}).items() if v is not None}
+        if held != liked:
+            raise StampMismatch(f"module '{fqn}' holds {sorted(held)} where the module it "
+                                f"is stamped from holds {sorted(liked)}")
+        if kind in copy.__dict__:
+            copy.__dict__[kind].update({k: None for k in getattr(like, kind).keys() - held})
     if set(holder._modules) - set(like._modules):
         raise StampMismatch(f"module '{fqn}' holds modules the module it is stamped from "
                             f"lacks: {sorted(set(holder._modules) - set(like._modules))}")
+    if isinstance(copy, fx.GraphModule) and original is not None:
+        copy_plain_state(copy, original)
+    children = original._modules if original is not None else {}
     copy._modules = {name: _copy_module(child, holder._modules.get(name) or nn.Module(),
-                                        f"{fqn}.{name}")
+                                        f"{fqn}.{name}", children.get(name))
                      for name, child in like._modules.items()}
     return copy
 

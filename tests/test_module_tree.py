@@ -1,6 +1,8 @@
 """The module tree survives parallelize: blocks are submodules at their FQNs that run their
 part of the program and hold their own parameters, so hooks and ``checkpoint_wrapper``
 apply per block as on the original model (shapes and equalities on a fake group)."""
+import copy
+
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -8,6 +10,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing, checkpoint_wrapper)
 
 import fxtp
+from fxtp.llama import TransformerBlock
 from tests import transformer_models as tm
 
 TOKENS = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -44,15 +47,15 @@ def test_forward_hooks_on_a_block_see_its_sequence_shard(fake_group):
 
 
 def test_checkpoint_wrapper_per_block_computes_the_same(fake_group):
-    """``apply_activation_checkpointing`` on ``gm.layers[i]``: outputs and gradients as
-    without it."""
+    """``apply_activation_checkpointing`` picking the blocks by class, as torchtune and
+    FSDP's tutorials write it: outputs and gradients as without it."""
     fake_group(2)
     _, plain = parallel_llama()
     _, wrapped = parallel_llama()
     apply_activation_checkpointing(
         wrapped, checkpoint_wrapper_fn=checkpoint_wrapper,
-        check_fn=lambda m: any(m is block for block in wrapped.layers))
-    assert type(wrapped.layers[0]).__name__ == "CheckpointWrapper"
+        check_fn=lambda m: isinstance(m, TransformerBlock))
+    assert [type(m).__name__ for m in wrapped.layers] == ["CheckpointWrapper"] * 2
     outs = [m(TOKENS) for m in (plain, wrapped)]
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
     for out in outs:
@@ -62,3 +65,80 @@ def test_checkpoint_wrapper_per_block_computes_the_same(fake_group):
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:
         torch.testing.assert_close(grads[0][name], grads[1][name], rtol=0, atol=0)
+
+
+def test_outlined_modules_pass_isinstance_for_their_model_classes(fake_group):
+    """Code that picks modules by class (wrap policies, ``check_fn`` s, init functions
+    run by ``apply``) finds every outlined module as it finds the original, reading the
+    original's plain attributes (global sizes, as under DTensor's TP) and absent
+    tensors."""
+    fake_group(2)
+    model, gm = parallel_llama()
+    outlined = [n for n, m in gm.named_modules() if n and isinstance(m, fx.GraphModule)]
+    assert "layers.1" in outlined and "layers.1.attention.wq" in outlined
+    for name in outlined:
+        assert isinstance(gm.get_submodule(name), type(model.get_submodule(name))), name
+    wq = gm.layers[1].attention.wq
+    assert (wq.in_features, wq.out_features, wq.bias) == (32, 32, None)
+    assert wq.weight.shape == (32, 32) and wq.weight.to_local().shape == (16, 32)
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.scale = 2.0
+
+    def forward(self, x):
+        return self.proj(x) * self.scale
+
+    def describe(self):
+        return "the original's method"
+
+    @property
+    def width(self):
+        return self.proj.in_features
+
+    def extra_repr(self):
+        return f"scale={self.scale}"
+
+    def __init_subclass__(cls, **kwargs):  # as Hugging Face's layers wrap their forward
+        raise AssertionError(f"{cls} subclasses Scaled")
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scaled = Scaled()
+        self.seq = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x):
+        return self.norm(self.seq(self.scaled(x)))
+
+
+def test_a_posing_module_runs_none_of_its_classes_code(fake_group):
+    """The original's methods, properties and ``__init_subclass__`` never run on the
+    module standing for it (they would read state it does not have); a class whose
+    protocol a graph module cannot unset (``nn.Sequential``'s ``__len__``) is not posed
+    as, and a module left in its parent's graph only holds its tensors (a plain
+    ``nn.Module``, never called). FSDP2's per-instance subclass and a deep copy keep the
+    pose."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    fake_group(4)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    x = torch.randn(2, 8)
+    gm = fxtp.parallelize(Stack(), {"scaled.proj": fxtp.ColwiseParallel(
+        output_layouts=fxtp.Replicate())}, mesh["tp"], example_inputs=(x,), modules=["seq"])
+    scaled = gm.scaled
+    assert isinstance(scaled, Scaled) and scaled.scale == 2.0
+    assert not hasattr(scaled, "describe") and not hasattr(scaled, "width")
+    assert "scale=" not in repr(gm)
+    assert isinstance(gm.seq, fx.GraphModule) and not isinstance(gm.seq, nn.Sequential)
+    assert bool(gm.seq)
+    assert type(gm.norm) is nn.Module and not isinstance(gm.norm, nn.LayerNorm)
+    assert isinstance(copy.deepcopy(gm).scaled, Scaled)
+    fully_shard(scaled, mesh=mesh["dp"])
+    assert isinstance(scaled, Scaled) and type(scaled).__name__ == "FSDPScaled"
+    assert gm(x).shape == (2, 8)

@@ -16,6 +16,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 import fxtp
+from fxtp.llama import TransformerBlock
 from tests import transformer_models as tm
 from tests.parity import LR, TIGHT, tolerance
 
@@ -48,7 +49,10 @@ def build(dp: int, tp: int, wrap: str, mp=None, seed=0, dtype=torch.float64, rop
                           param_dtype=None if mp is None else mp.param_dtype)
     if wrap == "fsdp":
         kwargs = {} if mp is None else {"mp_policy": mp}
-        for block in gm.layers:
+        # blocks picked by class, as torchtune's and Lightning's wrap policies pick them
+        blocks = [m for m in gm.modules() if isinstance(m, TransformerBlock)]
+        assert len(blocks) == L
+        for block in blocks:
             fully_shard(block, mesh=mesh["dp"], **kwargs)
         fully_shard(gm, mesh=mesh["dp"], **kwargs)
     elif wrap == "ddp":
