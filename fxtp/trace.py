@@ -90,6 +90,7 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: Optional[dict],
 _UNKNOWN_OUTPUT = re.compile(r"Found <class '([\w.]+)'> in output, which is not a known type")
 
 
+_BAD_VIEW = re.compile(r"shape '\[[^\]]*\]' is invalid for input of size")
 _LIFTED = re.compile(r"following model attribute: (\S*?)\.?lifted_tensor_\d+")
 """torch.export's words for a tensor a forward made it cannot lift (``.data`` written)."""
 
@@ -116,6 +117,12 @@ def _hint(error: Exception) -> str:
                 f"clips its coefficients so while training). Make that update outside "
                 f"forward, after optimizer.step(), or turn it off (Gemma-3n: "
                 f"config.altup_coef_clip = None).")
+    if _BAD_VIEW.search(str(error)):
+        return ("a view's sizes do not fit its input. fxtp traces the single-device model "
+                "at its global sizes: pass the model as built, not one whose head counts "
+                "or widths were already divided by the tensor-parallel degree for DTensor "
+                "(torchtune's prepare_mha_for_tp, a recipe setting local n_heads); else "
+                "check that model(*example_inputs, **example_kwargs) runs.")
     moe = (" A mixture of experts looping over the experts a batch routes to is the "
            "usual case: pick an implementation without the loop (transformers: "
            "model.set_experts_implementation('batched_mm'), where the model offers it)."
@@ -123,6 +130,25 @@ def _hint(error: Exception) -> str:
     return ("data-dependent Python control flow and non-tensor outputs are the usual "
             "causes; check that model(*example_inputs, **example_kwargs) runs, and rewrite "
             "branches on tensor values with torch.where / torch.cond." + moe)
+
+
+def _where(model: torch.nn.Module, error: BaseException) -> str:
+    """Where in ``model`` ``error`` was raised: the innermost of its modules whose
+    ``forward`` (or a method it called) was running, from the tracebacks of ``error`` and
+    of the errors it was raised from."""
+    names = {id(vars(m)): n for n, m in model.named_modules()}  # export's proxies of
+    running, seen = {}, set()                                     # modules share them
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        tb = error.__traceback__
+        while tb is not None:
+            owner = tb.tb_frame.f_locals.get("self")
+            if isinstance(owner, torch.nn.Module) and id(vars(owner)) in names:
+                running[names[id(vars(owner))]] = model.get_submodule(names[id(vars(owner))])
+            tb = tb.tb_next
+        error = error.__cause__ or error.__context__
+    fqn = max(running, key=lambda n: n.count(".") + bool(n), default="")
+    return f", in module '{fqn}' ({type(running[fqn]).__name__})" if fqn else ""
 
 
 def _trace(model, args, kwargs, boundaries, dynamic_shapes, checkpointed, stamper,
@@ -150,8 +176,8 @@ def _trace(model, args, kwargs, boundaries, dynamic_shapes, checkpointed, stampe
                 f"whose tracing cannot run fxtp's boundary hooks; plan the modules around "
                 f"the cond, not inside its branches.") from e
         raise TraceError(
-            f"fxtp could not trace {type(model).__name__} with torch.export (non-strict): "
-            f"{type(e).__name__}: {e}\nHint: {_hint(e)}") from e
+            f"fxtp could not trace {type(model).__name__} with torch.export (non-strict)"
+            f"{_where(model, e)}: {type(e).__name__}: {e}\nHint: {_hint(e)}") from e
     with warnings.catch_warnings():  # buffers read through a cache object: see below
         warnings.filterwarnings("ignore", message=r"A model attribute `\S*lifted_tensor_\d+` "
                                 r"requires gradient")

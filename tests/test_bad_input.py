@@ -60,6 +60,23 @@ def test_a_model_that_cannot_be_traced_gives_the_trace_error_and_a_hint(fake_gro
                 r"(?s)could not trace DataDependent.*data-dependent.*Hint:.*torch\.where")
 
 
+def test_a_model_already_divided_for_dtensor_names_the_module_and_global_sizes(fake_group):
+    """A recipe written for DTensor divides head counts by the TP degree before
+    ``parallelize_module`` (torchtune's ``prepare_mha_for_tp``); fxtp traces the model on
+    one device, where those views fail: the error names the innermost module running
+    and says to pass the model as built."""
+    from fxtp.llama import Llama, LlamaConfig, llama_tp_plan
+    fake_group(2)
+    model = Llama(LlamaConfig(n_layers=2))
+    for block in model.layers:
+        block.attention.n_heads //= 2
+        block.attention.n_kv_heads //= 2
+    with pytest.raises(fxtp.TraceError, match=r"(?s)in module 'layers\.0\.attention' "
+                       r"\(LlamaAttention\).*Hint:.*global sizes.*prepare_mha_for_tp"):
+        fxtp.parallelize(model, llama_tp_plan(), example_inputs=(
+            torch.randint(0, 64, (2, 16)),))
+
+
 class ClipsInForward(nn.Module):
     """Clips its weight through ``.data`` while training, as Gemma-3n's AltUp does."""
 
