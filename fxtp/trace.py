@@ -90,6 +90,8 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: Optional[dict],
 _UNKNOWN_OUTPUT = re.compile(r"Found <class '([\w.]+)'> in output, which is not a known type")
 
 
+_ASSERT = re.compile(r'File "([^"]+)", line (\d+), in \w+\n\s*(assert\b[^\n]*)')
+_DYNAMIC_STRUCTURE = "mismatch between the structure of `inputs` and `dynamic_shapes`"
 _BAD_VIEW = re.compile(r"shape '\[[^\]]*\]' is invalid for input of size")
 _LIFTED = re.compile(r"following model attribute: (\S*?)\.?lifted_tensor_\d+")
 """torch.export's words for a tensor a forward made it cannot lift (``.data`` written)."""
@@ -117,6 +119,18 @@ def _hint(error: Exception) -> str:
                 f"clips its coefficients so while training). Make that update outside "
                 f"forward, after optimizer.step(), or turn it off (Gemma-3n: "
                 f"config.altup_coef_clip = None).")
+    if _DYNAMIC_STRUCTURE in str(error):
+        return ("dynamic_shapes must follow example_inputs and example_kwargs: a tuple with "
+                "one entry per positional input and then per keyword argument, or a dict "
+                "by forward's argument names ({'tokens': {1: Dim('seq')}, 'mask': ...}), "
+                "None for inputs with no dynamic dim.")
+    asserted = _ASSERT.search(str(error))
+    if asserted:
+        return (f"an assert on a tensor's value ({asserted.group(3).strip()}, "
+                f"{asserted.group(1)}:{asserted.group(2)}) needs the value, which "
+                f"torch.export cannot know while tracing: write it as "
+                f"torch._check(...) (checked when the program runs), or trace code "
+                f"without it (a library's export-friendly variant of the module).")
     if _BAD_VIEW.search(str(error)):
         return ("a view's sizes do not fit its input. fxtp traces the single-device model "
                 "at its global sizes: pass the model as built, not one whose head counts "

@@ -77,6 +77,33 @@ def test_a_model_already_divided_for_dtensor_names_the_module_and_global_sizes(f
             torch.randint(0, 64, (2, 16)),))
 
 
+class AssertsOnAValue(nn.Module):
+    """Asserts on a tensor's value, as torchtune's ``KVCache.update`` does."""
+
+    def __init__(self):
+        super().__init__()
+        self.net1 = nn.Linear(D, D)
+
+    def forward(self, x):
+        assert (x.abs().max() + 1) < 100
+        return self.net1(x)
+
+
+def test_an_assert_on_a_tensors_value_is_named_with_what_to_do(fake_group):
+    fake_group(2)
+    trace_error(AssertsOnAValue(), {"net1": fxtp.ColwiseParallel()},
+                r"(?s)Hint: an assert on a tensor's value \(assert \(x\.abs\(\)\.max\(\) \+ 1\)"
+                r" < 100, \S+test_bad_input\.py:\d+\).*torch\._check")
+
+
+def test_dynamic_shapes_not_matching_the_inputs_say_how_they_must_be_written(fake_group):
+    fake_group(2)
+    with pytest.raises(fxtp.TraceError, match=r"(?s)Hint: dynamic_shapes must follow "
+                       r"example_inputs and example_kwargs.*by forward's argument names"):
+        fxtp.parallelize(models.MLP(), models.MLP_PLAN, example_inputs=(torch.randn(B, D),),
+                         dynamic_shapes=({0: Dim("b")}, None))
+
+
 class ClipsInForward(nn.Module):
     """Clips its weight through ``.data`` while training, as Gemma-3n's AltUp does."""
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.export import Dim
 
 import fxtp
-from fxtp.gpt_fast import ServeConfig, Transformer, generate, tp_plan
+from fxtp.gpt_fast import KVCache, ServeConfig, Transformer, generate, tp_plan
 from fxtp.passes.placement import local_part
 from fxtp.styles import ColwiseParallel, RowwiseParallel
 from tests.conftest import pool_of
@@ -19,13 +19,35 @@ from tests.conftest import pool_of
 BATCH, PROMPT, NEW = 2, 8, 6
 
 
-def serving_model(dtype=torch.float64, **config):
+class PositionedCache(KVCache):
+    """torchtune's ``KVCache``: it keeps its own write position in a buffer (``cache_pos``)
+    that each update advances in place; ``input_pos`` is not read. (torchtune's also
+    asserts on that position's value, which torch.export cannot trace.)"""
+
+    def __init__(self, like: KVCache):
+        batch, heads, length, head_dim = like.k_cache.shape
+        super().__init__(batch, heads, length, head_dim, like.k_cache.dtype)
+        self.register_buffer("cache_pos", torch.arange(length), persistent=False)
+
+    def update(self, input_pos, k, v):
+        n = k.shape[2]
+        self.k_cache[:, :, self.cache_pos[:n]] = k
+        self.v_cache[:, :, self.cache_pos[:n]] = v
+        self.cache_pos.add_(n)
+        return self.k_cache, self.v_cache
+
+
+def serving_model(dtype=torch.float64, positioned=False, **config):
     torch.manual_seed(0)
     model = Transformer(ServeConfig(**config)).to(dtype)
     with torch.no_grad():  # the plain init gives near-uniform logits: argmax ties
         for p in model.parameters():
             p.normal_(0, 0.3)
-    return model.setup_caches(BATCH)
+    model.setup_caches(BATCH)
+    if positioned:
+        for layer in model.layers:
+            layer.attention.kv_cache = PositionedCache(layer.attention.kv_cache)
+    return model
 
 
 def prompt(vocab=64):
@@ -95,6 +117,14 @@ def test_generation_equals_single_device_with_each_rank_holding_its_heads_of_the
 def test_the_cache_written_by_index_copy_is_sharded_alike(ranks2):
     decode, _, held, whole = ranks2.run(
         generation_parity, dict(n_heads=8, n_kv_heads=4, cache_update="index_copy"), 0.0)[0]
+    assert decode == {"all_reduce": 2 * ServeConfig().n_layers}
+    assert held * 2 == whole
+
+
+def test_a_cache_keeping_its_own_position_in_a_buffer_is_sharded_alike(ranks2):
+    """The position buffer, advanced in place by each step, stays whole on every rank."""
+    decode, _, held, whole = ranks2.run(
+        generation_parity, dict(n_heads=8, n_kv_heads=4, positioned=True), 0.0)[0]
     assert decode == {"all_reduce": 2 * ServeConfig().n_layers}
     assert held * 2 == whole
 
