@@ -87,56 +87,53 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: Optional[dict],
         return gm, calls
 
 
-_UNKNOWN_OUTPUT = re.compile(r"Found <class '([\w.]+)'> in output, which is not a known type")
+_HINTS = [  # (what torch.export's error says, what to change), the first that matches
+    (r"Found <class 'transformers\.[\w.]*?\.(\w+Cache)'> in output, which is not a known type",
+     "the model returns its key/value cache ({0}, use_cache=True). To train, trace without "
+     "it: set model.config.use_cache = False before parallelize (or pass "
+     "example_kwargs={{'use_cache': False}} and call the result with use_cache=False); to "
+     "generate, use fxtp.parallelize_causal_lm, which shards a static cache."),
+    (r"Found <class '([\w.]+)'> in output, which is not a known type",
+     "the model returns a {0}, which torch.export cannot flatten: return tensors (or "
+     "tuples, lists, dicts of them), or register the type with "
+     "torch.utils._pytree.register_pytree_node."),
+    (r"following model attribute: (\S*?)\.?lifted_tensor_\d+",  # a .data write in forward
+     "module '{0:<root>}' changes a tensor in place through its .data in forward, which "
+     "torch.export cannot trace (Gemma-3n's AltUp clips its coefficients so while "
+     "training). Make that update outside forward, after optimizer.step(), or turn it off "
+     "(Gemma-3n: config.altup_coef_clip = None)."),
+    (r"mismatch between the structure of `inputs` and `dynamic_shapes`",
+     "dynamic_shapes must follow example_inputs and example_kwargs: a tuple with one entry "
+     "per positional input and then per keyword argument, or a dict by forward's argument "
+     "names ({{'tokens': {{1: Dim('seq')}}, 'mask': ...}}), None for inputs with no dynamic "
+     "dim."),
+    (r'File "([^"]+)", line (\d+), in \w+\n\s*(assert\b[^\n]*)',
+     "an assert on a tensor's value ({2}, {0}:{1}) needs the value, which torch.export "
+     "cannot know while tracing: write it as torch._check(...) (checked when the program "
+     "runs), or trace code without it (a library's export-friendly variant of the "
+     "module)."),
+    (r"shape '\[[^\]]*\]' is invalid for input of size",
+     "a view's sizes do not fit its input. fxtp traces the single-device model at its "
+     "global sizes: pass the model as built, not one whose head counts or widths were "
+     "already divided by the tensor-parallel degree for DTensor (torchtune's "
+     "prepare_mha_for_tp, a recipe setting local n_heads); else check that "
+     "model(*example_inputs, **example_kwargs) runs."),
+]
 
 
-_ASSERT = re.compile(r'File "([^"]+)", line (\d+), in \w+\n\s*(assert\b[^\n]*)')
-_DYNAMIC_STRUCTURE = "mismatch between the structure of `inputs` and `dynamic_shapes`"
-_BAD_VIEW = re.compile(r"shape '\[[^\]]*\]' is invalid for input of size")
-_LIFTED = re.compile(r"following model attribute: (\S*?)\.?lifted_tensor_\d+")
-"""torch.export's words for a tensor a forward made it cannot lift (``.data`` written)."""
+class _Groups(str):
+    """A match group in a hint: ``{0:<root>}`` gives ``<root>`` where it is empty."""
+
+    def __format__(self, spec):
+        return str(self) or spec
 
 
 def _hint(error: Exception) -> str:
     """What to change when torch.export failed with ``error``."""
-    unknown = _UNKNOWN_OUTPUT.search(str(error))
-    if unknown and unknown.group(1).startswith("transformers.") and \
-            unknown.group(1).endswith("Cache"):
-        return (f"the model returns its key/value cache ({unknown.group(1).rpartition('.')[2]}"
-                f", use_cache=True). To train, trace without it: set "
-                f"model.config.use_cache = False before parallelize (or pass "
-                f"example_kwargs={{'use_cache': False}} and call the result with "
-                f"use_cache=False); to generate, use fxtp.parallelize_causal_lm, which "
-                f"shards a static cache.")
-    if unknown:
-        return (f"the model returns a {unknown.group(1)}, which torch.export cannot "
-                f"flatten: return tensors (or tuples, lists, dicts of them), or register "
-                f"the type with torch.utils._pytree.register_pytree_node.")
-    lifted = _LIFTED.search(str(error))
-    if lifted:
-        return (f"module '{lifted.group(1) or '<root>'}' changes a tensor in place through "
-                f"its .data in forward, which torch.export cannot trace (Gemma-3n's AltUp "
-                f"clips its coefficients so while training). Make that update outside "
-                f"forward, after optimizer.step(), or turn it off (Gemma-3n: "
-                f"config.altup_coef_clip = None).")
-    if _DYNAMIC_STRUCTURE in str(error):
-        return ("dynamic_shapes must follow example_inputs and example_kwargs: a tuple with "
-                "one entry per positional input and then per keyword argument, or a dict "
-                "by forward's argument names ({'tokens': {1: Dim('seq')}, 'mask': ...}), "
-                "None for inputs with no dynamic dim.")
-    asserted = _ASSERT.search(str(error))
-    if asserted:
-        return (f"an assert on a tensor's value ({asserted.group(3).strip()}, "
-                f"{asserted.group(1)}:{asserted.group(2)}) needs the value, which "
-                f"torch.export cannot know while tracing: write it as "
-                f"torch._check(...) (checked when the program runs), or trace code "
-                f"without it (a library's export-friendly variant of the module).")
-    if _BAD_VIEW.search(str(error)):
-        return ("a view's sizes do not fit its input. fxtp traces the single-device model "
-                "at its global sizes: pass the model as built, not one whose head counts "
-                "or widths were already divided by the tensor-parallel degree for DTensor "
-                "(torchtune's prepare_mha_for_tp, a recipe setting local n_heads); else "
-                "check that model(*example_inputs, **example_kwargs) runs.")
+    for pattern, hint in _HINTS:
+        found = re.search(pattern, str(error))
+        if found:
+            return hint.format(*(_Groups(g.strip()) for g in found.groups()))
     moe = (" A mixture of experts looping over the experts a batch routes to is the "
            "usual case: pick an implementation without the loop (transformers: "
            "model.set_experts_implementation('batched_mm'), where the model offers it)."
