@@ -41,6 +41,7 @@ from .modes import keep_programs, meta_copy
 from .plan import Plan, block_fqns, module_fqns, resolve_plan, tied_names
 from .stamping import STAMPED, copied_fallbacks
 from .trace import trace
+from .unplanned_outputs import unplanned_sharded_outputs
 
 
 @dataclass
@@ -59,6 +60,7 @@ class ParallelInfo:
     state_keys: tuple = ()  # the model's state_dict() keys, in order
     inlined: tuple = ()  # FQNs of modules kept in their parent's graph, not as submodules
     dtensor_outputs: tuple = ()  # positions of the flat outputs returned as DTensors
+    unplanned_outputs: list[str] = field(default_factory=list)  # sharded by no layout
 
 
 def info_of(gm: nn.Module) -> ParallelInfo:
@@ -189,6 +191,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
             fallbacks += copied_fallbacks(gm, stamped)
             if strict and fallbacks:  # raises on the first
                 propagate(gm, group.world, strict=True)
+            unplanned = unplanned_sharded_outputs(gm, calls, shardings)
             dump.placements(gm)
             outlined = frozenset(blocks)
             rewrite(gm, group.name, group.rank, group.world, lambda n: scope_of(n, outlined))
@@ -220,6 +223,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
                             device_mesh)
             gm.fxtp.inlined = tuple(inlined)
             gm.fxtp.dtensor_outputs = handed_on
+            gm.fxtp.unplanned_outputs = unplanned
             keep_on_copy(gm, "fxtp")
             dump.report(gm)
         return gm
@@ -232,7 +236,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
             except StampMismatch:  # one cannot run its reference's program: each is copied
                 pass
         gm = gm or passes(keep_stamps=False)
-    for message in gm.fxtp.fallbacks:
+    for message in gm.fxtp.fallbacks + gm.fxtp.unplanned_outputs:
         warnings.warn("fxtp: " + message, stacklevel=2)
     try:
         shadow, unbuildable = meta_copy(model), ""

@@ -3,8 +3,12 @@ same way (by vocab) for both uses, whichever side the plan names. The side left 
 the style that splits the weight that way, replicated in and out: a vocab-parallel lookup
 for the embedding, a colwise head with gathered logits. Inconsistent plans are errors
 naming both FQNs."""
+import warnings
+
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 import fxtp
 from fxtp import ColwiseParallel, Replicate, RowwiseParallel, Shard
@@ -60,3 +64,41 @@ def test_tied_weight_planned_two_ways_names_both_fqns(fake_group):
     with pytest.raises(fxtp.PlanError, match=r"tied parameter .*'wte.weight' as S.*1.*"
                                              r"'lm_head.weight' as S.*0.*leave the other out"):
         fxtp.parallelize(corpus.gpt2(), plan, example_inputs=(TOKENS,))
+
+
+class FunctionalHead(nn.Module):
+    """A head that is no module, as torchtune's ``TiedLinear``: ``F.linear`` on the
+    embedding's weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, 32)
+        self.proj = nn.Linear(32, 32)
+
+    def forward(self, tokens):
+        return F.linear(self.proj(self.tok(tokens)), self.tok.weight)
+
+
+def test_logits_sharded_by_no_layout_of_the_plan_warn_with_the_fix(fake_group):
+    """With only the embedding planned (torchtune's plan on a tied Llama-3.2: its
+    ``output`` key names no module), the head reads the vocab-sharded weight and its
+    logits would come back as this rank's part, which the plan never asked for: a
+    warning names the parameter and the root layout that returns them whole. Shards a
+    style asks for (a colwise module's output) are not reported."""
+    fake_group(2)
+    plan = {"tok": RowwiseParallel(input_layouts=Replicate())}
+    with pytest.warns(UserWarning, match=r"output 0 \(global shape \(2, 16, 128\)\) comes "
+                      r"back as this rank's S\(2\) part.*parameter 'tok\.weight'.*"
+                      r"PrepareModuleOutput\(output_layouts=Shard\(2\), "
+                      r"desired_output_layouts=Replicate\(\)\)"):
+        gm = fxtp.parallelize(FunctionalHead(), plan, example_inputs=(TOKENS,))
+    assert gm.fxtp.output_placements == (Shard(2),) and len(gm.fxtp.unplanned_outputs) == 1
+    whole = {**plan, "": fxtp.PrepareModuleOutput(output_layouts=Shard(2),
+                                                  desired_output_layouts=Replicate())}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gm = fxtp.parallelize(FunctionalHead(), whole, example_inputs=(TOKENS,))
+        assert gm(TOKENS).shape == (2, 16, VOCAB) and gm.fxtp.unplanned_outputs == []
+        colwise = fxtp.parallelize(nn.Linear(4, 6), ColwiseParallel(),
+                                   example_inputs=(torch.randn(3, 4),))
+        assert colwise.fxtp.output_placements == (Shard(1),)
