@@ -92,6 +92,17 @@ def _lora(module: nn.Module):
     return None
 
 
+def _own_lora(module: nn.Module) -> bool:
+    """A linear layer holding its own ``weight`` (and ``bias``, DoRA's ``magnitude``)
+    beside a low-rank adapter's down (``lora_a``) and up (``lora_b``) ``nn.Linear``, as
+    torchtune's ``LoRALinear`` and ``DoRALinear`` are."""
+    own = dict(module.named_parameters(recurse=False))
+    return isinstance(getattr(module, "lora_a", None), nn.Linear) and \
+        isinstance(getattr(module, "lora_b", None), nn.Linear) and \
+        own.keys() <= {"weight", "bias", "magnitude"} and own.get("weight") is not None and \
+        own["weight"].dim() == 2
+
+
 def _adapted(style: "ParallelStyle", fqn: str, base: nn.Module, split: nn.ModuleDict,
              side: str) -> dict:
     """The parameter placements of a LoRA layer under ``style``: its base layer's as the
@@ -109,8 +120,13 @@ def _is_transposed_linear(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
 
 
+_SUPPORTED = ("nn.Linear, nn.Embedding, Conv1D, PEFT's LoRA layers around them and LoRA "
+              "layers holding their own weight (torchtune's LoRALinear, DoRALinear)")
+
+
 class ColwiseParallel(ParallelStyle):
-    """Shard ``nn.Linear`` (and Hugging Face ``Conv1D``) on output features, ``nn.Embedding``
+    """Shard ``nn.Linear`` (and Hugging Face ``Conv1D``, and LoRA layers: PEFT's around a
+    base layer, torchtune's holding their own weight) on output features, ``nn.Embedding``
     on the embedding dim.
     Input must be Replicate; output is Shard(-1) unless ``output_layouts`` says otherwise."""
 
@@ -128,9 +144,11 @@ class ColwiseParallel(ParallelStyle):
         elif (lora := _lora(module)) is not None:
             base, _, up = lora
             params = _adapted(self, fqn, base, up, "lora_B")
+        elif _own_lora(module):  # the adapter's up projection and the magnitudes follow
+            params = {"weight": Shard(0), "bias": Shard(0), "magnitude": Shard(0),
+                      "lora_b.weight": Shard(0)}
         else:
-            raise self._unsupported(fqn, module, "nn.Linear, nn.Embedding, Conv1D and "
-                                    "PEFT's LoRA layers around them")
+            raise self._unsupported(fqn, module, _SUPPORTED)
         return ModuleSharding(fqn, self, params, input_layouts=(self.input_layouts,),
                               desired_inputs=(Replicate(),),
                               desired_outputs=(self.output_layouts,))
@@ -158,9 +176,12 @@ class RowwiseParallel(ParallelStyle):
             base, down, _ = lora
             params = _adapted(self, fqn, base, down, "lora_A")
             desired = self.shard(f"{fqn}.base_layer", base).desired_inputs[0]
+        elif _own_lora(module):  # the adapter's down projection follows
+            params = {"weight": Shard(1), "bias": Replicate(), "magnitude": Replicate(),
+                      "lora_a.weight": Shard(1)}
+            desired = Shard(-1)
         else:
-            raise self._unsupported(fqn, module, "nn.Linear, nn.Embedding, Conv1D and "
-                                    "PEFT's LoRA layers around them")
+            raise self._unsupported(fqn, module, _SUPPORTED)
         return ModuleSharding(fqn, self, params, input_layouts=(self.input_layouts,),
                               desired_inputs=(desired,),
                               desired_outputs=(self.output_layouts,))
