@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .passes.graph import calls_of
 from .styles import returns_dtensors
 
 
@@ -25,8 +26,8 @@ def dtensor_positions(gm: fx.GraphModule, calls: dict, shardings: dict) -> tuple
     """Positions among the traced root's flat outputs of the values that are a planned
     module's outputs handed on as DTensors by its style (read before any pass rewrites
     the graph's outputs)."""
-    handed_on = {node for fqn, call in calls.items()
-                 if fqn in shardings and returns_dtensors(shardings[fqn].style)
+    handed_on = {node for fqn, sharding in shardings.items()
+                 if returns_dtensors(sharding.style) for call in calls_of(calls, fqn)
                  for node in call.outputs if node is not None}
     outputs = next(iter(reversed(gm.graph.nodes))).args[0]
     return tuple(i for i, node in enumerate(outputs) if node in handed_on)

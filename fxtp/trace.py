@@ -25,7 +25,7 @@ from torch.amp.autocast_mode import _enter_autocast, _exit_autocast
 
 from .autograd_functions import call_kept_functions, keeping_functions
 from .hooks import call_gradient_hooks, check_model_hooks, keeping_gradient_hooks
-from .passes.graph import AUTOCAST, ModuleCall
+from .passes.graph import AUTOCAST, LATER_CALL, ModuleCall
 from .passes.recompute import REGION
 from .stamping import STAMPED, Shown, Stamper, Unstampable
 
@@ -50,9 +50,11 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: Optional[dict],
           blocks: Iterable[str] = (), plan: Optional[dict] = None, keep_stamps: bool = False
           ) -> tuple[fx.GraphModule, dict[str, ModuleCall]]:
     """Trace ``model(*args, **kwargs)``; return the graph module and the calls of the
-    modules in ``boundaries`` (FQNs; ``""`` is the root, whose inputs are placeholders).
+    modules in ``boundaries`` (FQNs; ``""`` is the root, whose inputs are placeholders),
+    keyed as :data:`~fxtp.passes.graph.LATER_CALL` says (:func:`calls_of` lists a
+    module's).
 
-    A module's call boundary is its first call's tensor arguments and outputs, marked while
+    A module's call boundaries are each call's tensor arguments and outputs, marked while
     tracing by forward hooks (so arguments of any type, a dataclass or a ``BlockMask``,
     pass through). Activation-checkpoint regions (the model's non-reentrant
     ``torch.utils.checkpoint`` calls, and every call of the modules named in
@@ -213,29 +215,32 @@ def _trace(model, args, kwargs, boundaries, dynamic_shapes, checkpointed, stampe
 
 @contextlib.contextmanager
 def _marking_boundaries(model: torch.nn.Module, fqns: Iterable[str], shapes: dict):
-    """Mark the tensor arguments and outputs of each module's first call with
-    :func:`_boundary`; ``shapes[fqn]``: (number of positional arguments, of output
-    leaves)."""
+    """Mark the tensor arguments and outputs of every call of each module with
+    :func:`_boundary`; ``shapes[key]``: (number of positional arguments, of output
+    leaves), keyed by the FQN for the first call and ``fqn#n`` for the n-th
+    (:data:`~fxtp.passes.graph.LATER_CALL`)."""
     def mark(value, fqn, kind, key):
         return torch.ops.fxtp.boundary(value, fqn, kind, str(key)) \
             if isinstance(value, torch.Tensor) else value
 
+    running: dict[str, list[str]] = {}  # FQN -> the keys of its calls under way
+
     def before(fqn):
         def hook(module, args, kwargs):
-            if fqn in shapes:
-                return None
-            shapes[fqn] = (len(args), 0)
-            return (tuple(mark(a, fqn, "arg", i) for i, a in enumerate(args)),
-                    {k: mark(v, fqn, "kwarg", k) for k, v in kwargs.items()})
+            n = sum(1 for k in shapes if k == fqn or k.startswith(fqn + LATER_CALL))
+            key = fqn if n == 0 else f"{fqn}{LATER_CALL}{n + 1}"
+            shapes[key] = (len(args), 0)
+            running.setdefault(fqn, []).append(key)
+            return (tuple(mark(a, key, "arg", i) for i, a in enumerate(args)),
+                    {k: mark(v, key, "kwarg", k) for k, v in kwargs.items()})
         return hook
 
     def after(fqn):
         def hook(module, args, kwargs, output):
-            if shapes[fqn][1]:
-                return None
+            key = running[fqn].pop()
             leaves, spec = pytree.tree_flatten(output)
-            shapes[fqn] = (shapes[fqn][0], len(leaves) or -1)
-            return pytree.tree_unflatten([mark(v, fqn, "output", i)
+            shapes[key] = (shapes[key][0], len(leaves) or -1)
+            return pytree.tree_unflatten([mark(v, key, "output", i)
                                           for i, v in enumerate(leaves)], spec)
         return hook
     hooks = []

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from .passes.graph import INPUTS, layout, placement_of, tensor_inputs
+from .passes.graph import INPUTS, calls_of, layout, placement_of, tensor_inputs
 from .passes.placement import describe, is_sharded
 
 
@@ -24,7 +24,7 @@ def unplanned_sharded_outputs(gm: fx.GraphModule, calls: dict, shardings: dict) 
     modules)."""
     if "" in shardings:  # the root's own style lays its outputs out
         return []
-    planned = {n for fqn, call in calls.items() if fqn in shardings
+    planned = {n for fqn in shardings for call in calls_of(calls, fqn)
                for n in call.outputs if n is not None}
     output = next(iter(reversed(gm.graph.nodes)))
     messages = []

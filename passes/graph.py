@@ -231,6 +231,19 @@ def planned_placement(shardings: dict, fqn: str):
     return None
 
 
+LATER_CALL = "#"
+"""``fqn#n`` keys the n-th call (n >= 2) of module ``fqn`` among the traced calls; the
+first call is keyed by the FQN alone. Each call's boundary gets the module's layouts."""
+
+
+def calls_of(calls: dict, fqn: str) -> list:
+    """Every traced call of module ``fqn`` in ``calls`` (keyed as :data:`LATER_CALL` says),
+    first to last."""
+    later = sorted((k for k in calls if k.startswith(fqn + LATER_CALL)),
+                   key=lambda k: int(k[len(fqn) + 1:]))
+    return [calls[k] for k in ([fqn] if fqn in calls else []) + later]
+
+
 @dataclass
 class ModuleCall:
     """Graph values at one module's call boundary (``None`` for non-tensor values)."""

@@ -13,8 +13,8 @@ import torch.fx as fx
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 from .errors import PlanError
-from .graph import (BOUNDARY, PLACEMENT, ModuleCall, ModuleSharding, inside, layout,
-                    planned_placement, val)
+from .graph import (BOUNDARY, PLACEMENT, ModuleCall, ModuleSharding, calls_of, inside,
+                    layout, planned_placement, val)
 from .placement import UnitShard, is_sharded, normalize
 
 aten = torch.ops.aten
@@ -37,9 +37,11 @@ def seed(gm: fx.GraphModule, shardings: dict[str, ModuleSharding],
     # Inputs first: an output marker then feeds the next module's input marker, so a value
     # passed between two planned modules is redistributed once per boundary, in order.
     for fqn, sharding in shardings.items():
-        _constrain_inputs(graph, fqn, sharding, calls.get(fqn) or _root_call(gm), world)
+        for call in calls_of(calls, fqn) or [_root_call(gm)]:
+            _constrain_inputs(graph, fqn, sharding, call, world)
     for fqn, sharding in shardings.items():
-        _constrain_outputs(graph, fqn, sharding, calls.get(fqn) or _root_call(gm), world)
+        for call in calls_of(calls, fqn) or [_root_call(gm)]:
+            _constrain_outputs(graph, fqn, sharding, call, world)
     _split_partial_bias(graph)
     graph.lint()
 

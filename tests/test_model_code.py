@@ -227,6 +227,37 @@ def test_blocks_called_more_than_once_per_step(ranks):
     assert ranks.run(parity, Recurrent, plan)[0] == ({"all_reduce": 4}, {"all_reduce": 4})
 
 
+class ChunkedHead(nn.Module):
+    """torchtune's chunked output (``set_num_output_chunks``, for its chunked
+    cross-entropy): the head applied to each sequence chunk, one call per chunk."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(DIM, DIM)
+        self.output = nn.Linear(DIM, 4 * DIM, bias=False)
+
+    def forward(self, x):
+        return [self.output(chunk) for chunk in torch.relu(self.up(x)).chunk(4, dim=1)]
+
+
+def chunked_parity(rank, world):
+    torch.manual_seed(0)
+    plan = {"up": fxtp.RowwiseParallel(input_layouts=fxtp.Replicate()),
+            "output": fxtp.ColwiseParallel(output_layouts=fxtp.Replicate())}
+    gm = fxtp.parallelize(ChunkedHead(), plan, example_inputs=(example(B, T, DIM),))
+    counts = check_parity(rank, world, ChunkedHead, plan, [example(B, T, DIM)],
+                          dtype=torch.float64, strict=True, output=lambda o: torch.cat(o, 1))
+    return gm.fxtp.output_placements, counts
+
+
+def test_a_planned_module_called_several_times_lays_out_every_call(ranks):
+    """Each call's output gets the style's layout (before, only the first call's did: the
+    other chunks came back as each rank's vocab shard): one gather per chunk."""
+    placements, (fwd, bwd) = ranks.run(chunked_parity)[0]
+    assert placements == (fxtp.Replicate(),) * 4
+    assert fwd == {"all_reduce": 1, "all_gather": 4}
+
+
 class NoGradIndexer(CompositeViews):
     """DeepSeek-V3.2-style sparse attention (Dots3's): an indexer picks each query's keys
     under ``torch.no_grad()``, casting the hidden states to its own dtype on the way (a
