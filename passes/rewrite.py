@@ -142,6 +142,8 @@ _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
 
 
 _PRODUCTS = {aten.linear.default, aten.mm.default, aten.matmul.default}
+_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int,
+           aten.chunk.default}
 
 
 def _contributes_partial_grad(user: fx.Node, carries: frozenset, seen=frozenset()) -> bool:
@@ -180,12 +182,14 @@ def _forwards_partial(node: fx.Node, carries: frozenset, seen=frozenset()) -> bo
 
 
 def _hands_on(node: fx.Node, carries: frozenset) -> bool:
-    """Does ``node``'s backward take its gradient to one input of no more bytes? A view;
+    """Does ``node``'s backward take its gradient to one input of no more bytes? A view; a
+    split (``chunk``, ``unbind``) and the pieces taken from it (torchtune's chunked head);
     an elementwise op with one input carrying a gradient, of the output's dtype (DoRA's
     ``magnitude / norm`` and ``scale - 1``, read by two partial products, then take one
     sum, on the magnitude); a replicated dropout (one mask on every rank)."""
-    if node.target in _VIEWS:
-        return True
+    if node.target in _VIEWS or node.target in _SPLITS or (
+            node.target is operator.getitem and getattr(node.args[0], "target", None) in _SPLITS):
+        return True  # a split's gradient is its pieces' put back together: no more bytes
     if not (is_tagged_pointwise(node.target) or node.target is aten.dropout.default) or \
             writes_first_input(node.target):
         return False

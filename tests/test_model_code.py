@@ -252,10 +252,13 @@ def chunked_parity(rank, world):
 
 def test_a_planned_module_called_several_times_lays_out_every_call(ranks):
     """Each call's output gets the style's layout (before, only the first call's did: the
-    other chunks came back as each rank's vocab shard): one gather per chunk."""
+    other chunks came back as each rank's vocab shard): one gather per chunk. Backward,
+    the chunks' partial input gradients are summed once, on the value chunked (a split's
+    gradient is its pieces put back together; it was one all-reduce per chunk)."""
     placements, (fwd, bwd) = ranks.run(chunked_parity)[0]
     assert placements == (fxtp.Replicate(),) * 4
     assert fwd == {"all_reduce": 1, "all_gather": 4}
+    assert bwd == {"all_reduce": 1, "all_gather": 1}
 
 
 class NoGradIndexer(CompositeViews):
