@@ -25,7 +25,7 @@ from torch.amp.autocast_mode import _enter_autocast, _exit_autocast
 
 from .autograd_functions import call_kept_functions, keeping_functions
 from .hooks import call_gradient_hooks, check_model_hooks, keeping_gradient_hooks
-from .passes.graph import AUTOCAST, LATER_CALL, ModuleCall
+from .passes.graph import AUTOCAST, ModuleCall, call_key
 from .passes.recompute import REGION
 from .stamping import STAMPED, Shown, Stamper, Unstampable
 
@@ -149,15 +149,17 @@ def _where(model: torch.nn.Module, error: BaseException) -> str:
     """Where in ``model`` ``error`` was raised: the innermost of its modules whose
     ``forward`` (or a method it called) was running, from the tracebacks of ``error`` and
     of the errors it was raised from."""
-    names = {id(vars(m)): n for n, m in model.named_modules()}  # export's proxies of
-    running, seen = {}, set()                                     # modules share them
+    # by their __dict__, which export's proxies of modules share with them
+    modules = {id(vars(m)): (n, m) for n, m in model.named_modules()}
+    running, seen = {}, set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         tb = error.__traceback__
         while tb is not None:
             owner = tb.tb_frame.f_locals.get("self")
-            if isinstance(owner, torch.nn.Module) and id(vars(owner)) in names:
-                running[names[id(vars(owner))]] = model.get_submodule(names[id(vars(owner))])
+            if isinstance(owner, torch.nn.Module) and id(vars(owner)) in modules:
+                name, module = modules[id(vars(owner))]
+                running[name] = module
             tb = tb.tb_next
         error = error.__cause__ or error.__context__
     fqn = max(running, key=lambda n: n.count(".") + bool(n), default="")
@@ -223,12 +225,13 @@ def _marking_boundaries(model: torch.nn.Module, fqns: Iterable[str], shapes: dic
         return torch.ops.fxtp.boundary(value, fqn, kind, str(key)) \
             if isinstance(value, torch.Tensor) else value
 
+    called: dict[str, int] = {}  # FQN -> its calls so far
     running: dict[str, list[str]] = {}  # FQN -> the keys of its calls under way
 
     def before(fqn):
         def hook(module, args, kwargs):
-            n = sum(1 for k in shapes if k == fqn or k.startswith(fqn + LATER_CALL))
-            key = fqn if n == 0 else f"{fqn}{LATER_CALL}{n + 1}"
+            called[fqn] = called.get(fqn, 0) + 1
+            key = call_key(fqn, called[fqn])
             shapes[key] = (len(args), 0)
             running.setdefault(fqn, []).append(key)
             return (tuple(mark(a, key, "arg", i) for i, a in enumerate(args)),

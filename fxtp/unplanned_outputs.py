@@ -4,11 +4,11 @@ An output comes back as this rank's shard where it is sharded at the root. That 
 plan asks for when a planned module's output layout (a loss-parallel head's ``Shard(-1)``,
 ``SequenceParallel``'s ``Shard(1)``) or a root input layout makes it so, or when a planned
 layout reading the same value has it split where it is made. Where the shards come from a
-parameter's layout instead, through no planned layout, the plan never asked for them: a head tied to a vocab-sharded embedding (torchtune's
-``TiedLinear``, for whose model the plan's ``output`` key names no module) returns this
-rank's part of the logits where the single-device model returns all of them. Such outputs
-are reported with a warning that names where their shards come from and how to get the
-whole value.
+parameter's layout instead, through no planned layout, the plan never asked for them: a
+head tied to a vocab-sharded embedding (torchtune's ``TiedLinear``, for whose model the
+plan's ``output`` key names no module) returns this rank's part of the logits where the
+single-device model returns all of them. Such outputs are reported with a warning that
+names where their shards come from and how to get the whole value.
 """
 from __future__ import annotations
 

@@ -236,6 +236,12 @@ LATER_CALL = "#"
 first call is keyed by the FQN alone. Each call's boundary gets the module's layouts."""
 
 
+def call_key(fqn: str, n: int) -> str:
+    """The key of the ``n``-th call (from 1) of module ``fqn``, as :data:`LATER_CALL`
+    says."""
+    return fqn if n == 1 else f"{fqn}{LATER_CALL}{n}"
+
+
 def calls_of(calls: dict, fqn: str) -> list:
     """Every traced call of module ``fqn`` in ``calls`` (keyed as :data:`LATER_CALL` says),
     first to last."""

@@ -332,9 +332,9 @@ def _copy_module(like: nn.Module, holder: nn.Module, fqn: str,
     called with the copy) holding ``holder``'s tensors, with ``original``'s plain
     attributes where ``like`` is a graph module."""
     copy = object.__new__(like.__class__)  # its class: GraphModule.__new__ makes a new one
-    liked = set(like.__dict__.get(COPIED, ()))  # the reference's own; the block's below
+    copied = set(like.__dict__.get(COPIED, ()))  # the reference's own; the block's below
     copy.__dict__.update({k: type(v)(v) if isinstance(v, (dict, set, list)) else v
-                          for k, v in like.__dict__.items() if k not in liked})
+                          for k, v in like.__dict__.items() if k not in copied})
     for key, hooks in copy.__dict__.items():
         if key.endswith("hooks") and isinstance(hooks, dict):
             hooks.update({k: _WrappedHook(h.hook, copy) for k, h in hooks.items()
