@@ -119,7 +119,7 @@ def check_parity(rank, world, make_model, plan, inputs, *, dtype, steps=3,
                           **parallelize_kwargs)
     if post is not None:
         post(gm)
-    params = dict(gm.named_parameters())
+    params = {_unwrapped(n): p for n, p in gm.named_parameters()}
     assert set(params) == {n for n, _ in ref.named_parameters()}
     opt = torch.optim.AdamW(gm.parameters(), lr=LR)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
@@ -173,3 +173,9 @@ def check_parity(rank, world, make_model, plan, inputs, *, dtype, steps=3,
     for name, t in model.state_dict().items():
         assert torch.equal(t, before[name]), f"parallelize modified the user's {name}"
     return counts
+
+
+def _unwrapped(name: str) -> str:
+    """``name`` without the prefix a checkpoint wrapper puts before a wrapped block's own."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+    return name.replace(_CHECKPOINT_PREFIX, "")

@@ -131,3 +131,52 @@ def test_checkpointed_program_compiles_whole_and_matches_eager(ranks2):
     counts = ranks2.run(compiled)[0]
     assert counts["eager"] == TP_COUNTS
     assert counts["compiled"] == TP_COUNTS
+
+
+TORCHTITAN_SAVES = {torch.ops.aten.mm.default,
+                    torch.ops.aten._scaled_dot_product_flash_attention.default,
+                    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+                    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+                    torch.ops.aten.max.default}
+
+
+def torchtitan_op_sac():
+    """torchtitan's selective "op" checkpointing ``context_fn``: every other matmul,
+    attention and reduce-scatter results are saved, everything else is recomputed."""
+    matmuls = {"forward": 0, "recompute": 0}
+
+    def policy(ctx, op, *args, **kwargs):
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if op is torch.ops.aten.mm.default:
+            matmuls[mode] += 1
+        save = op in TORCHTITAN_SAVES and not (op is torch.ops.aten.mm.default and
+                                               matmuls[mode] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+    return create_selective_checkpoint_contexts(policy)
+
+
+def wrap_blocks_with_torchtitan_sac(gm):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    for name, block in list(gm.layers.named_children()):
+        gm.layers.register_module(name, checkpoint_wrapper(
+            block, context_fn=torchtitan_op_sac, preserve_rng_state=False))
+
+
+def sac_after_parallelize(rank, world, sac):
+    from tests import transformer_models as tm
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    return check_parity(rank, world, lambda: tm.Llama(tm.LlamaConfig(n_layers=2)),
+                        tm.llama_sp_plan(), [tokens], dtype=torch.float64, strict=True,
+                        input_grads=False, post=wrap_blocks_with_torchtitan_sac if sac else None)
+
+
+def test_torchtitans_selective_checkpointing_per_block_trains_as_single_device(ranks2):
+    """torchtitan applies its op-level selective checkpointing to each block after TP:
+    ``checkpoint_wrapper(gm.layers[i], context_fn=...)``. Numbers are single device's; the
+    recomputation issues again exactly the collectives the policy does not save: each
+    block's two sequence-parallel all-gathers, and no reduce-scatter."""
+    plain = ranks2.run(sac_after_parallelize, False)[0]
+    sac = ranks2.run(sac_after_parallelize, True)[0]
+    assert plain == ({"reduce_scatter": 5, "all_gather": 6},
+                     {"reduce_scatter": 5, "all_reduce": 3, "all_gather": 5})
+    assert sac == (plain[0], {**plain[1], "all_gather": 5 + 2 * 2})
