@@ -176,6 +176,7 @@ def check_parity(rank, world, make_model, plan, inputs, *, dtype, steps=3,
 
 
 def _unwrapped(name: str) -> str:
-    """``name`` without the prefix a checkpoint wrapper puts before a wrapped block's own."""
+    """``name`` without the prefixes a checkpoint wrapper and ``torch.compile`` put before a
+    wrapped block's own."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
-    return name.replace(_CHECKPOINT_PREFIX, "")
+    return name.replace(_CHECKPOINT_PREFIX, "").replace("_orig_mod.", "")
