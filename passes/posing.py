@@ -21,6 +21,7 @@ classes ``GraphModule`` and FSDP2 make per instance): Hugging Face's would wrap 
 """
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Optional
 
@@ -28,6 +29,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.fx._lazy_graph_module import _LazyGraphModule
+
+from .graph import keep_on_copy
 
 _KEPT = frozenset({"__module__", "__qualname__", "__doc__", "__dict__", "__weakref__",
                    "__annotations__", "__slots__", "__abstractmethods__", "_abc_impl",
@@ -108,3 +111,53 @@ def copy_plain_state(module: nn.Module, original: nn.Module) -> None:
             module.__dict__[name] = value
             copied.append(name)
     module.__dict__[COPIED] = tuple(copied)
+
+
+def copy_data_attributes(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Give ``gm`` and each graph module in it the public data attributes of its module in
+    ``model`` that they lack: plain values (at the root; :func:`copy_plain_state` gave the
+    others theirs) and objects holding no tensor or module, such as a model's ``config``
+    (``gm.config.vocab_size``). Objects are deep copies, made once for all modules sharing
+    one (every layer's ``config`` is the root's copy), so nothing set on them reaches
+    ``model``; ``copy.deepcopy(gm)`` carries them."""
+    memo: dict = {}
+    for fqn, module in gm.named_modules():
+        try:
+            original = model.get_submodule(fqn)
+        except AttributeError:
+            continue
+        if not isinstance(module, fx.GraphModule):
+            continue
+        for name, value in vars(original).items():
+            if name.startswith("_") or name in vars(module) or hasattr(type(module), name):
+                continue
+            if isinstance(value, _PLAIN):
+                if module is not gm:
+                    continue
+                copied = value
+            else:
+                copied = _data_copy(value, memo)
+                if copied is _NOT_DATA:
+                    continue
+            module.__dict__[name] = copied
+            keep_on_copy(module, name)
+
+
+_NOT_DATA = object()
+
+
+def _data_copy(value, memo: dict):
+    """A deep copy of ``value`` (sharing ``memo``'s copies), or ``_NOT_DATA`` where it is,
+    or holds, a tensor or a module, or cannot be copied."""
+    if isinstance(value, (torch.Tensor, nn.Module)) or callable(value):
+        return _NOT_DATA
+    scratch = dict(memo)
+    try:
+        copied = copy.deepcopy(value, scratch)
+    except Exception:  # noqa: BLE001 - not data this module can hand out
+        return _NOT_DATA
+    if any(isinstance(v, (torch.Tensor, nn.Module)) for k, v in scratch.items()
+           if k not in memo):
+        return _NOT_DATA
+    memo.update(scratch)
+    return copied

@@ -142,3 +142,25 @@ def test_a_posing_module_runs_none_of_its_classes_code(fake_group):
     fully_shard(scaled, mesh=mesh["dp"])
     assert isinstance(scaled, Scaled) and type(scaled).__name__ == "FSDPScaled"
     assert gm(x).shape == (2, 8)
+
+
+def test_the_models_data_attributes_come_along_as_copies(fake_group):
+    """``gm.config`` reads as ``model.config`` does (global sizes, as under DTensor's TP),
+    in a copy: setting it leaves the user's model as it was; one copy for every module that
+    shares the config, and ``copy.deepcopy(gm)`` carries its own. An attribute holding a
+    tensor is not handed out (its full tensor is not this rank's data)."""
+    fake_group(2)
+    torch.manual_seed(0)
+    model = tm.Llama(tm.LlamaConfig(n_layers=2))
+    model.name = "tiny"
+    model.head_config = model.config  # shared, as each of a Hugging Face model's layers do
+    model.masks = {"causal": torch.ones(2, 2)}
+    gm = fxtp.parallelize(model, tm.llama_sp_plan(), example_inputs=(TOKENS,))
+    assert gm.config == model.config and gm.config is not model.config
+    assert gm.head_config is gm.config and gm.name == "tiny"
+    assert not hasattr(gm, "masks")
+    gm.config.dim = 1
+    assert model.config.dim == 32 and model.head_config is model.config
+    copied = copy.deepcopy(gm)
+    assert copied.config.dim == 1 and copied.config is not gm.config
+    assert copied.head_config is copied.config
