@@ -133,6 +133,39 @@ def test_ddp_on_a_2x2_mesh_trains_as_single_device(ranks4):
     ranks4.run(train, "ddp")
 
 
+def accumulate(rank, world, wrap):
+    """Two micro-batches per step, the data-parallel sync skipped on the first (FSDP2's
+    ``set_requires_gradient_sync``, DDP's ``no_sync``): the gradients are those of the
+    single-device model on both global batches."""
+    import contextlib
+    gm, tokens, mesh = build(2, 2, wrap)
+    inner = gm.module if wrap == "ddp" else gm
+    ref = llama().double()
+    opt = torch.optim.AdamW(gm.parameters(), lr=LR)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    for step in range(2):
+        second = torch.randint(0, 64, TOKENS.shape,
+                               generator=torch.Generator().manual_seed(5 + step))
+        for i, batch in enumerate((TOKENS, second)):
+            if wrap == "fsdp":
+                gm.set_requires_gradient_sync(i == 1)
+            with gm.no_sync() if wrap == "ddp" and i == 0 else contextlib.nullcontext():
+                mine = batch.chunk(2)[mesh["dp"].get_local_rank()]
+                (gm(mine).square().mean() / 2).backward()
+        ((ref(TOKENS).square().mean() + ref(second).square().mean()) / 2).backward()
+        for name, p in inner.named_parameters():
+            torch.testing.assert_close(full(p.grad), ref.get_parameter(name).grad, **TIGHT,
+                                       msg=lambda m: f"step {step} grad of {name}: {m}")
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+
+
+@pytest.mark.parametrize("wrap", ["fsdp", "ddp"])
+def test_gradient_accumulation_without_dp_sync_trains_as_single_device(ranks4, wrap):
+    ranks4.run(accumulate, wrap)
+
+
 def loss_parallel(rank, world, torchs=False):
     """fxtp.cross_entropy on the local logits, or (``torchs``) torch's ``loss_parallel()``
     on the DTensor logits the head hands on, as torchtitan's loop takes its loss."""
