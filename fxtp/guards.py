@@ -9,13 +9,19 @@
   against what was traced: tensor shapes (local shapes for sharded root inputs; dims
   declared dynamic are free) and dtypes, and the values of non-tensor inputs, which the
   graph has baked in as constants.
+* :func:`guard_arguments`: the returned module takes the arguments it was traced with, by
+  position or name; an argument the trace did not see is accepted at the model's own
+  default for it (``attention_mask=None``), and otherwise refused, naming it and how to
+  trace a program that takes it, as is a traced argument left out.
 * :func:`guard_casts`: ``gm.to(dtype)`` / ``half()`` / ``bfloat16()`` would give its
   tensors another floating dtype than the program was traced for (whose casts, and the
   casts it left out as no-ops, are part of it): refused before anything changes.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 import itertools
 import operator
 from typing import Optional
@@ -247,6 +253,62 @@ def check_inputs(spec: tuple, *inputs) -> None:
         if x.dtype != dtype:
             raise InputError(f"input '{name}' has dtype {x.dtype}; the graph was traced "
                              f"for {dtype}. Cast it, or parallelize with inputs of this dtype")
+
+
+def guard_arguments(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Make ``gm`` (and ``copy.deepcopy`` s of it) check the names of each call's arguments
+    against its traced inputs, before its ``forward`` runs (a forward pre-hook)."""
+    traced = tuple(inspect.signature(gm.forward).parameters)
+    try:
+        own = inspect.signature(model.forward).parameters.items()
+    except (TypeError, ValueError):  # a forward without a signature: no defaults known
+        own = ()
+    defaults = {name: p.default for name, p in own if name not in traced and
+                isinstance(p.default, (type(None), bool, int, float, str))}
+    like = {n.name: _as_traced(n.name, n.meta.get("val"))
+            for n in gm.graph.nodes if n.op == "placeholder"}
+    hook = functools.partial(_check_arguments, traced, defaults, like)
+
+    def register(module):
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+    register(gm)
+    gm._register_deepcopy_hook(register)
+
+
+def _as_traced(name: str, value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{name}, a tensor of shape {tuple(value.shape)}"
+    return f"{name}={value!r}"
+
+
+def _check_arguments(traced: tuple, defaults: dict, like: dict, module, args, kwargs):
+    """``(args, kwargs)`` without the arguments given at the model's default that the
+    trace did not see; :class:`InputError` for any other the trace did not see, or a
+    traced one left out."""
+    if len(args) + len(kwargs) == len(traced) and all(k in traced for k in kwargs):
+        return None
+    takes = ", ".join(traced)
+    if len(args) > len(traced):
+        raise InputError(f"{len(args)} positional inputs given; the program was traced with "
+                         f"{len(traced)} inputs ({takes})")
+    kept = {}
+    for name, value in kwargs.items():
+        if name in traced:
+            kept[name] = value
+        elif not (name in defaults and _same_constant(value, defaults[name])):
+            default = f", or leave it at its default ({defaults[name]!r})" \
+                if name in defaults else ""
+            raise InputError(
+                f"input '{name}' was not given when parallelize traced the model, so the "
+                f"program has no input for it (it takes {takes}); pass {name} in "
+                f"parallelize's example_kwargs to trace a program that takes it{default}")
+    given = set(traced[:len(args)]) | set(kept)
+    for name in traced:
+        if name not in given:
+            raise InputError(f"input '{name}' is missing: the program was traced with it "
+                             f"(it takes {takes}); pass {like.get(name, name)} as when "
+                             f"traced")
+    return args, kept
 
 
 def _same_constant(x, traced) -> bool:

@@ -35,7 +35,8 @@ from .dump import Dumper
 from .dtensor_outputs import dtensor_positions, hand_out_dtensors
 from .dtensor_params import as_dtensors
 from .passes.errors import PlanError, StampMismatch
-from .guards import check_fresh, check_same_on_every_rank, guard_casts, guard_inputs
+from .guards import (check_fresh, check_same_on_every_rank, guard_arguments, guard_casts,
+                     guard_inputs)
 from .materialize import fake_tensors, materialize, meta_tensors, swapped
 from .mesh import resolve_group
 from .modes import keep_programs, meta_copy
@@ -255,6 +256,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
                                stamp_blocks=stamp_blocks)
     keep_programs(gm, model.training, other_mode if shadow is not None else None, unbuildable)
     guard_casts(gm, param_dtype)
+    guard_arguments(gm, model)
     hand_out_dtensors(gm)
     return gm
 

@@ -222,6 +222,28 @@ def test_non_tensor_inputs_are_constants_of_the_graph(fake_group):
         gm(torch.randn(B, D), 0.5, mask=torch.ones(B, D // 2))
 
 
+def test_arguments_the_trace_did_not_see_are_taken_at_their_default_and_else_named(
+        fake_group):
+    """Training loops pass a model's optional arguments by name, often at their defaults
+    (``attention_mask=None``): those are the program traced and are taken; one given
+    another value, or a traced one left out, is an error naming it and how to trace a
+    program that takes it. ``copy.deepcopy(gm)`` checks alike."""
+    fake_group(2)
+    x = torch.randn(B, D)
+    gm = fxtp.parallelize(Scaled(), {"net1": fxtp.ColwiseParallel()},
+                          example_inputs=(x, 0.5))
+    for module in (gm, copy.deepcopy(gm)):
+        assert module(x, 0.5, mask=None).shape == module(x, scale=0.5).shape == (B, D // 2)
+        with pytest.raises(fxtp.InputError, match=r"input 'mask' was not given when "
+                                                  r"parallelize traced the model.*takes x, "
+                                                  r"scale\); pass mask in parallelize's "
+                                                  r"example_kwargs.*default \(None\)"):
+            module(x, 0.5, mask=torch.ones(B, D // 2))
+        with pytest.raises(fxtp.InputError, match=r"input 'scale' is missing.*pass "
+                                                  r"scale=0\.5 as when traced"):
+            module(x)
+
+
 def test_parallelizing_a_parallelized_module_is_an_error(fake_group):
     fake_group(2)
     gm = fxtp.parallelize(models.MLP(), models.MLP_PLAN, example_inputs=(torch.randn(B, D),))
