@@ -39,6 +39,12 @@ from .passes.errors import InputError, PlanError
 
 _ITEMS = ("plan", "model parameters and buffers", "traced graph")
 
+EXPORT_GUARDS = "fxtp_export_guards"
+"""``gm.meta`` key of the traced module: torch.export's guards on its inputs and the names
+of the inputs they read (``(guards, names)``, or ``None``). With dynamic dims, export
+guards what the program assumes of their sizes (``x.size()[1] >= 5`` where the model
+branched on it)."""
+
 
 def check_fresh(model) -> None:
     if type(getattr(model, "fxtp", None)).__name__ == "ParallelInfo":
@@ -206,13 +212,49 @@ def guard_inputs(gm: fx.GraphModule, world: int) -> None:
     with gm.graph.inserting_before(first):
         gm.graph.call_function(check_inputs, (tuple(_expected(n, world) for n in placeholders),
                                               *placeholders))
+        taken = gm.meta.get(EXPORT_GUARDS)
+        by_name = {n.name: n for n in placeholders}
+        if taken is not None and all(name in by_name for name in taken[1]):
+            guards, names = taken
+            read = [by_name[name] for name in names]
+            sharded = tuple(n.meta[PLACEMENT].dim if is_sharded(n.meta.get(PLACEMENT)) else None
+                            for n in read)
+            gm.add_submodule("_fxtp_export_guards", ExportGuards(guards, sharded, world))
+            gm.graph.call_module("_fxtp_export_guards", tuple(read))
     gm.graph.lint()
+
+
+class ExportGuards(nn.Module):
+    """torch.export's guards on a call's inputs (``guards``), asserted on global shapes: an
+    input sharded on dim ``sharded[i]`` (this rank's shard) stands for one ``world``
+    times as long there. A failed guard is an :class:`InputError`: the program computes
+    what the model did for sizes that hold it (a branch taken by size) and nothing else."""
+
+    def __init__(self, guards: nn.Module, sharded: tuple, world: int):
+        super().__init__()
+        self.guards, self.sharded, self.world = guards, sharded, world
+
+    def forward(self, *inputs) -> None:
+        seen = [x if d is None or not isinstance(x, torch.Tensor) else _global(x, d, self.world)
+                for x, d in zip(inputs, self.sharded)]
+        try:
+            self.guards(*seen)
+        except AssertionError as e:
+            raise InputError(
+                f"the inputs break what tracing found the model's program to assume of their "
+                f"sizes ({str(e).removeprefix('Guard failed: ')}; a branch or op of the model "
+                f"chose by it, with dims declared dynamic): pass sizes that satisfy it, or "
+                f"parallelize with example inputs of the sizes you will call it with") from None
 
 
 def _expected(node: fx.Node, world: int) -> tuple:
     """``(name, shape, dtype, note)`` for a tensor input (``None`` in ``shape`` for a
-    dynamic dim; ``note`` says when it is a shard), ``(name, value)`` for any other."""
+    dynamic dim; ``note`` says when it is a shard), ``(name, kind, "dynamic")`` for a
+    number declared dynamic (any ``bool``, ``int`` or ``float``, as ``kind`` says), ``(name, value)`` for any other."""
     value = node.meta.get("val")
+    for symbolic, kind in _DYNAMIC_NUMBERS:
+        if isinstance(value, symbolic):
+            return (node.name, kind, "dynamic")
     if not isinstance(value, torch.Tensor):
         return (node.name, value)
     p = node.meta.get(PLACEMENT)
@@ -225,6 +267,20 @@ def _expected(node: fx.Node, world: int) -> tuple:
     return (node.name, tuple(shape), value.dtype, note)
 
 
+_DYNAMIC_NUMBERS = ((torch.SymBool, "bool"), (torch.SymInt, "int"), (torch.SymFloat, "float"))
+"""Numbers ``dynamic_shapes`` declared dynamic (``Dim.DYNAMIC``), by the kind the graph
+takes them as."""
+_KINDS = {"bool": (bool, torch.SymBool), "int": (int, torch.SymInt),
+          "float": (float, int, torch.SymFloat, torch.SymInt)}
+
+
+def _global(shard: torch.Tensor, dim: int, world: int) -> torch.Tensor:
+    """A meta tensor of the global shape ``shard`` (evenly dealt on ``dim``) is a part of."""
+    shape = list(shard.shape)
+    shape[dim % len(shape)] *= world
+    return torch.empty(shape, dtype=shard.dtype, device="meta")
+
+
 def _text(shape) -> str:
     return "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
 
@@ -232,6 +288,12 @@ def _text(shape) -> str:
 def check_inputs(spec: tuple, *inputs) -> None:
     """Raise :class:`InputError` naming the first input that differs from ``spec``."""
     for expected, x in zip(spec, inputs):
+        if len(expected) == 3:
+            kinds = _KINDS[expected[1]]
+            if not isinstance(x, kinds) or (isinstance(x, bool) and bool not in kinds):
+                raise InputError(f"input '{expected[0]}' must be of type {expected[1]} "
+                                 f"(declared dynamic in dynamic_shapes); got {_short(x)}")
+            continue
         if len(expected) == 2:
             if not _same_constant(x, expected[1]):
                 raise InputError(

@@ -24,6 +24,7 @@ from .passes.errors import TraceError
 from torch.amp.autocast_mode import _enter_autocast, _exit_autocast
 
 from .autograd_functions import call_kept_functions, keeping_functions
+from .guards import EXPORT_GUARDS
 from .hooks import call_gradient_hooks, check_model_hooks, keeping_gradient_hooks
 from .passes.graph import AUTOCAST, ModuleCall, call_key
 from .passes.recompute import REGION
@@ -176,7 +177,8 @@ def _trace(model, args, kwargs, boundaries, dynamic_shapes, checkpointed, stampe
         with fx_traceback.preserve_node_meta(), \
                 _marking_checkpoints(model, checkpointed, regions), \
                 _marking_boundaries(model, boundaries, shapes), stamper.tracing(), \
-                keeping_functions(kept), keeping_gradient_hooks(hooks):
+                keeping_functions(kept), keeping_gradient_hooks(hooks), \
+                _watching_buffer_swaps(model) as swapped:
             ep = torch.export.export(model, tuple(args), kwargs=kwargs or {}, strict=False,
                                      dynamic_shapes=dynamic_shapes)
     except Shown:
@@ -193,6 +195,7 @@ def _trace(model, args, kwargs, boundaries, dynamic_shapes, checkpointed, stampe
         raise TraceError(
             f"fxtp could not trace {type(model).__name__} with torch.export (non-strict)"
             f"{_where(model, e)}: {type(e).__name__}: {e}\nHint: {_hint(e)}") from e
+    _refuse_swaps(model, swapped)
     with warnings.catch_warnings():  # buffers read through a cache object: see below
         warnings.filterwarnings("ignore", message=r"A model attribute `\S*lifted_tensor_\d+` "
                                 r"requires gradient")
@@ -205,14 +208,59 @@ def _trace(model, args, kwargs, boundaries, dynamic_shapes, checkpointed, stampe
     _inline_regions(gm)
     stamped = stamper.keep(gm) if keep_stamps else stamper.expand(gm, shapes, regions)
     _reject_higher_order_ops(gm)
-    _drop_export_guards(gm)
+    export_guards = _take_export_guards(gm, guarded=bool(getattr(ep, "_guards_code", True)))
     gm = fx.GraphModule(gm, gm.graph)  # without export's input-shape check hooks
     if keep_stamps:  # after the copy above, which holds only the tensors the graph reads
         stamper.drop_unread(gm)
         stamper.hand_back(gm)
     gm.meta[REGION] = regions
     gm.meta[STAMPED] = stamped
+    gm.meta[EXPORT_GUARDS] = export_guards
     return gm, _take_boundaries(gm.graph, shapes)
+
+
+@contextlib.contextmanager
+def _watching_buffer_swaps(model: torch.nn.Module):
+    """Record, as ``(FQN, name)`` in the list it gives, where ``model``'s forward gives a
+    module's buffer a new tensor (``self.k = self.k.to(x.dtype)``, litgpt's KV cache under
+    another dtype): a traced program reads the buffer it holds, so later calls would not
+    see the new tensor and would compute with the old one, silently (:func:`_refuse_swaps`
+    refuses it)."""
+    owners = {id(m): fqn for fqn, m in model.named_modules()}
+    running, swapped = [0], []
+    plain = torch.nn.Module.__setattr__
+
+    def watched(self, name, value):
+        buffers = self.__dict__.get("_buffers", {})
+        if running[0] and id(self) in owners and isinstance(value, torch.Tensor) and \
+                buffers.get(name) is not None and buffers[name] is not value:
+            swapped.append((owners[id(self)], name))
+        plain(self, name, value)
+
+    def enter(*_):
+        running[0] += 1
+
+    def leave(*_):
+        running[0] -= 1
+    hooks = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave)]
+    torch.nn.Module.__setattr__ = watched
+    try:
+        yield swapped
+    finally:
+        torch.nn.Module.__setattr__ = plain
+        for hook in hooks:
+            hook.remove()
+
+
+def _refuse_swaps(model: torch.nn.Module, swapped: list) -> None:
+    if swapped:
+        fqn, name = swapped[0]
+        raise TraceError(
+            f"module '{fqn}' ({type(model.get_submodule(fqn)).__name__}) gives its buffer "
+            f"'{name}' a new tensor in forward (self.{name} = ...): fxtp's program reads the "
+            f"buffer it holds, so the next call would compute with the old one. Write into "
+            f"the buffer in place (self.{name}.copy_(...)), or create it as forward uses it "
+            f"(in the dtype the model computes in: litgpt's set_kv_cache(..., dtype=...))")
 
 
 @contextlib.contextmanager
@@ -461,14 +509,22 @@ def _reject_higher_order_ops(gm: fx.GraphModule) -> None:
                 f"{node.target.name()}.")
 
 
-def _drop_export_guards(gm: fx.GraphModule) -> None:
-    """Remove the input-shape guard and metadata asserts export adds: fxtp's module takes
-    local shards, whose shapes differ from the traced global ones."""
+def _take_export_guards(gm: fx.GraphModule, guarded: bool) -> Optional[tuple]:
+    """Remove export's input guards and metadata asserts from ``gm``'s graph (fxtp's module
+    takes local shards, whose shapes differ from the traced global ones); return the
+    guards (export's ``_guards_fn``: what the trace assumed of dynamic sizes) and the names
+    of the inputs they read, for :func:`fxtp.guards.guard_inputs` to check on global
+    shapes, or ``None`` where export guarded nothing (``guarded``: its guards code is not
+    empty)."""
+    taken = None
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and node.target == "_guards_fn":
+            if guarded:
+                taken = (gm._guards_fn, tuple(getattr(a, "name", "") for a in node.args))
             gm.graph.erase_node(node)
         elif node.target is torch.ops.aten._assert_tensor_metadata.default:
             gm.graph.erase_node(node)
     if hasattr(gm, "_guards_fn"):
         delattr(gm, "_guards_fn")
     gm.graph.lint()
+    return taken

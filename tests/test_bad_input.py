@@ -188,6 +188,70 @@ def test_a_sharded_root_input_must_be_this_ranks_shard(fake_group):
         gm(torch.randn(B, 8, D))  # the full input instead of the shard
 
 
+class BranchOnLength(nn.Module):
+    """Computes one way for sequences longer than 4 and another for shorter ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = models.MLP()
+
+    def forward(self, x):
+        y = self.mlp(x)
+        return y * 2 if x.shape[1] > 4 else y * 3
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["replicated", "sequence-sharded"])
+def test_sizes_that_break_what_the_trace_assumed_are_an_error(fake_group, sharded):
+    """With a dim declared ``Dim.DYNAMIC``, export takes the model's branch on its size and
+    guards it (``x.size()[1] >= 5``) instead of failing; the program only computes that
+    branch, so a call with a shorter sequence is an error, not the other branch's numbers
+    silently wrong. A sequence-sharded root input is judged by its global length."""
+    fake_group(2)
+    plan = {"mlp.net1": fxtp.ColwiseParallel(), "mlp.net2": fxtp.RowwiseParallel()}
+    if sharded:
+        plan[""] = fxtp.PrepareModuleInput(input_layouts=fxtp.Shard(1),
+                                           desired_input_layouts=fxtp.Replicate())
+    gm = fxtp.parallelize(BranchOnLength(), plan, example_inputs=(torch.randn(B, 8, D),),
+                          dynamic_shapes=({1: Dim.DYNAMIC},))
+    shard = 2 if sharded else 1
+    assert gm(torch.randn(B, 6 // shard, D)).shape[1] == 6  # all-gathered, when sharded
+    with pytest.raises(fxtp.InputError, match=r"break what tracing found the model's program "
+                                              r"to assume of their sizes \(x\.size\(\)\[1\] "
+                                              r">= 5; a branch"):
+        gm(torch.randn(B, 4 // shard, D))
+
+
+class SwappingCache(nn.Module):
+    """litgpt's ``KVCache``: forward moves the cache to the activations' dtype by giving
+    the buffer a new tensor (a no-op when the dtypes agree), then writes into it."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.mlp = models.MLP().double()
+        self.register_buffer("k", torch.zeros(B, 8, D, dtype=dtype))
+
+    def forward(self, x):
+        self.k = self.k.to(x.dtype)
+        self.k[:, :x.shape[1]] = x
+        return self.mlp(self.k)
+
+
+def test_a_buffer_given_a_new_tensor_in_forward_is_named_with_what_to_do(fake_group):
+    """The traced program would keep reading the buffer it holds: the next call would not
+    see what this one wrote. Created in the dtype forward computes in, it is written in
+    place and the model parallelizes."""
+    fake_group(2)
+    plan = {"mlp.net1": fxtp.ColwiseParallel(), "mlp.net2": fxtp.RowwiseParallel()}
+    x = torch.randn(B, 8, D, dtype=torch.float64)
+    with pytest.raises(fxtp.TraceError, match=r"module '' \(SwappingCache\) gives its buffer "
+                                              r"'k' a new tensor in forward.*Write into the "
+                                              r"buffer in place"):
+        fxtp.parallelize(SwappingCache(torch.float32), plan, example_inputs=(x,))
+    model = SwappingCache(torch.float64)
+    gm = fxtp.parallelize(model, plan, example_inputs=(x,))
+    assert gm(x).shape == (B, 8, D) and model.k.dtype == torch.float64
+
+
 def test_inputs_of_another_dtype_than_traced_are_an_error(fake_group):
     fake_group(2)
     gm = fxtp.parallelize(models.MLP().double(), models.MLP_PLAN,

@@ -64,3 +64,32 @@ def test_non_tensor_arguments_pass_through_a_planned_boundary(ranks):
     fwd, bwd = ranks.run(parity)[0]
     assert fwd == {"all_gather": 1, "reduce_scatter": 1}
     assert bwd == {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1}
+
+
+class Window(nn.Module):
+    """litgpt's ``input_pos_maxp1``: an int saying how much of a sequence to read."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = models.MLP()
+
+    def forward(self, x, length: int):
+        return self.mlp(x)[:, :length]
+
+
+def test_an_int_declared_dynamic_is_an_input_of_the_program(fake_group):
+    """``Dim.DYNAMIC`` on an int argument makes it an input: each call's value is used,
+    as on a single device, and only a value of its kind is taken."""
+    import pytest
+    from torch.export import Dim
+    fake_group(2)
+    model = Window()
+    x = torch.randn(2, 8, models.DIM)
+    gm = fxtp.parallelize(model, {"mlp.net1": fxtp.ColwiseParallel(),
+                                  "mlp.net2": fxtp.RowwiseParallel()},
+                          example_inputs=(x, 4), dynamic_shapes=(None, Dim.DYNAMIC))
+    for length in (3, 6):
+        assert gm(x, length).shape == model(x, length).shape == (2, length, models.DIM)
+    with pytest.raises(fxtp.InputError, match=r"input 'length' must be of type int \(declared "
+                                              r"dynamic in dynamic_shapes\); got 2\.5"):
+        gm(x, 2.5)
