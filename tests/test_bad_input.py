@@ -252,6 +252,31 @@ def test_a_buffer_given_a_new_tensor_in_forward_is_named_with_what_to_do(fake_gr
     assert gm(x).shape == (B, 8, D) and model.k.dtype == torch.float64
 
 
+class Counting(nn.Module):
+    """Keeps a step count in a plain attribute that forward reads and advances."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp, self.step = models.MLP(), 0
+
+    def forward(self, x):
+        self.step += 1
+        return self.mlp(x) * self.step
+
+
+def test_an_attribute_forward_changes_is_named_in_a_warning(fake_group):
+    """The program computes with the value traced (``step == 1``) on every call; a later
+    call reading it would not see the change, which the warning says."""
+    fake_group(2)
+    plan = {"mlp.net1": fxtp.ColwiseParallel(), "mlp.net2": fxtp.RowwiseParallel()}
+    model = Counting()
+    with pytest.warns(UserWarning, match=r"module '' \(Counting\) sets its attribute 'step' "
+                                         r"in forward \(0 -> 1\); fxtp's program computes "
+                                         r"with the value it had when traced"):
+        fxtp.parallelize(model, plan, example_inputs=(torch.randn(B, D),))
+    assert model.step == 0  # the user's model as it was
+
+
 def test_inputs_of_another_dtype_than_traced_are_an_error(fake_group):
     fake_group(2)
     gm = fxtp.parallelize(models.MLP().double(), models.MLP_PLAN,
