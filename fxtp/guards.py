@@ -8,7 +8,9 @@
 * :func:`guard_inputs`: the returned module checks each call's inputs (metadata only)
   against what was traced: tensor shapes (local shapes for sharded root inputs; dims
   declared dynamic are free) and dtypes, and the values of non-tensor inputs, which the
-  graph has baked in as constants.
+  graph has baked in as constants; numbers declared dynamic are free, of their kind. With
+  dims declared ``Dim.DYNAMIC``, export's own guards on their sizes (the branch a size
+  took) are checked too, on global shapes (:class:`ExportGuards`).
 * :func:`guard_arguments`: the returned module takes the arguments it was traced with, by
   position or name; an argument the trace did not see is accepted at the model's own
   default for it (``attention_mask=None``), and otherwise refused, naming it and how to
@@ -250,7 +252,8 @@ class ExportGuards(nn.Module):
 def _expected(node: fx.Node, world: int) -> tuple:
     """``(name, shape, dtype, note)`` for a tensor input (``None`` in ``shape`` for a
     dynamic dim; ``note`` says when it is a shard), ``(name, kind, "dynamic")`` for a
-    number declared dynamic (any ``bool``, ``int`` or ``float``, as ``kind`` says), ``(name, value)`` for any other."""
+    number declared dynamic (any ``bool``, ``int`` or ``float``, as ``kind`` says),
+    ``(name, value)`` for any other."""
     value = node.meta.get("val")
     for symbolic, kind in _DYNAMIC_NUMBERS:
         if isinstance(value, symbolic):

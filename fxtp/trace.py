@@ -24,6 +24,7 @@ from .passes.errors import TraceError
 from torch.amp.autocast_mode import _enter_autocast, _exit_autocast
 
 from .autograd_functions import call_kept_functions, keeping_functions
+from .forward_state import judge_state_changes, watching_state
 from .guards import EXPORT_GUARDS
 from .hooks import call_gradient_hooks, check_model_hooks, keeping_gradient_hooks
 from .passes.graph import AUTOCAST, ModuleCall, call_key
@@ -178,7 +179,7 @@ def _trace(model, args, kwargs, boundaries, dynamic_shapes, checkpointed, stampe
                 _marking_checkpoints(model, checkpointed, regions), \
                 _marking_boundaries(model, boundaries, shapes), stamper.tracing(), \
                 keeping_functions(kept), keeping_gradient_hooks(hooks), \
-                _watching_state(model) as changes:
+                watching_state(model) as changes:
             ep = torch.export.export(model, tuple(args), kwargs=kwargs or {}, strict=False,
                                      dynamic_shapes=dynamic_shapes)
     except Shown:
@@ -195,7 +196,7 @@ def _trace(model, args, kwargs, boundaries, dynamic_shapes, checkpointed, stampe
         raise TraceError(
             f"fxtp could not trace {type(model).__name__} with torch.export (non-strict)"
             f"{_where(model, e)}: {type(e).__name__}: {e}\nHint: {_hint(e)}") from e
-    _judge_state_changes(model, changes)
+    judge_state_changes(model, changes)
     with warnings.catch_warnings():  # buffers read through a cache object: see below
         warnings.filterwarnings("ignore", message=r"A model attribute `\S*lifted_tensor_\d+` "
                                 r"requires gradient")
@@ -217,78 +218,6 @@ def _trace(model, args, kwargs, boundaries, dynamic_shapes, checkpointed, stampe
     gm.meta[STAMPED] = stamped
     gm.meta[EXPORT_GUARDS] = export_guards
     return gm, _take_boundaries(gm.graph, shapes)
-
-
-@contextlib.contextmanager
-def _watching_state(model: torch.nn.Module):
-    """Record, as ``(FQN, name, before, after)`` in the list it gives (``before`` is
-    :data:`_BUFFER` for a buffer), the state ``model``'s
-    forward changes by assignment, which a traced program cannot carry to its next call:
-    a buffer given a new tensor (``self.k = self.k.to(x.dtype)``, litgpt's KV cache under
-    another dtype: later calls would read the old one) and a plain attribute given
-    another value (``self.pos += n``: later calls would compute with the traced value).
-    :func:`_judge_state_changes` says what becomes of them."""
-    owners = {id(m): fqn for fqn, m in model.named_modules()}
-    running, changes = [0], []
-    plain = torch.nn.Module.__setattr__
-
-    def watched(self, name, value):
-        if running[0] and id(self) in owners:
-            buffers, own = self.__dict__.get("_buffers", {}), self.__dict__
-            if isinstance(value, torch.Tensor):
-                if buffers.get(name) is not None and buffers[name] is not value:
-                    changes.append((owners[id(self)], name, _BUFFER, value))
-            elif name in own and name != "training" and _changed(own[name], value):
-                changes.append((owners[id(self)], name, own[name], value))
-        plain(self, name, value)
-
-    def enter(*_):
-        running[0] += 1
-
-    def leave(*_):
-        running[0] -= 1
-    hooks = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave)]
-    torch.nn.Module.__setattr__ = watched
-    try:
-        yield changes
-    finally:
-        torch.nn.Module.__setattr__ = plain
-        for hook in hooks:
-            hook.remove()
-
-
-_BUFFER = object()  # what a buffer held, in a change _watching_state records
-
-
-def _changed(before, after) -> bool:
-    """Whether a plain attribute's assignment gives it another value (a symbolic one, from
-    a dynamic size, counts as another)."""
-    plain = (bool, int, float, str, type(None), torch.SymInt, torch.SymFloat, torch.SymBool)
-    if not isinstance(before, plain) or not isinstance(after, plain):
-        return False
-    if isinstance(before, (torch.SymInt, torch.SymFloat, torch.SymBool)) or \
-            isinstance(after, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return before is not after
-    return type(before) is not type(after) or before != after
-
-
-def _judge_state_changes(model: torch.nn.Module, changes: list) -> None:
-    """A buffer given a new tensor is a :class:`TraceError`; a plain attribute given another
-    value, a warning (harmless where no later call reads it)."""
-    for fqn, name, before, after in changes:
-        module = f"module '{fqn}' ({type(model.get_submodule(fqn)).__name__})"
-        if before is _BUFFER:
-            raise TraceError(
-                f"{module} gives its buffer '{name}' a new tensor in forward (self.{name} = "
-                f"...): fxtp's program reads the buffer it holds, so the next call would "
-                f"compute with the old one. Write into the buffer in place "
-                f"(self.{name}.copy_(...)), or create it as forward uses it (in the dtype "
-                f"the model computes in: litgpt's set_kv_cache(..., dtype=...))")
-        warnings.warn(
-            f"fxtp: {module} sets its attribute '{name}' in forward ({before!r} -> "
-            f"{after!r}); fxtp's program computes with the value it had when traced on every "
-            f"call, so a later call reading it would not see the change. Pass it as an "
-            f"input, or keep it in a buffer updated in place", stacklevel=4)
 
 
 @contextlib.contextmanager
