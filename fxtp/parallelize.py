@@ -22,7 +22,7 @@ from .passes.buffers import shard_written_buffers
 from .passes.localize import localize
 from .passes.modules import generate_code, outline_modules, scope_of, stamp_modules
 from .passes.graph import PLACEMENT, keep_on_copy
-from .passes.posing import copy_data_attributes
+from .passes.posing import copy_data_attributes, give_parameter_properties
 from .passes.propagate import propagate
 from .passes.recompute import REGION, outline_checkpoints
 from .passes.rewrite import rewrite
@@ -221,6 +221,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
             generate_code(gm)
             stamp_modules(gm, stamped, model)
             copy_data_attributes(gm, model)
+            give_parameter_properties(gm, model)
             dump.code("localized", gm)
             gm.fxtp = _info(gm, model, shardings, group, fallbacks, placements, shapes,
                             device_mesh)

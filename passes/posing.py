@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 from typing import Optional
 
 import torch
@@ -30,7 +31,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from .graph import keep_on_copy
+from .graph import keep_on_copy, own_method
 
 _KEPT = frozenset({"__module__", "__qualname__", "__doc__", "__dict__", "__weakref__",
                    "__annotations__", "__slots__", "__abstractmethods__", "_abc_impl",
@@ -79,6 +80,8 @@ def posing_class(original: type) -> Optional[type]:
                 shield[name] = modules[name]
             elif name.startswith("__") and name.endswith("__") and callable(value):
                 return None  # a protocol (``__len__``, ``__iter__``) no class attribute unsets
+            elif name in PARAMETER_PROPERTIES and isinstance(value, property):
+                shield[name] = property(PARAMETER_PROPERTIES[name])
             elif callable(value) or hasattr(type(value), "__get__"):
                 shield[name] = _Hidden(name)
     try:
@@ -87,6 +90,29 @@ def posing_class(original: type) -> Optional[type]:
                     {"__module__": original.__module__, "__qualname__": original.__qualname__})
     except TypeError:
         return None
+
+
+def _device(module: nn.Module) -> torch.device:
+    return next(itertools.chain(module.parameters(), module.buffers())).device
+
+
+def _dtype(module: nn.Module) -> torch.dtype:
+    return next(p.dtype for p in module.parameters() if p.is_floating_point())
+
+
+PARAMETER_PROPERTIES = {"device": _device, "dtype": _dtype}
+"""Properties a module class may define that read its parameters (Hugging Face's
+``model.device``, as in ``inputs.to(model.device)``, and ``model.dtype``): a module standing
+for one has them, read from its own parameters, where the class defines them."""
+
+
+def give_parameter_properties(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Give the root ``gm`` (and its copies) the :data:`PARAMETER_PROPERTIES` ``model``'s
+    class defines (outlined modules have theirs from :func:`posing_class`)."""
+    for name, read in PARAMETER_PROPERTIES.items():
+        if isinstance(getattr(type(model), name, None), property) and \
+                not hasattr(type(gm), name):
+            own_method(gm, name, property(read))
 
 
 COPIED = "_fxtp_plain_attributes"  # the names copy_plain_state gave a module

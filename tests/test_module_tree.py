@@ -164,3 +164,28 @@ def test_the_models_data_attributes_come_along_as_copies(fake_group):
     copied = copy.deepcopy(gm)
     assert copied.config.dim == 1 and copied.config is not gm.config
     assert copied.head_config is copied.config
+
+
+class WithDevice(tm.Llama):
+    """A model whose class reads its device and dtype from its parameters, as Hugging
+    Face's do (``inputs.to(model.device)``)."""
+
+    @property
+    def device(self):
+        return next(self.parameters()).device
+
+    @property
+    def dtype(self):
+        return next(self.parameters()).dtype
+
+
+def test_device_and_dtype_properties_read_the_results_own_parameters(fake_group):
+    """The class's own code does not run on the result; where it defines ``device`` and
+    ``dtype``, the result reads them from its own parameters (so they follow a move)."""
+    fake_group(2)
+    torch.manual_seed(0)
+    model = WithDevice(tm.LlamaConfig(n_layers=2)).double()
+    gm = fxtp.parallelize(model, tm.llama_sp_plan(), example_inputs=(TOKENS,))
+    for module in (gm, copy.deepcopy(gm)):
+        assert module.device == torch.device("cpu") and module.dtype == torch.float64
+    assert not hasattr(gm.layers[0], "device")  # its class defines no such property
