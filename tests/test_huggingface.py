@@ -62,6 +62,25 @@ def hf(rank, world, dtype, name, plan=None):
                         output=lambda out: out.logits)
 
 
+def training_call(rank, world):
+    """A fine-tuning loop's call: right-padded ``attention_mask`` and ``labels`` with the
+    padding ignored (-100); the model's own loss is compared (fp64, forward, gradients,
+    3 AdamW steps)."""
+    mask = torch.ones_like(TOKENS)
+    mask[0, -3:] = 0
+    labels = TOKENS.masked_fill(mask == 0, -100)
+    return check_parity(rank, world, llama, "auto", [TOKENS], dtype=torch.float64,
+                        strict=True, input_grads=False,
+                        kwargs={"attention_mask": mask, "labels": labels, "use_cache": False},
+                        output=lambda out: out.loss)
+
+
+def test_a_training_call_with_padding_and_labels_gives_the_models_loss(ranks2):
+    fwd, bwd = ranks2.run(training_call)[0]
+    assert fwd == {"all_reduce": 2 * L + 1, "all_gather": 1}
+    assert bwd == {"all_reduce": 2 * L + 1}
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
 def test_gpt2_lm_head_model_with_conv1d_and_fused_qkv(ranks, dtype):
     """Conv1D layers shard like linears. The fused c_attn output is split into q, k, v
