@@ -18,6 +18,7 @@ reentrant function (whose backward recomputes its forward).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import warnings
 
 import torch
@@ -83,21 +84,47 @@ def call_kept_functions(gm: fx.GraphModule, kept: dict) -> None:
         if not isinstance(module, fx.GraphModule):
             continue
         graph = module.graph
+        replaced = []  # the get_attr nodes of the calls replaced
         for node in list(graph.nodes):
             if node.target is not torch.ops.higher_order.flat_apply:
                 continue
             func, spec, *flat = node.args
             args, kwargs = pytree.tree_unflatten(flat, getattr(module, spec.target))
-            if not (args and isinstance(args[0], str) and args[0] in kept):
+            function = _function_called(module, func, args, kept)
+            if function is None:
                 continue  # not a function's call: left for the trace to reject, naming it
             with graph.inserting_before(node):
-                call = graph.call_function(Apply(kept[args[0]]), tuple(args[1:]), kwargs)
+                call = graph.call_function(Apply(function), tuple(args[1:]), kwargs)
             call.meta.update(node.meta)
+            replaced += (func, spec)
             node.replace_all_uses_with(call)
             graph.erase_node(node)
             for attr_node in (func, spec):
                 if not attr_node.users:
                     graph.erase_node(attr_node)
-                    if hasattr(module, attr_node.target):
-                        delattr(module, attr_node.target)
+        read = {node.target for node in graph.nodes if node.op == "get_attr"}
+        for name in {n.target for n in replaced} - read:  # two calls may share one spec
+            if hasattr(module, name):
+                delattr(module, name)
         module.recompile()
+
+
+def _function_called(module: fx.GraphModule, func: fx.Node, args: tuple, kept: dict):
+    """The ``autograd.Function`` a ``flat_apply`` node calls: one :func:`keeping_functions`
+    kept, or one whose ``apply`` export itself keeps by name (torch's
+    ``allow_in_pre_dispatch_graph``: ``ModIndex``, the indexing of mask functions under
+    ``vmap`` that transformers' masks use); ``None`` for any other ``flat_apply``."""
+    if not (args and isinstance(args[0], str)):
+        return None
+    if args[0] in kept:
+        return kept[args[0]]
+    from torch.export.custom_ops import _call_custom_autograd_function_in_pre_dispatch
+    constant = getattr(module, func.target, None)  # the spec of a _ConstantFunction
+    if isinstance(constant, pytree.TreeSpec) and constant.num_leaves == 0:
+        constant = pytree.tree_unflatten([], constant)
+    if getattr(constant, "func", None) is not _call_custom_autograd_function_in_pre_dispatch:
+        return None
+    owner, _, name = args[0].rpartition(".")
+    function = getattr(importlib.import_module(owner), name, None)
+    return function if isinstance(function, type) and \
+        issubclass(function, torch.autograd.Function) else None

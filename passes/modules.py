@@ -379,19 +379,22 @@ def _local_name(gm, target: str, base: str, prefix: str, names: dict) -> Optiona
 
 def _call(graph: fx.Graph, part: list, inputs: list, outputs: list, target: str,
           records: list) -> list[fx.Node]:
-    """Replace ``part`` by one ``call_module``: placed after its last input, with the
-    nodes in between that use its results moved after it. Returns the nodes that now give
-    ``outputs``."""
+    """Replace ``part`` by one ``call_module``: placed where the first of its nodes after its
+    last input was, with the nodes before that which use its results moved after it.
+    Nodes that read nothing of the part keep their place before the call: a state change
+    the part's later nodes ran after (a ``vmap`` level left, an autocast region exited)
+    still comes first. Returns the nodes that now give ``outputs``."""
     inside = set(part)
     last_input = max(inputs, default=None)
     later: list[fx.Node] = []
     if last_input is None or last_input < part[0]:
         where = graph.inserting_before(part[0])
     else:
-        where = graph.inserting_before(last_input.next)
+        resume = next(n for n in part if n > last_input)
+        where = graph.inserting_before(resume)
         tainted = set(inside)
         node = part[0]
-        while node is not last_input:
+        while node.next is not resume:
             node = node.next
             if node not in inside and any(a in tainted for a in node.all_input_nodes):
                 tainted.add(node)

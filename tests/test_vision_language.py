@@ -1,0 +1,193 @@
+"""Vision-language models: a vision tower the plan leaves whole feeds image features into a
+planned language model, whose attention mask lets image tokens see each other. Parity with
+the single-device model in fp64, strict (no fallback), Megatron's collectives for the
+language model and none for the tower."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+
+import fxtp
+from fxtp import Replicate
+from tests.models import DIM, HEADS, MLP
+from tests.parity import check_parity
+
+L, SEQ, IMAGE = 2, 12, 4  # layers, tokens, image tokens (positions 2 to 5)
+MEGATRON = ({"all_reduce": 2 * L + 1}, {"all_reduce": 2 * L})
+
+
+def image_token_mask(kinds: torch.Tensor) -> torch.Tensor:
+    """(batch, 1, q, kv) attention mask: causal, and image tokens see every image token
+    of their sample. Built as transformers' masks are: a mask function of (batch, head, q,
+    kv) indices, vmapped over each, indexing ``kinds`` with tensors (torch's
+    ``TransformGetItemToIndex``: an ``autograd.Function`` that export keeps as a call)."""
+    def allowed(b, h, q, kv):
+        return (kv <= q) | ((kinds[b, q] == 1) & (kinds[b, kv] == 1))
+    batch, seq = kinds.shape
+    for dim in range(4):  # over kv, q, the one head, batch
+        dims = [None] * 4
+        dims[3 - dim] = 0
+        allowed = torch.vmap(allowed, in_dims=tuple(dims))
+    idx = torch.arange(seq, device=kinds.device)
+    with TransformGetItemToIndex():  # its vmap's result, last: the model reads it as it is
+        return allowed(torch.arange(batch, device=kinds.device),
+                       torch.arange(1, device=kinds.device), idx, idx)
+
+
+class MaskedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(DIM, DIM, bias=False) for _ in range(4))
+        self.mlp = MLP(DIM)
+
+    def forward(self, x, mask):
+        b, t, _ = x.shape
+        n = self.norm(x)
+        q, k, v = (w(n).view(b, t, HEADS, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        h = x + self.wo(a.transpose(1, 2).reshape(b, t, DIM))
+        return h + self.mlp(h)
+
+
+class LanguageModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, DIM)
+        self.layers = nn.ModuleList(MaskedBlock() for _ in range(L))
+
+    def forward(self, h, mask):
+        for layer in self.layers:
+            h = layer(h, mask)
+        return h
+
+
+class ImageTextModel(nn.Module):
+    """Llava's shape: the parent embeds the tokens through its language model's embedding,
+    writes the vision tower's features at the image tokens, builds the mask, then calls
+    the language model (whose first nodes, the embedding, run before the mask's vmaps)."""
+
+    def __init__(self):
+        super().__init__()
+        self.vision = nn.Sequential(nn.Linear(12, DIM), nn.GELU(), nn.Linear(DIM, DIM))
+        self.lm = LanguageModel()
+
+    def forward(self, ids, patches, kinds):
+        h = self.lm.embed(ids)
+        image = (kinds == 1)[..., None]
+        h = h.masked_scatter(image, self.vision(patches).to(h.dtype))
+        return self.lm(h, image_token_mask(kinds))
+
+
+PLAN = {"lm.embed": fxtp.RowwiseParallel(input_layouts=Replicate()),
+        "lm.layers.*.w[qkv]": fxtp.ColwiseParallel(),
+        "lm.layers.*.wo": fxtp.RowwiseParallel(),
+        "lm.layers.*.mlp.net1": fxtp.ColwiseParallel(),
+        "lm.layers.*.mlp.net2": fxtp.RowwiseParallel()}
+
+
+def image_text_inputs():
+    ids = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    kinds = torch.zeros(2, SEQ, dtype=torch.long)
+    kinds[:, 2:2 + IMAGE] = 1
+    patches = torch.randn(2, IMAGE, 12, generator=torch.Generator().manual_seed(1))
+    return ids, patches, kinds
+
+
+def image_text(rank, world, dtype):
+    ids, patches, kinds = image_text_inputs()
+    return check_parity(rank, world, ImageTextModel, PLAN, [], dtype=dtype, strict=True,
+                        input_grads=False,
+                        kwargs=dict(ids=ids, patches=patches.to(dtype), kinds=kinds))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_a_language_model_called_after_vmapped_mask_functions(ranks, dtype):
+    """The language model's call is placed after the mask's vmap levels are left (it was
+    placed inside them, where its parameters' autograd functions refuse to run), and the
+    mask functions' tensor indexing runs as torch's own kept function."""
+    assert ranks.run(image_text, dtype)[0] == MEGATRON
+
+
+def test_the_masks_indexing_is_one_call_outside_any_vmap_level_the_model_left(fake_group):
+    fake_group(2)
+    ids, patches, kinds = image_text_inputs()
+    gm = fxtp.parallelize(ImageTextModel(), PLAN, example_inputs=(),
+                          example_kwargs=dict(ids=ids, patches=patches, kinds=kinds))
+    nodes = list(gm.graph.nodes)
+    levels, depth_at_lm = 0, None
+    for node in nodes:
+        name = getattr(node.target, "__name__", str(node.target))
+        levels += {"_vmap_increment_nesting": 1, "_vmap_decrement_nesting": -1}.get(name, 0)
+        if node.op == "call_module" and node.target == "lm":
+            depth_at_lm = levels
+    assert depth_at_lm == 0
+    assert sum(getattr(n.target, "__name__", "") == "ModIndex_apply" for n in nodes) == 2
+    assert not gm.fxtp.fallbacks
+
+
+transformers = pytest.importorskip("transformers", reason="pip install -e '.[test]'")
+TEXT = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=L,
+            num_attention_heads=8, num_key_value_heads=4, head_dim=4,
+            max_position_embeddings=64, pad_token_id=0)
+VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              image_size=16, patch_size=4)
+IMAGE_TOKEN = 100
+
+
+def llava():
+    """CLIP's vision tower, a projector and Llama."""
+    return transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(
+        text_config=transformers.LlamaConfig(**TEXT),
+        vision_config=transformers.CLIPVisionConfig(**VISION), image_token_id=IMAGE_TOKEN,
+        vision_feature_layer=-1, image_seq_length=16))
+
+
+def paligemma():
+    """SigLIP and Gemma, the image tokens' prefix attended bidirectionally."""
+    return transformers.PaliGemmaForConditionalGeneration(transformers.PaliGemmaConfig(
+        text_config=transformers.GemmaConfig(**TEXT),
+        vision_config=transformers.SiglipVisionConfig(**VISION, projection_dim=32),
+        image_token_id=IMAGE_TOKEN, projection_dim=32))
+
+
+def gemma3():
+    """SigLIP and Gemma-3: its masks are vmapped mask functions (image tokens see each
+    other), its q / k norms act on head shards."""
+    return transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=transformers.Gemma3TextConfig(**TEXT),
+        vision_config=transformers.SiglipVisionConfig(**VISION), image_token_id=IMAGE_TOKEN,
+        mm_tokens_per_image=4))
+
+
+# (image tokens, what the model's norms compute in: Gemma's in fp32 whatever the model's
+# dtype, so the ranks' partial sums round as fp32 does, compared at its tolerance)
+FAMILIES = {llava: (16, None), paligemma: (16, torch.float32), gemma3: (4, torch.float32)}
+
+
+def vision_language(rank, world, make):
+    images, compare = FAMILIES[make]
+    ids = torch.randint(1, 90, (2, 24), generator=torch.Generator().manual_seed(0))
+    ids[:, 2:2 + images] = IMAGE_TOKEN
+    kwargs = dict(input_ids=ids, use_cache=False, pixel_values=torch.randn(
+        2, 3, 16, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64))
+    if make is not llava:
+        kwargs["token_type_ids"] = (ids == IMAGE_TOKEN).long()
+    return check_parity(rank, world, make, "auto", [], dtype=torch.float64, strict=True,
+                        input_grads=False, kwargs=kwargs, output=lambda out: out.logits,
+                        compare_dtype=compare)
+
+
+VLM = {  # Megatron's for the language model under the plan it carries, the tower whole
+    llava: ({"all_reduce": 2 * L + 1, "all_gather": 1}, {"all_reduce": 2 * L + 1}),
+    paligemma: ({"all_reduce": 2 * L + 1, "all_gather": 1}, {"all_reduce": 2 * L + 1}),
+    # and Gemma-3's q / k norm weights' partial gradients, one bucket per block
+    gemma3: ({"all_reduce": 2 * L + 1, "all_gather": 1}, {"all_reduce": 3 * L + 1}),
+}
+
+
+@pytest.mark.parametrize("make", list(VLM), ids=lambda make: make.__name__)
+def test_vision_language_models_under_their_own_plan(ranks2, make):
+    assert ranks2.run(vision_language, make)[0] == VLM[make]
+
