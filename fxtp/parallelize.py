@@ -15,13 +15,14 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
 
 from .passes.collectives import allow_in_dynamo_graphs
 from .passes.decompose import decompose_unruled
 from .passes.buffers import shard_written_buffers
 from .passes.localize import localize
 from .passes.modules import generate_code, outline_modules, scope_of, stamp_modules
-from .passes.graph import PLACEMENT, keep_on_copy
+from .passes.graph import PLACEMENT, calls_of, keep_on_copy
 from .passes.posing import copy_data_attributes, give_parameter_properties
 from .passes.propagate import propagate
 from .passes.recompute import REGION, outline_checkpoints
@@ -63,6 +64,7 @@ class ParallelInfo:
     inlined: tuple = ()  # FQNs of modules kept in their parent's graph, not as submodules
     dtensor_outputs: tuple = ()  # positions of the flat outputs returned as DTensors
     unplanned_outputs: list[str] = field(default_factory=list)  # sharded by no layout
+    uncalled: dict = field(default_factory=dict)  # planned modules forward never called
 
 
 def info_of(gm: nn.Module) -> ParallelInfo:
@@ -170,12 +172,14 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
                 owner, _, name = fqn.rpartition(".")
                 gm.get_submodule(owner)._parameters[name] = model.get_parameter(fqn)
             dump.code("traced", gm)
-            handed_on = dtensor_positions(gm, calls, shardings)
+            stamped = gm.meta[STAMPED] if keep_stamps else {}
+            uncalled = _uncalled(_outside(shardings, stamped), calls, strict)
+            called = {k: s for k, s in shardings.items() if k not in uncalled}
+            handed_on = dtensor_positions(gm, calls, called)
             draw = int(torch.randint(2 ** 62, (), device="cpu")) if meta else 0  # init seed
             init_seed = check_same_on_every_rank(group, _device(None, group), shardings,
                                                  model, gm, draw)
-            stamped = gm.meta[STAMPED] if keep_stamps else {}
-            seed(gm, _outside(shardings, stamped), calls, group.world, tied_names(model))
+            seed(gm, _outside(called, stamped), calls, group.world, tied_names(model))
             def place() -> list:
                 fallbacks = propagate(gm, group.world)
                 # layouts that serve what would be gathered: fused projections strided,
@@ -193,7 +197,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
             fallbacks += copied_fallbacks(gm, stamped)
             if strict and fallbacks:  # raises on the first
                 propagate(gm, group.world, strict=True)
-            unplanned = unplanned_sharded_outputs(gm, calls, shardings)
+            unplanned = unplanned_sharded_outputs(gm, calls, called)
             dump.placements(gm)
             outlined = frozenset(blocks)
             rewrite(gm, group.name, group.rank, group.world, lambda n: scope_of(n, outlined))
@@ -228,6 +232,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
             gm.fxtp.inlined = tuple(inlined)
             gm.fxtp.dtensor_outputs = handed_on
             gm.fxtp.unplanned_outputs = unplanned
+            gm.fxtp.uncalled = uncalled
             keep_on_copy(gm, "fxtp")
             dump.report(gm)
         return gm
@@ -240,7 +245,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
             except StampMismatch:  # one cannot run its reference's program: each is copied
                 pass
         gm = gm or passes(keep_stamps=False)
-    for message in gm.fxtp.fallbacks + gm.fxtp.unplanned_outputs:
+    for message in gm.fxtp.fallbacks + gm.fxtp.unplanned_outputs + list(gm.fxtp.uncalled.values()):
         warnings.warn("fxtp: " + message, stacklevel=2)
     try:
         shadow, unbuildable = meta_copy(model), ""
@@ -283,6 +288,20 @@ def _outside(shardings: dict, stamped: dict) -> dict:
     return {k: s for k, s in shardings.items() if not (k + ".").startswith(inner)}
 
 
+def _uncalled(shardings: dict, calls: dict, strict: bool) -> dict[str, str]:
+    """The plan's modules that ``forward`` did not call (an embedding, where the model was
+    traced with ``inputs_embeds``), each with what it means: their parameters are unread
+    by the program and held whole. Under ``strict``, a :class:`PlanError`."""
+    found = {fqn: f"module '{fqn}' is named by the plan but forward did not call it while "
+                  f"tracing (a model traced with inputs_embeds does not call its input "
+                  f"embedding): the program never reads its parameters, which every rank "
+                  f"holds whole. Leave it out of the plan, or trace the call that uses it"
+             for fqn in shardings if fqn and not calls_of(calls, fqn)}
+    if strict and found:
+        raise PlanError(next(iter(found.values())) + " (strict=True)")
+    return found
+
+
 def _copied_tensors(gm: fx.GraphModule, stamped: dict) -> dict[str, str]:
     """A stamped block's tensor -> the one its reference's nodes read at the same path."""
     names = {*dict(gm.named_parameters(remove_duplicate=False)),
@@ -295,6 +314,9 @@ def _copied_tensors(gm: fx.GraphModule, stamped: dict) -> dict[str, str]:
 def _info(gm, model, shardings, group, fallbacks, placements, shapes, device_mesh
           ) -> ParallelInfo:
     outputs = next(iter(reversed(gm.graph.nodes))).args[0]
+    for fqn, p in gm.named_parameters(remove_duplicate=False):  # unread: held whole
+        placements.setdefault(fqn, Replicate())
+        shapes.setdefault(fqn, tuple(p.shape))
     return ParallelInfo({k: s.style for k, s in shardings.items()}, group.name, group.rank,
                         group.world, fallbacks,
                         tuple(getattr(o, "meta", {}).get(PLACEMENT) for o in outputs),

@@ -83,11 +83,6 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: Optional[dict],
         except Unstampable as e:  # that kind of block is traced in full
             blocks = [b for b in blocks if b not in stamper.same_kind(e.fqn)]
             continue
-        stamped = tuple(f + "." for f in gm.meta[STAMPED]) if keep_stamps else ()
-        for fqn in boundaries:
-            if fqn not in calls and not (fqn + ".").startswith(stamped):
-                raise TraceError(f"module '{fqn}' is named by the plan but was not called "
-                                 f"while tracing; is it called in forward()?")
         return gm, calls
 
 
@@ -165,7 +160,28 @@ def _where(model: torch.nn.Module, error: BaseException) -> str:
             tb = tb.tb_next
         error = error.__cause__ or error.__context__
     fqn = max(running, key=lambda n: n.count(".") + bool(n), default="")
-    return f", in module '{fqn}' ({type(running[fqn]).__name__})" if fqn else ""
+    return fqn, f", in module '{fqn}' ({type(running[fqn]).__name__})" if fqn else ""
+
+
+def _outside_plan(fqn: str, planned: Iterable[str], error: Exception) -> str:
+    """For a size computed from a tensor's values in module ``fqn`` (a vision tower
+    cutting patches by image sizes), where no module in it or around it is planned: how to
+    keep that module out of the program."""
+    def outside(path):
+        return not any(f"{p}.".startswith(f"{path}.") or f"{path}.".startswith(f"{p}.")
+                       for p in planned)
+    if not fqn or type(error).__name__ != "GuardOnDataDependentSymNode" or not outside(fqn):
+        return ""
+    parts = fqn.split(".")
+    top = next(p for p in (".".join(parts[:i]) for i in range(1, len(parts) + 1))
+               if outside(p))  # the largest module around it the plan leaves whole
+    return (f"\nModule '{fqn}' is outside the plan (no module in it or around it is "
+            f"planned), so it runs whole on every rank and need not be in the traced "
+            f"program: compute its output before the parallelized model and pass that in. A "
+            f"Hugging Face vision-language model: parallelize it with inputs_embeds (and "
+            f"position_ids, where the model derives them from the images) as example inputs, "
+            f"and compute those outside with the single-device model's '{top}' and input "
+            f"embeddings; their gradients reach them as on one device.")
 
 
 def _trace(model, args, kwargs, boundaries, dynamic_shapes, checkpointed, stamper,
@@ -193,9 +209,11 @@ def _trace(model, args, kwargs, boundaries, dynamic_shapes, checkpointed, stampe
                 f"names (or that checkpoint= names) is called inside a torch.cond branch, "
                 f"whose tracing cannot run fxtp's boundary hooks; plan the modules around "
                 f"the cond, not inside its branches.") from e
+        fqn, where = _where(model, e)
         raise TraceError(
             f"fxtp could not trace {type(model).__name__} with torch.export (non-strict)"
-            f"{_where(model, e)}: {type(e).__name__}: {e}\nHint: {_hint(e)}") from e
+            f"{where}: {type(e).__name__}: {e}\nHint: {_hint(e)}"
+            f"{_outside_plan(fqn, boundaries, e)}") from e
     judge_state_changes(model, changes)
     with warnings.catch_warnings():  # buffers read through a cache object: see below
         warnings.filterwarnings("ignore", message=r"A model attribute `\S*lifted_tensor_\d+` "

@@ -11,7 +11,7 @@ from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
 import fxtp
 from fxtp import Replicate
 from tests.models import DIM, HEADS, MLP
-from tests.parity import check_parity
+from tests.parity import TIGHT, check_parity
 
 L, SEQ, IMAGE = 2, 12, 4  # layers, tokens, image tokens (positions 2 to 5)
 MEGATRON = ({"all_reduce": 2 * L + 1}, {"all_reduce": 2 * L})
@@ -191,3 +191,103 @@ VLM = {  # Megatron's for the language model under the plan it carries, the towe
 def test_vision_language_models_under_their_own_plan(ranks2, make):
     assert ranks2.run(vision_language, make)[0] == VLM[make]
 
+
+def qwen2_vl():
+    """Qwen2-VL: its vision tower cuts patches by the images' grid sizes (values torch.export
+    cannot trace), and its M-RoPE position ids are computed from them."""
+    return transformers.Qwen2VLForConditionalGeneration(transformers.Qwen2VLConfig(
+        text_config=dict(TEXT, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                    mrope_section=[1, 1, 0])),
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4, patch_size=2,
+                           spatial_merge_size=2, temporal_patch_size=2, mlp_ratio=2),
+        image_token_id=IMAGE_TOKEN, vision_start_token_id=101, vision_end_token_id=102))
+
+
+def qwen2_vl_inputs():
+    ids = torch.randint(1, 90, (2, 24), generator=torch.Generator().manual_seed(0))
+    ids[:, 2:6] = IMAGE_TOKEN  # a 4 x 4 grid of patches, merged 2 x 2: 4 image tokens
+    return dict(input_ids=ids, mm_token_type_ids=(ids == IMAGE_TOKEN).long(),
+                image_grid_thw=torch.tensor([[1, 4, 4], [1, 4, 4]]),
+                pixel_values=torch.randn(32, 24, generator=torch.Generator().manual_seed(1),
+                                         dtype=torch.float64))
+
+
+def test_a_tower_computing_sizes_from_values_is_named_with_the_way_around_it(fake_group):
+    fake_group(2)
+    with pytest.raises(fxtp.TraceError) as error:
+        fxtp.parallelize(qwen2_vl().double(), "auto", example_inputs=(),
+                         example_kwargs=dict(qwen2_vl_inputs(), use_cache=False))
+    message = str(error.value)
+    assert "in module 'model.visual.blocks.0.attn'" in message
+    assert "outside the plan" in message and "'model.visual'" in message
+    assert "inputs_embeds" in message and "position_ids" in message
+
+
+class OnEmbeddings(nn.Module):
+    """The language side of a vision-language model, called as the hint says: on the
+    embeddings (image features written in) and the position ids the model derives."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs_embeds, position_ids):
+        return self.model(inputs_embeds=inputs_embeds, position_ids=position_ids,
+                          use_cache=False).logits
+
+
+def language_side(rank, world):
+    """The tower and the embeddings run on the single-device model outside; the
+    parallelized model takes what they give, the embedding it does not call held whole."""
+    torch.manual_seed(0)
+    model = qwen2_vl().double()
+    kwargs = qwen2_vl_inputs()
+    with torch.no_grad():
+        whole = model(**kwargs, use_cache=False).logits
+        features = model.model.get_image_features(
+            kwargs["pixel_values"], kwargs["image_grid_thw"]).pooler_output
+        embeds = model.get_input_embeddings()(kwargs["input_ids"]).masked_scatter(
+            (kwargs["input_ids"] == IMAGE_TOKEN)[..., None], torch.cat(list(features)))
+        positions = model.model.compute_3d_position_ids(
+            input_ids=kwargs["input_ids"], image_grid_thw=kwargs["image_grid_thw"],
+            mm_token_type_ids=kwargs["mm_token_type_ids"], inputs_embeds=embeds,
+            attention_mask=None, cache=None)
+        torch.testing.assert_close(OnEmbeddings(model)(embeds, positions), whole, **TIGHT)
+    state, uncalled = model.state_dict(), []
+
+    def made():
+        made = qwen2_vl()
+        made.load_state_dict(state)
+        return OnEmbeddings(made)
+
+    def no_fallback(gm):
+        assert not gm.fxtp.fallbacks
+        uncalled.extend(gm.fxtp.uncalled)
+    with pytest.warns(UserWarning, match="'model.model.language_model.embed_tokens' is named "
+                                         "by the plan but forward did not call it"):
+        counts = check_parity(rank, world, made, "auto", [embeds], dtype=torch.float64,
+                              kwargs=dict(position_ids=positions), post=no_fallback)
+    return counts, uncalled
+
+
+def test_a_vision_language_model_on_embeddings_made_outside(ranks2):
+    """Parity of the logits, every parameter of the language model and the gradient of the
+    embeddings (which the single-device tower's backward takes from there); the embedding
+    the plan names is not called: a warning, its weight held whole."""
+    counts, uncalled = ranks2.run(language_side)[0]
+    assert counts == ({"all_reduce": 2 * L, "all_gather": 1}, {"all_reduce": 2 * L + 1})
+    assert uncalled == ["model.model.language_model.embed_tokens"]
+
+
+def test_a_planned_module_forward_does_not_call_is_refused_under_strict(fake_group):
+    fake_group(2)
+    model = OnEmbeddings(llava())
+    embeds = torch.randn(2, 8, TEXT["hidden_size"])
+    with pytest.raises(fxtp.PlanError, match="'model.model.language_model.embed_tokens' is "
+                                             "named by the plan but forward did not call it"):
+        fxtp.parallelize(model, "auto", example_inputs=(embeds, None), strict=True)
+    with pytest.warns(UserWarning, match="holds whole"):
+        gm = fxtp.parallelize(model, "auto", example_inputs=(embeds, None))
+    weight = "model.model.language_model.embed_tokens.weight"
+    assert gm.fxtp.param_placements[weight] == Replicate()
+    assert gm.get_parameter(weight).shape == model.get_parameter(weight).shape
