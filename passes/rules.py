@@ -27,6 +27,7 @@ from typing import Callable, Optional
 import sympy
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from .dimspec import DimSpec, fixed_label, parse, strategies
@@ -134,8 +135,8 @@ def pointwise(partial: str = "none", partial_args=None, unread=()):
                 continue
             shape = val(a).shape
             offset = n - len(shape)
-            inputs.append(tuple(f"d{offset + j}" if shape[j] == out[offset + j] or
-                                not _is_one(shape[j]) else fixed_label()
+            inputs.append(tuple(f"d{offset + j}" if statically_known_true(
+                shape[j] == out[offset + j]) or not _is_one(shape[j]) else fixed_label()
                                 for j in range(len(shape))))
         kind = partial
         scalars = [a for a in node.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
@@ -312,6 +313,13 @@ def _same(a, b) -> bool:
 
 
 def _lt(a, b) -> bool:
+    """``a < b`` for sizes that may be symbolic: by their ratio where it is a number (``u1``
+    against ``4*u1``: a size known only from values has no hint to compare), else as torch
+    decides it, else by their hints."""
+    if not (isinstance(a, int) and isinstance(b, int)):
+        ratio = sympy.simplify(_expr(b) / _expr(a))
+        if ratio.is_number:
+            return bool(ratio > 1)
     try:
         return bool(a < b)
     except Exception:  # noqa: BLE001 - symbolic sizes compare by hint

@@ -127,6 +127,42 @@ def test_the_masks_indexing_is_one_call_outside_any_vmap_level_the_model_left(fa
     assert not gm.fxtp.fallbacks
 
 
+class DroppingPadding(nn.Module):
+    """SmolVLM's and Idefics-3's tower: images that are all zeros (batch padding) are
+    dropped by a boolean mask, so the images' count is known only from their values; the
+    kept ones are regrouped by views of that count and normalized by a (1, 12) mean
+    broadcast over it."""
+
+    def __init__(self):
+        super().__init__()
+        self.mean = nn.Parameter(torch.zeros(1, 12))
+        self.patch = nn.Linear(12, DIM)
+        self.lm = LanguageModel()
+
+    def forward(self, ids, patches, kinds):
+        real = (patches != 0).any(-1)
+        kept = patches[real].view(-1, 4).flip(-1).reshape(-1, 12)  # a shuffle within patches
+        features = self.patch(kept - self.mean)  # (images kept, 12) - (1, 12)
+        h = self.lm.embed(ids)
+        h = h.masked_scatter((kinds == 1)[..., None], features.to(h.dtype))
+        return self.lm(h, image_token_mask(kinds))
+
+
+def dropping_padding(rank, world):
+    ids, patches, kinds = image_text_inputs()
+    return check_parity(rank, world, DroppingPadding, PLAN, [], dtype=torch.float64,
+                        strict=True, input_grads=False,
+                        kwargs=dict(ids=ids, patches=patches.double(), kinds=kinds))
+
+
+def test_a_count_known_only_from_values_broadcasts_without_a_guard(ranks2):
+    """The elementwise rule compared a size-1 dim with the images' count, a size export
+    knows only as a symbol (u0), and the view rule compared u0 with 3*u0: both raised a
+    data-dependent guard error inside propagation. They now ask what is known statically,
+    and compare sizes by their ratio."""
+    assert ranks2.run(dropping_padding)[0] == MEGATRON
+
+
 transformers = pytest.importorskip("transformers", reason="pip install -e '.[test]'")
 TEXT = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=L,
             num_attention_heads=8, num_key_value_heads=4, head_dim=4,
@@ -161,18 +197,28 @@ def gemma3():
         mm_tokens_per_image=4))
 
 
+def smolvlm():
+    """SigLIP, a pixel shuffle and Llama; padding images are dropped by their values."""
+    return transformers.SmolVLMForConditionalGeneration(transformers.SmolVLMConfig(
+        text_config=dict(TEXT, model_type="llama"), vision_config=VISION,
+        image_token_id=IMAGE_TOKEN, scale_factor=2))
+
+
 # (image tokens, what the model's norms compute in: Gemma's in fp32 whatever the model's
 # dtype, so the ranks' partial sums round as fp32 does, compared at its tolerance)
-FAMILIES = {llava: (16, None), paligemma: (16, torch.float32), gemma3: (4, torch.float32)}
+FAMILIES = {llava: (16, None), paligemma: (16, torch.float32), gemma3: (4, torch.float32),
+            smolvlm: (4, None)}
 
 
 def vision_language(rank, world, make):
     images, compare = FAMILIES[make]
     ids = torch.randint(1, 90, (2, 24), generator=torch.Generator().manual_seed(0))
     ids[:, 2:2 + images] = IMAGE_TOKEN
-    kwargs = dict(input_ids=ids, use_cache=False, pixel_values=torch.randn(
-        2, 3, 16, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64))
-    if make is not llava:
+    pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1),
+                         dtype=torch.float64)
+    kwargs = dict(input_ids=ids, use_cache=False,  # SmolVLM's: (batch, images, 3, h, w)
+                  pixel_values=pixels[:, None] if make is smolvlm else pixels)
+    if make in (paligemma, gemma3):
         kwargs["token_type_ids"] = (ids == IMAGE_TOKEN).long()
     return check_parity(rank, world, make, "auto", [], dtype=torch.float64, strict=True,
                         input_grads=False, kwargs=kwargs, output=lambda out: out.logits,
@@ -184,6 +230,7 @@ VLM = {  # Megatron's for the language model under the plan it carries, the towe
     paligemma: ({"all_reduce": 2 * L + 1, "all_gather": 1}, {"all_reduce": 2 * L + 1}),
     # and Gemma-3's q / k norm weights' partial gradients, one bucket per block
     gemma3: ({"all_reduce": 2 * L + 1, "all_gather": 1}, {"all_reduce": 3 * L + 1}),
+    smolvlm: ({"all_reduce": 2 * L + 1, "all_gather": 1}, {"all_reduce": 2 * L + 1}),
 }
 
 
