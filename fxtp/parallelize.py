@@ -179,7 +179,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
             draw = int(torch.randint(2 ** 62, (), device="cpu")) if meta else 0  # init seed
             init_seed = check_same_on_every_rank(group, _device(None, group), shardings,
                                                  model, gm, draw)
-            seed(gm, _outside(called, stamped), calls, group.world, tied_names(model))
+            seed(gm, _outside(shardings, stamped), calls, group.world, tied_names(model))
             def place() -> list:
                 fallbacks = propagate(gm, group.world)
                 # layouts that serve what would be gathered: fused projections strided,
@@ -290,12 +290,13 @@ def _outside(shardings: dict, stamped: dict) -> dict:
 
 def _uncalled(shardings: dict, calls: dict, strict: bool) -> dict[str, str]:
     """The plan's modules that ``forward`` did not call (an embedding, where the model was
-    traced with ``inputs_embeds``), each with what it means: their parameters are unread
-    by the program and held whole. Under ``strict``, a :class:`PlanError`."""
+    traced with ``inputs_embeds``), each with what it means: the program never reads their
+    parameters, held as their styles split them. Under ``strict``, a :class:`PlanError`."""
     found = {fqn: f"module '{fqn}' is named by the plan but forward did not call it while "
                   f"tracing (a model traced with inputs_embeds does not call its input "
-                  f"embedding): the program never reads its parameters, which every rank "
-                  f"holds whole. Leave it out of the plan, or trace the call that uses it"
+                  f"embedding): the program never reads its parameters, which each rank "
+                  f"holds as its style splits them. Leave it out of the plan, or trace the "
+                  f"call that uses it"
              for fqn in shardings if fqn and not calls_of(calls, fqn)}
     if strict and found:
         raise PlanError(next(iter(found.values())) + " (strict=True)")

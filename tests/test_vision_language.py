@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
 
 import fxtp
-from fxtp import Replicate
+from fxtp import Replicate, Shard
 from tests.models import DIM, HEADS, MLP
 from tests.parity import TIGHT, check_parity
 
@@ -285,7 +285,7 @@ class OnEmbeddings(nn.Module):
 
 def language_side(rank, world):
     """The tower and the embeddings run on the single-device model outside; the
-    parallelized model takes what they give, the embedding it does not call held whole."""
+    parallelized model takes what they give, the embedding it does not call held sharded."""
     torch.manual_seed(0)
     model = qwen2_vl().double()
     kwargs = qwen2_vl_inputs()
@@ -320,7 +320,7 @@ def language_side(rank, world):
 def test_a_vision_language_model_on_embeddings_made_outside(ranks2):
     """Parity of the logits, every parameter of the language model and the gradient of the
     embeddings (which the single-device tower's backward takes from there); the embedding
-    the plan names is not called: a warning, its weight held whole."""
+    the plan names is not called: a warning, its weight held by vocabulary rows."""
     counts, uncalled = ranks2.run(language_side)[0]
     assert counts == ({"all_reduce": 2 * L, "all_gather": 1}, {"all_reduce": 2 * L + 1})
     assert uncalled == ["model.model.language_model.embed_tokens"]
@@ -333,8 +333,10 @@ def test_a_planned_module_forward_does_not_call_is_refused_under_strict(fake_gro
     with pytest.raises(fxtp.PlanError, match="'model.model.language_model.embed_tokens' is "
                                              "named by the plan but forward did not call it"):
         fxtp.parallelize(model, "auto", example_inputs=(embeds, None), strict=True)
-    with pytest.warns(UserWarning, match="holds whole"):
+    with pytest.warns(UserWarning, match="holds as its style splits them"):
         gm = fxtp.parallelize(model, "auto", example_inputs=(embeds, None))
     weight = "model.model.language_model.embed_tokens.weight"
-    assert gm.fxtp.param_placements[weight] == Replicate()
-    assert gm.get_parameter(weight).shape == model.get_parameter(weight).shape
+    whole = model.get_parameter(weight)
+    assert gm.fxtp.param_placements[weight] == Shard(0)  # vocabulary rows, as DTensor's
+    assert gm.get_parameter(weight).shape == whole.shape  # a DTensor: global shape
+    assert torch.equal(gm.get_parameter(weight).to_local(), whole.detach().chunk(2)[0])
