@@ -245,7 +245,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
             except StampMismatch:  # one cannot run its reference's program: each is copied
                 pass
         gm = gm or passes(keep_stamps=False)
-    for message in gm.fxtp.fallbacks + gm.fxtp.unplanned_outputs + list(gm.fxtp.uncalled.values()):
+    for message in [*gm.fxtp.fallbacks, *gm.fxtp.unplanned_outputs, *gm.fxtp.uncalled.values()]:
         warnings.warn("fxtp: " + message, stacklevel=2)
     try:
         shadow, unbuildable = meta_copy(model), ""

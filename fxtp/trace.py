@@ -142,10 +142,10 @@ def _hint(error: Exception) -> str:
             "branches on tensor values with torch.where / torch.cond." + moe)
 
 
-def _where(model: torch.nn.Module, error: BaseException) -> str:
-    """Where in ``model`` ``error`` was raised: the innermost of its modules whose
-    ``forward`` (or a method it called) was running, from the tracebacks of ``error`` and
-    of the errors it was raised from."""
+def _where(model: torch.nn.Module, error: BaseException) -> tuple[str, str]:
+    """Where in ``model`` ``error`` was raised: the FQN of the innermost of its modules
+    whose ``forward`` (or a method it called) was running, from the tracebacks of ``error``
+    and of the errors it was raised from, and a phrase naming it for the message."""
     # by their __dict__, which export's proxies of modules share with them
     modules = {id(vars(m)): (n, m) for n, m in model.named_modules()}
     running, seen = {}, set()
