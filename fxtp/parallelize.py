@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 
 from .passes.collectives import allow_in_dynamo_graphs
-from .passes.decompose import decompose_unruled
+from .passes.decompose import decompose_sharded_norms, decompose_unruled
 from .passes.buffers import shard_written_buffers
 from .passes.localize import localize
 from .passes.modules import generate_code, outline_modules, scope_of, stamp_modules
@@ -185,9 +185,9 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
                 # layouts that serve what would be gathered: fused projections strided,
                 # heads that do not divide by the world size dealt whole (and their
                 # consumers alike), buffers written in place (KV caches) placed as what
-                # is written into them
+                # is written into them, norms over sharded dims taken as partial sums
                 for relayout in (stride_fused_splits, deal_sources, deal_consumers,
-                                 shard_written_buffers):
+                                 shard_written_buffers, decompose_sharded_norms):
                     if relayout(gm, group.world):
                         fallbacks = propagate(gm, group.world)
                 return fallbacks

@@ -5,7 +5,8 @@ The kernel against ``torch.linalg.vector_norm`` of the whole tensor (every order
 even, uneven and strided shards, several reduced dims, ``keepdim``, ``dtype``, complex
 values, zero vectors), forward and the local gradient; then model code: ``F.normalize``
 over a colwise layer's features, at parity with single device and Megatron's collectives
-plus the norm's one all-reduce.
+plus the norm's one all-reduce; and LayerNorm / RMSNorm over all heads on head shards,
+taken as their means' partial sums.
 """
 import pytest
 import torch
@@ -128,3 +129,58 @@ def test_the_norm_compiles_whole(ranks2):
     code: the same collectives as eager, at parity over 2 AdamW steps."""
     counts = ranks2.run(compiled_cosine)[0]
     assert counts["eager"] == counts["compiled"] == ({"all_reduce": 2}, {"all_reduce": 2})
+
+
+class NormedHeads(nn.Module):
+    """Attention whose q and k are normalized over all heads before they are split into
+    heads (ESM-C's ``nn.LayerNorm`` q / k norms, OLMo-core's ``nn.RMSNorm``): under
+    Megatron's plan the norms read the colwise projections' head shards."""
+
+    def __init__(self, norm, dim=16, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.wq, self.wk, self.wv = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.q_norm, self.k_norm = norm(dim), norm(dim)
+        with torch.no_grad():  # weights (and biases) away from their init, to be seen
+            for p in [*self.q_norm.parameters(), *self.k_norm.parameters()]:
+                p.copy_(torch.linspace(0.5, 1.5, dim))
+        self.wo = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k = self.q_norm(self.wq(x)), self.k_norm(self.wk(x))
+        q, k, v = (y.view(b, t, self.heads, -1).transpose(1, 2) for y in (q, k, self.wv(x)))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, t, d))
+
+
+HEADS_PLAN = {"w[qkv]": fxtp.ColwiseParallel(), "wo": fxtp.RowwiseParallel()}
+NORMS = {"layer_norm": nn.LayerNorm, "rms_norm": nn.RMSNorm}
+
+
+def normed_heads(rank, world, norm, dtype):
+    return check_parity(rank, world, lambda: NormedHeads(NORMS[norm]), HEADS_PLAN,
+                        [example(2, 8, 16)], dtype=dtype, strict=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("norm", list(NORMS))
+def test_a_norm_over_all_heads_on_head_shards_matches_single_device(ranks, norm, dtype):
+    """The norm is taken as its means, each rank's partial sums all-reduced (a value per
+    token): LayerNorm's mean and variance, RMSNorm's mean square, for q and for k, each
+    way; before, the heads were gathered for it (a fallback). Plus Megatron's: the
+    rowwise output forward, the colwise input's gradient backward."""
+    means = {"layer_norm": 2, "rms_norm": 1}[norm] * 2
+    assert ranks.run(normed_heads, norm, dtype)[0] == \
+        ({"all_reduce": 1 + means}, {"all_reduce": 1 + means})
+
+
+def test_the_norms_weights_are_held_as_the_heads_are(fake_group):
+    """Read only on head shards, each rank holds the weights' and biases' part for its
+    heads: no gradient of theirs to sum."""
+    fake_group(4)
+    gm = fxtp.parallelize(NormedHeads(nn.LayerNorm), HEADS_PLAN,
+                          example_inputs=(example(2, 8, 16),), strict=True)
+    assert not gm.fxtp.fallbacks
+    assert {name: p for name, p in gm.fxtp.param_placements.items() if "norm" in name} == \
+        {f"{n}_norm.{p}": Shard(0) for n in "qk" for p in ("weight", "bias")}
