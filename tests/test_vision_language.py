@@ -2,6 +2,8 @@
 planned language model, whose attention mask lets image tokens see each other. Parity with
 the single-device model in fp64, strict (no fallback), Megatron's collectives for the
 language model and none for the tower."""
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -340,3 +342,62 @@ def test_a_planned_module_forward_does_not_call_is_refused_under_strict(fake_gro
     assert gm.fxtp.param_placements[weight] == Shard(0)  # vocabulary rows, as DTensor's
     assert gm.get_parameter(weight).shape == whole.shape  # a DTensor: global shape
     assert torch.equal(gm.get_parameter(weight).to_local(), whole.detach().chunk(2)[0])
+
+
+def two_d(rank, world):
+    """Llava on a (dp 2, tp 2) mesh, torchtitan's recipe: checkpointing and FSDP2 on the
+    blocks of both towers, picked by class, and on the root; each dp rank its half of the
+    batch, against the single-device model on the whole batch."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import \
+        apply_activation_checkpointing
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from tests.parity import LR, noise_floor, tolerance
+    from tests.test_scale_out import full
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = llava().double()
+    ref = copy.deepcopy(model)
+    ids = torch.randint(1, 90, (4, 24), generator=torch.Generator().manual_seed(0))
+    ids[:, 2:18] = IMAGE_TOKEN
+    batch = dict(input_ids=ids, use_cache=False, pixel_values=torch.randn(
+        4, 3, 16, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64))
+    dp = mesh["dp"].get_local_rank()
+    mine = {k: v.chunk(2)[dp] if torch.is_tensor(v) else v for k, v in batch.items()}
+    gm = fxtp.parallelize(model, "auto", mesh["tp"], example_inputs=(), example_kwargs=mine,
+                          strict=True)
+    kinds = (transformers.models.clip.modeling_clip.CLIPEncoderLayer,
+             transformers.models.llama.modeling_llama.LlamaDecoderLayer)
+    apply_activation_checkpointing(gm, check_fn=lambda m: isinstance(m, kinds))
+    blocks = [m for m in gm.modules() if isinstance(m, kinds)]
+    for block in blocks:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(gm, mesh=mesh["dp"])
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=LR) for m in (gm, ref))
+    params = {n.replace("_checkpoint_wrapped_module.", ""): p for n, p in gm.named_parameters()}
+    for step in range(3):
+        out, ref_out = gm(**mine).logits, ref(**batch).logits
+        torch.testing.assert_close(out, ref_out.chunk(2)[dp],
+                                   **tolerance(torch.float64, ref_out, step))
+        out.square().mean().backward()
+        ref_out.square().mean().backward()  # the mean over the global batch
+        if step == 0:  # a true zero (a key bias's) is rounding noise either side
+            floor = noise_floor([p.grad for p in ref.parameters() if p.grad is not None],
+                                torch.float64)
+            for name, p in params.items():
+                torch.testing.assert_close(full(p.grad), ref.get_parameter(name).grad,
+                                           rtol=TIGHT["rtol"], atol=max(TIGHT["atol"], floor),
+                                           msg=lambda m: f"grad of {name}: {m}")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    for name, p in params.items():
+        torch.testing.assert_close(full(p.detach()), ref.get_parameter(name).detach(),
+                                   **tolerance(torch.float64, steps=3),
+                                   msg=lambda m: f"{name} after 3 AdamW steps: {m}")
+    return len(blocks)
+
+
+def test_a_vision_language_model_trains_under_fsdp2_per_block_on_a_2d_mesh(ranks4):
+    assert ranks4.run(two_d) == [2 * L] * 4  # CLIP's two blocks and Llama's two
