@@ -163,25 +163,32 @@ def _where(model: torch.nn.Module, error: BaseException) -> tuple[str, str]:
     return fqn, f", in module '{fqn}' ({type(running[fqn]).__name__})" if fqn else ""
 
 
-def _outside_plan(fqn: str, planned: Iterable[str], error: Exception) -> str:
-    """For a size computed from a tensor's values in module ``fqn`` (a vision tower
-    cutting patches by image sizes), where no module in it or around it is planned: how to
-    keep that module out of the program."""
+def _way_around(fqn: str, planned: Iterable[str], error: Exception, kwargs: dict) -> str:
+    """For a size computed from a tensor's values (a vision tower cutting patches by image
+    sizes, a model packing image features by them), where it happens in module ``fqn``
+    with no module in it or around it planned, or in a model called with images: how to
+    keep that code out of the traced program."""
+    if type(error).__name__ != "GuardOnDataDependentSymNode":
+        return ""
     def outside(path):
         return not any(f"{p}.".startswith(f"{path}.") or f"{path}.".startswith(f"{p}.")
                        for p in planned)
-    if not fqn or type(error).__name__ != "GuardOnDataDependentSymNode" or not outside(fqn):
+    parts = fqn.split(".") if fqn else []
+    top = next((p for p in (".".join(parts[:i]) for i in range(1, len(parts) + 1))
+                if outside(p)), None)  # the largest module around it the plan leaves whole
+    images = sorted(k for k in kwargs or {} if k.startswith("pixel_values"))
+    if top is None and not images:
         return ""
-    parts = fqn.split(".")
-    top = next(p for p in (".".join(parts[:i]) for i in range(1, len(parts) + 1))
-               if outside(p))  # the largest module around it the plan leaves whole
-    return (f"\nModule '{fqn}' is outside the plan (no module in it or around it is "
-            f"planned), so it runs whole on every rank and need not be in the traced "
-            f"program: compute its output before the parallelized model and pass that in. A "
+    what = (f"Module '{fqn}' is outside the plan (no module in it or around it is planned), "
+            f"so it runs whole on every rank and need not be in the traced program"
+            if top else f"The model computes sizes from its images ({', '.join(images)} "
+            f"and the sizes passed with them) where it prepares the language model's input")
+    return (f"\n{what}: compute that input before the parallelized model and pass it in. A "
             f"Hugging Face vision-language model: parallelize it with inputs_embeds (and "
             f"position_ids, where the model derives them from the images) as example inputs, "
-            f"and compute those outside with the single-device model's '{top}' and input "
-            f"embeddings; their gradients reach them as on one device.")
+            f"and compute those outside with the single-device model's "
+            f"{repr(top) if top else 'vision tower'} and input embeddings; their gradients "
+            f"reach them as on one device.")
 
 
 def _trace(model, args, kwargs, boundaries, dynamic_shapes, checkpointed, stamper,
@@ -213,7 +220,7 @@ def _trace(model, args, kwargs, boundaries, dynamic_shapes, checkpointed, stampe
         raise TraceError(
             f"fxtp could not trace {type(model).__name__} with torch.export (non-strict)"
             f"{where}: {type(e).__name__}: {e}\nHint: {_hint(e)}"
-            f"{_outside_plan(fqn, boundaries, e)}") from e
+            f"{_way_around(fqn, boundaries, e, kwargs)}") from e
     judge_state_changes(model, changes)
     with warnings.catch_warnings():  # buffers read through a cache object: see below
         warnings.filterwarnings("ignore", message=r"A model attribute `\S*lifted_tensor_\d+` "

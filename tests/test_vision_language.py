@@ -401,3 +401,26 @@ def two_d(rank, world):
 
 def test_a_vision_language_model_trains_under_fsdp2_per_block_on_a_2d_mesh(ranks4):
     assert ranks4.run(two_d) == [2 * L] * 4  # CLIP's two blocks and Llama's two
+
+
+def llava_next():
+    """Llava-NeXT: image features packed by the values of ``image_sizes`` (any resolution),
+    in the model's own code around the planned language model."""
+    return transformers.LlavaNextForConditionalGeneration(transformers.LlavaNextConfig(
+        text_config=transformers.LlamaConfig(**TEXT),
+        vision_config=transformers.CLIPVisionConfig(**VISION), image_token_index=IMAGE_TOKEN,
+        vision_feature_layer=-1, image_grid_pinpoints=[[16, 16]]))
+
+
+def test_sizes_from_images_in_the_models_own_code_are_named_with_the_way_around(fake_group):
+    fake_group(2)
+    ids = torch.randint(1, 90, (2, 48), generator=torch.Generator().manual_seed(0))
+    pixels = torch.randn(2, 2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(fxtp.TraceError) as error:
+        fxtp.parallelize(llava_next(), "auto", example_inputs=(), example_kwargs=dict(
+            input_ids=ids, pixel_values=pixels, image_sizes=torch.tensor([[16, 16]] * 2),
+            use_cache=False))
+    message = str(error.value)
+    assert "in module 'model' (LlavaNextModel)" in message
+    assert "computes sizes from its images (pixel_values" in message
+    assert "inputs_embeds" in message and "vision tower" in message
