@@ -11,6 +11,7 @@ values), whose rules then place it. The new nodes keep the replaced node's metad
 """
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -45,17 +46,19 @@ def decompose_unruled(gm: fx.GraphModule) -> list[str]:
 def decompose_sharded_norms(gm: fx.GraphModule, world: int) -> bool:
     """Replace each ``layer_norm`` / ``rms_norm`` whose input arrives sharded on a
     normalized dim (a q / k norm over all heads, read on a colwise projection's head shards:
-    ESM-C's, OLMo-core's) by its mean, centring and scaling ops, whose rules sum the ranks'
-    partial sums (one all-reduce per mean, each way) instead of gathering the input. Run
-    between propagations: ``True`` where the graph changed."""
+    ESM-C's, OLMo-core's), and each variance or standard deviation over a sharded dim (the
+    same norm written by hand), by its means, centring and scaling ops, whose rules sum the
+    ranks' partial sums (one all-reduce per mean, each way) instead of gathering the input.
+    Run between propagations: ``True`` where the graph changed."""
     changed = False
     for node in list(gm.graph.nodes):
-        norm = _NORMS.get(node.target)
-        if norm is None or not isinstance(node.args[0], fx.Node):
+        found = _NORMS.get(node.target)
+        if found is None or not isinstance(node.args[0], fx.Node):
             continue
+        function, reduced = found
         p, rank = placement_of(node.args[0]), node.args[0].meta["val"].dim()
-        if is_sharded(p) and getattr(p, "dim", -1) % rank >= rank - len(node.args[1]) and \
-                _inline_decomposition(gm.graph, node, norm):
+        if is_sharded(p) and getattr(p, "dim", -1) % rank in reduced(node, rank) and \
+                _inline_decomposition(gm.graph, node, function):
             gm.graph.erase_node(node)
             changed = True
     if changed:
@@ -83,7 +86,58 @@ def _rms_norm(x, normalized_shape, weight=None, eps=None):
     return (out if weight is None else out * weight).to(x.dtype)
 
 
-_NORMS = {aten.layer_norm.default: _layer_norm, aten.rms_norm.default: _rms_norm}
+def _moments(x, dim, unbiased, keepdim, correction):
+    """``var`` / ``std`` / ``*_mean`` (both overloads: ``unbiased`` or ``correction``) as
+    reductions: the centred squares' sum over the count less the correction."""
+    dims = _reduced(dim, x.dim())
+    count = math.prod(x.shape[d] for d in dims)
+    correction = (1 if unbiased else 0) if correction is None else correction
+    mean = x.mean(dims, keepdim=True)
+    var = (x - mean).square().sum(dims, keepdim=keepdim) / (count - correction)
+    return var, mean if keepdim else mean.squeeze(dims)
+
+
+def _var(x, dim=None, unbiased=True, keepdim=False, *, correction=None):
+    return _moments(x, dim, unbiased, keepdim, correction)[0]
+
+
+def _std(x, dim=None, unbiased=True, keepdim=False, *, correction=None):
+    return _moments(x, dim, unbiased, keepdim, correction)[0].sqrt()
+
+
+def _var_mean(x, dim=None, *, correction=None, keepdim=False):
+    return _moments(x, dim, True, keepdim, correction)
+
+
+def _std_mean(x, dim=None, *, correction=None, keepdim=False):
+    var, mean = _moments(x, dim, True, keepdim, correction)
+    return var.sqrt(), mean
+
+
+def _reduced(dim, rank: int) -> list[int]:
+    """The dims a ``dim`` argument names (``None`` or ``[]``: all of them)."""
+    dims = [dim] if isinstance(dim, int) else list(dim or [])
+    return sorted({d % rank for d in dims}) if dims else list(range(rank))
+
+
+def _trailing(node, rank):  # the normalized dims: as many trailing dims as the shape given
+    return set(range(rank - len(node.args[1]), rank))
+
+
+def _dim_argument(node, rank):
+    return set(_reduced(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim"), rank))
+
+
+_NORMS = {  # op -> (its decomposition, the dims it reduces)
+    aten.layer_norm.default: (_layer_norm, _trailing),
+    aten.rms_norm.default: (_rms_norm, _trailing),
+    aten.var.correction: (_var, _dim_argument),
+    aten.var.dim: (_var, _dim_argument),
+    aten.std.correction: (_std, _dim_argument),
+    aten.std.dim: (_std, _dim_argument),
+    aten.var_mean.correction: (_var_mean, _dim_argument),
+    aten.std_mean.correction: (_std_mean, _dim_argument),
+}
 
 
 def is_composite(target) -> bool:

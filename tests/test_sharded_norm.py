@@ -159,7 +159,8 @@ NORMS = {"layer_norm": nn.LayerNorm, "rms_norm": nn.RMSNorm}
 
 
 def normed_heads(rank, world, norm, dtype):
-    return check_parity(rank, world, lambda: NormedHeads(NORMS[norm]), HEADS_PLAN,
+    kind = {**NORMS, "hand_written": HandWrittenLayerNorm}[norm]
+    return check_parity(rank, world, lambda: NormedHeads(kind), HEADS_PLAN,
                         [example(2, 8, 16)], dtype=dtype, strict=True)
 
 
@@ -184,3 +185,57 @@ def test_the_norms_weights_are_held_as_the_heads_are(fake_group):
     assert not gm.fxtp.fallbacks
     assert {name: p for name, p in gm.fxtp.param_placements.items() if "norm" in name} == \
         {f"{n}_norm.{p}": Shard(0) for n in "qk" for p in ("weight", "bias")}
+
+
+class HandWrittenLayerNorm(nn.Module):
+    """A LayerNorm as older model code writes it: ``var`` (and ``std``) by hand."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x):
+        mean = x.mean(-1, keepdim=True)
+        var = x.var(-1, keepdim=True, unbiased=False)
+        spread = x.std(-1, keepdim=True)  # unbiased, as torch's default
+        return (x - mean) / torch.sqrt(var + 1e-5) * self.weight + self.bias + 0.1 * spread
+
+
+def test_a_variance_written_by_hand_over_head_shards_matches_single_device(ranks2):
+    """``var`` and ``std`` over the sharded dim are their means' partial sums as well:
+    forward, the hand-written mean (1), ``var``'s mean and sum of squares (2), ``std``'s
+    (2), for q and k, and the rowwise output (1)."""
+    counts = ranks2.run(normed_heads, "hand_written", torch.float64)[0]
+    assert counts == ({"all_reduce": 1 + 2 * 5}, {"all_reduce": 1 + 2 * 5})
+
+
+@pytest.mark.parametrize("op", ["var", "std", "var_mean", "std_mean", "layer_norm",
+                                "rms_norm"])
+def test_each_decomposition_is_its_op(op):
+    """What replaces a norm over a sharded dim computes what the op does, over the dim
+    arguments and corrections model code passes (fp64, rounding only)."""
+    from fxtp.passes import decompose
+    x = example(3, 4, 6).double()
+    w, b = example(6, seed=2).double(), example(6, seed=3).double()
+    calls = {
+        "var": [((x, -1), {}), ((x, [1, 2]), dict(correction=0, keepdim=True)), ((x,), {}),
+                ((x, 1, False, True), {})],
+        "std": [((x, -1), {}), ((x, [0, 2]), dict(correction=2)), ((x, 2, True), {})],
+        "var_mean": [((x, -1), dict(keepdim=True)), ((x, [1]), dict(correction=0))],
+        "std_mean": [((x, None), {}), ((x, [2]), dict(correction=0, keepdim=True))],
+        "layer_norm": [((x, [6], w, b, 1e-5), {}), ((x, [4, 6]), {}), ((x, [6], w), {})],
+        "rms_norm": [((x, [6], w, 1e-6), {}), ((x, [4, 6]), {})],
+    }[op]
+    overloads = {"var": [torch.ops.aten.var.correction, torch.ops.aten.var.dim],
+                 "std": [torch.ops.aten.std.correction, torch.ops.aten.std.dim],
+                 "var_mean": [torch.ops.aten.var_mean.correction],
+                 "std_mean": [torch.ops.aten.std_mean.correction],
+                 "layer_norm": [torch.ops.aten.layer_norm.default],
+                 "rms_norm": [torch.ops.aten.rms_norm.default]}[op]
+    for args, kwargs in calls:
+        # positional unbiased / keepdim are the .dim overload's; keywords the other's
+        target = overloads[-1] if len(args) > 2 and isinstance(args[2], bool) else overloads[0]
+        function, _ = decompose._NORMS[target]
+        torch.testing.assert_close(function(*args, **kwargs), target(*args, **kwargs),
+                                   **TIGHT, msg=lambda m: f"{target}{args[1:]} {kwargs}: {m}")
