@@ -67,10 +67,15 @@ def decompose_sharded_norms(gm: fx.GraphModule, world: int) -> bool:
     return changed
 
 
+def _wide(x):
+    """``x`` as the norm and moment kernels accumulate it: 16-bit floats in fp32."""
+    return x.float() if x.is_floating_point() and x.element_size() < 4 else x
+
+
 def _layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
-    """``layer_norm`` as reductions (in fp32 for 16-bit inputs, as its kernel computes)."""
+    """``layer_norm`` as reductions."""
     dims = list(range(-len(normalized_shape), 0))
-    a = x.float() if x.element_size() < 4 and x.is_floating_point() else x
+    a = _wide(x)
     centered = a - a.mean(dims, keepdim=True)
     out = centered * torch.rsqrt(centered.square().mean(dims, keepdim=True) + eps)
     out = out if weight is None else out * weight
@@ -80,7 +85,7 @@ def _layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_ena
 def _rms_norm(x, normalized_shape, weight=None, eps=None):
     """``rms_norm`` as reductions (``eps`` defaulting to the input dtype's, as torch's)."""
     dims = list(range(-len(normalized_shape), 0))
-    a = x.float() if x.element_size() < 4 and x.is_floating_point() else x
+    a = _wide(x)
     eps = torch.finfo(x.dtype).eps if eps is None else eps
     out = a * torch.rsqrt(a.square().mean(dims, keepdim=True) + eps)
     return (out if weight is None else out * weight).to(x.dtype)
@@ -88,30 +93,33 @@ def _rms_norm(x, normalized_shape, weight=None, eps=None):
 
 def _moments(x, dim, unbiased, keepdim, correction):
     """``var`` / ``std`` / ``*_mean`` (both overloads: ``unbiased`` or ``correction``) as
-    reductions: the centred squares' sum over the count less the correction."""
+    reductions: the centred squares' sum over the count less the correction, and the mean,
+    as wide as the kernels accumulate (the callers round them to the input's dtype)."""
     dims = _reduced(dim, x.dim())
     count = math.prod(x.shape[d] for d in dims)
     correction = (1 if unbiased else 0) if correction is None else correction
-    mean = x.mean(dims, keepdim=True)
-    var = (x - mean).square().sum(dims, keepdim=keepdim) / (count - correction)
+    a = _wide(x)
+    mean = a.mean(dims, keepdim=True)
+    var = (a - mean).square().sum(dims, keepdim=keepdim) / (count - correction)
     return var, mean if keepdim else mean.squeeze(dims)
 
 
 def _var(x, dim=None, unbiased=True, keepdim=False, *, correction=None):
-    return _moments(x, dim, unbiased, keepdim, correction)[0]
+    return _moments(x, dim, unbiased, keepdim, correction)[0].to(x.dtype)
 
 
 def _std(x, dim=None, unbiased=True, keepdim=False, *, correction=None):
-    return _moments(x, dim, unbiased, keepdim, correction)[0].sqrt()
+    return _moments(x, dim, unbiased, keepdim, correction)[0].sqrt().to(x.dtype)
 
 
 def _var_mean(x, dim=None, *, correction=None, keepdim=False):
-    return _moments(x, dim, True, keepdim, correction)
+    var, mean = _moments(x, dim, True, keepdim, correction)
+    return var.to(x.dtype), mean.to(x.dtype)
 
 
 def _std_mean(x, dim=None, *, correction=None, keepdim=False):
     var, mean = _moments(x, dim, True, keepdim, correction)
-    return var.sqrt(), mean
+    return var.sqrt().to(x.dtype), mean.to(x.dtype)
 
 
 def _reduced(dim, rank: int) -> list[int]:
