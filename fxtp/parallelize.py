@@ -173,13 +173,14 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
                 gm.get_submodule(owner)._parameters[name] = model.get_parameter(fqn)
             dump.code("traced", gm)
             stamped = gm.meta[STAMPED] if keep_stamps else {}
-            uncalled = _uncalled(_outside(shardings, stamped), calls, strict)
+            outside = _outside(shardings, stamped)
+            uncalled = _uncalled(outside, calls, strict)
             called = {k: s for k, s in shardings.items() if k not in uncalled}
             handed_on = dtensor_positions(gm, calls, called)
             draw = int(torch.randint(2 ** 62, (), device="cpu")) if meta else 0  # init seed
             init_seed = check_same_on_every_rank(group, _device(None, group), shardings,
                                                  model, gm, draw)
-            seed(gm, _outside(shardings, stamped), calls, group.world, tied_names(model))
+            seed(gm, outside, calls, group.world, tied_names(model))
             def place() -> list:
                 fallbacks = propagate(gm, group.world)
                 # layouts that serve what would be gathered: fused projections strided,

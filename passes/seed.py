@@ -37,11 +37,13 @@ def seed(gm: fx.GraphModule, shardings: dict[str, ModuleSharding],
     # Inputs first: an output marker then feeds the next module's input marker, so a value
     # passed between two planned modules is redistributed once per boundary, in order. A
     # module forward never called has no boundary: only its parameters are placed.
+    def calls_of_module(fqn):
+        return calls_of(calls, fqn) or ([_root_call(gm)] if fqn == "" else [])
     for fqn, sharding in shardings.items():
-        for call in calls_of(calls, fqn) or ([_root_call(gm)] if fqn == "" else []):
+        for call in calls_of_module(fqn):
             _constrain_inputs(graph, fqn, sharding, call, world)
     for fqn, sharding in shardings.items():
-        for call in calls_of(calls, fqn) or ([_root_call(gm)] if fqn == "" else []):
+        for call in calls_of_module(fqn):
             _constrain_outputs(graph, fqn, sharding, call, world)
     _split_partial_bias(graph)
     graph.lint()
