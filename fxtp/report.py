@@ -34,7 +34,8 @@ strings for symbolic (dynamic) dims such as ``"s52"``, whose sizes use the hints
         "collective": str | null,                  # what fxtp inserted: "all_reduce",
                                                    # "reduce_scatter", "all_gather", "shard",
                                                    # "grad_sync", "grad_sync_bucket",
-                                                   # "loss_parallel", "sharded_norm"
+                                                   # "loss_parallel", "sharded_norm",
+                                                   # "sharded_softmax"
                                                    #   (their local ops')
         "forward":  [{"kind": str, "bytes": int}], # the collectives it issues
         "backward": [{"kind": str, "bytes": int}],

@@ -47,7 +47,7 @@ def forward_all_reduce_bytes(tokens: int, dtype: torch.dtype, probability_target
     for ``tokens`` tokens of ``dtype`` logits (backward issues none): the per-token max, the
     per-token sum of exponentials and the stacked target terms (2 per token for probability
     targets; for class indices 1, 2 with label smoothing), in the compute dtype."""
-    item = _compute_dtype(dtype).itemsize
+    item = compute_dtype(dtype).itemsize
     terms = 2 if probability_targets else 1 + bool(label_smoothing)
     return [tokens * item, tokens * item, tokens * terms * item]
 
@@ -96,7 +96,8 @@ def _check(logits, target, weight, reduction, ignore_index, smoothing, class_dim
     return class_dim
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype per-row sums over the classes are computed in: fp32, or fp64 for fp64."""
     return torch.promote_types(dtype, torch.float32)
 
 
@@ -110,7 +111,7 @@ class _CrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, weight, reduction, ignore_index, smoothing, class_dim,
                 offset, n_classes, group):
         x = logits.movedim(class_dim, -1)
-        dtype = _compute_dtype(logits.dtype)
+        dtype = compute_dtype(logits.dtype)
         terms = _Terms(target, weight, ignore_index, smoothing, class_dim, offset, n_classes,
                        x.shape[-1], dtype)
         maxima = _all_reduce(x.amax(-1).to(dtype), group, "max")

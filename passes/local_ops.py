@@ -51,6 +51,39 @@ def _local_rows(indices, offset: int, rows: int, padding_idx: int):
     return local, outside, local_padding
 
 
+def gather_of_shard(x: torch.Tensor, dim: int, index: torch.Tensor, offset: int
+                    ) -> torch.Tensor:
+    """This rank's Partial contribution to ``torch.gather(whole, dim, index)``, where ``x``
+    holds the whole tensor's elements ``[offset, offset + len)`` along ``dim`` and ``index``
+    is global: each element picked from this rank's part, 0 where another rank holds it
+    (one rank picks each element). Per-token log-probabilities of the targets
+    (``log_softmax(logits).gather(-1, targets)``) so never gather the vocabulary."""
+    size = x.shape[dim]
+    if size == 0:  # an empty part of an uneven split holds nothing
+        return x.new_zeros(index.shape)
+    local = index - offset
+    inside = (local >= 0) & (local < size)
+    return torch.where(inside, x.gather(dim, local.clamp(0, size - 1)), 0)
+
+
+def nll_loss_of_shard(x: torch.Tensor, target: torch.Tensor, weight, reduction: int,
+                      ignore_index: int, offset: int) -> torch.Tensor:
+    """This rank's Partial contribution to ``F.nll_loss(whole, target, weight, ...)``
+    (``reduction`` as aten's enum: 0 none, 1 mean, 2 sum) where ``x`` holds classes
+    ``[offset, offset + len)`` of the log-probabilities (class dim 1, or 0 for one token)
+    and ``target``, ``weight`` are whole: each token's term is taken on the rank holding
+    its target; the mean's denominator, the kept targets' total weight, on every rank."""
+    class_dim = 1 if x.dim() > 1 else 0
+    kept = target != ignore_index
+    safe = target.where(kept, offset)  # an ignored target picks nothing
+    picked = gather_of_shard(x, class_dim, safe.unsqueeze(class_dim), offset).squeeze(class_dim)
+    w = kept.to(x.dtype) if weight is None else torch.where(kept, weight[safe], 0)
+    terms = torch.where(kept, -picked * w, 0)
+    if reduction == 0:
+        return terms
+    return terms.sum() if reduction == 2 else terms.sum() / w.sum()
+
+
 def sharded_dropout(x: torch.Tensor, p: float, train: bool, dim: int, start: int,
                     size: int) -> torch.Tensor:
     """Dropout of this rank's shard (elements ``[start, start + len)`` along ``dim``, of

@@ -1,4 +1,5 @@
-"""The sharding rule of ``aten.cross_entropy_loss``: by tokens, or loss parallel by classes.
+"""The sharding rules of ``aten.cross_entropy_loss`` and ``aten.nll_loss_nd``: by tokens,
+or loss parallel by classes.
 
 Its dim spec shards the token dims (batch and spatial dims ``d1, ...``): per-token losses
 stay sharded with ``reduction="none"``, their sum is ``Partial`` with ``"sum"``; ``"mean"``
@@ -6,6 +7,10 @@ divides by a count over all tokens and keeps them whole. The class dim never sha
 spec: class-sharded logits are served by an extra strategy whose local op is
 :func:`fxtp.loss.loss_parallel_cross_entropy` (3 all-reduces of per-token values, none
 backward), so propagation picks it over gathering the logits whenever they arrive sharded.
+``nll_loss`` on class-sharded log-probabilities (a ``log_softmax`` written before it, which
+:mod:`~fxtp.passes.sharded_softmax` keeps sharded) takes each token's term on the rank
+holding its target: a ``Partial`` loss, summed by one all-reduce where it is read
+(:func:`~fxtp.passes.local_ops.nll_loss_of_shard`).
 """
 from __future__ import annotations
 
@@ -14,7 +19,8 @@ from torch.distributed.tensor import Replicate, Shard
 
 from .cross_entropy import REDUCTIONS, loss_parallel_cross_entropy
 from .dimspec import DimSpec
-from .placement import UnitShard, local_range
+from .local_ops import nll_loss_of_shard
+from .placement import P, UnitShard, local_range
 
 _ARGS = (("weight", None), ("reduction", 1), ("ignore_index", -100), ("label_smoothing", 0.0))
 
@@ -47,8 +53,9 @@ def cross_entropy_spec(node: fx.Node) -> DimSpec:
 
 
 def class_sharded(node: fx.Node, world: int, actual=()):
-    """Logits (and probability targets) sharded over classes -> replicated loss; classes
-    that do not divide by the world size are dealt as ``torch.chunk`` deals them."""
+    """Logits (and probability targets) sharded over classes -> replicated loss
+    (``nll_loss``: partial); classes that do not divide by the world size are dealt as
+    ``torch.chunk`` deals them."""
     logits, target = _logits_and_target(node)
     c = _class_dim(logits)
     classes = logits.shape[c]
@@ -58,7 +65,29 @@ def class_sharded(node: fx.Node, world: int, actual=()):
     inputs = (shard, shard if target.is_floating_point() else Replicate())
     if _options(node)["weight"] is not None:
         inputs += (Replicate(),)
-    yield inputs, (Replicate(),)
+    yield inputs, (P if _is_nll(node) else Replicate(),)
+
+
+def _is_nll(node: fx.Node) -> bool:
+    return "nll_loss" in str(node.target)
+
+
+def _class_shard(node: fx.Node, inputs) -> bool:
+    logits = node.args[0].meta["val"]
+    c = _class_dim(logits)
+    return inputs[0] in (Shard(c), UnitShard(c, logits.shape[c]))
+
+
+def nll_on_classes(node: fx.Node, inputs, output, group):
+    """Class-sharded log-probabilities run :func:`~fxtp.passes.local_ops.nll_loss_of_shard`
+    from this rank's first class; otherwise the op itself."""
+    if not _class_shard(node, inputs):
+        return node.target, node.args, node.kwargs
+    o, logits = _options(node), node.args[0].meta["val"]
+    offset = local_range(inputs[0], logits.shape[_class_dim(logits)], group.rank,
+                         group.world)[0]
+    return nll_loss_of_shard, (node.args[0], node.args[1], o["weight"], o["reduction"],
+                               o["ignore_index"], offset), {}
 
 
 def loss_parallel(node: fx.Node, inputs, output, group):
@@ -66,7 +95,7 @@ def loss_parallel(node: fx.Node, inputs, output, group):
     shards and replicated logits run the op itself."""
     logits = node.args[0]
     c = _class_dim(logits.meta["val"])
-    if inputs[0] not in (Shard(c), UnitShard(c, logits.meta["val"].shape[c])):
+    if not _class_shard(node, inputs):
         return node.target, node.args, node.kwargs
     o = _options(node)
     classes = logits.meta["val"].shape[c]

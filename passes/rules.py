@@ -33,12 +33,13 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from .dimspec import DimSpec, fixed_label, parse, strategies
 from .graph import (INTO_PARTIAL, is_tensor_node, output_vals, stamp_edge, tensor_inputs,
                     val)
-from .local_ops import (add_replicated_once, mean_of_shard, sharded_dropout,
+from .local_ops import (add_replicated_once, gather_of_shard, mean_of_shard, sharded_dropout,
                         vocab_parallel_embedding)
-from .loss_parallel import class_sharded, cross_entropy_spec, loss_parallel
+from .loss_parallel import class_sharded, cross_entropy_spec, loss_parallel, nll_on_classes
 from .sharded_norm import norm_rule_parts
+from .sharded_softmax import reduction_rule_parts, softmax_rule_parts
 from .placement import (P, R, UnitShard, block_bounds, cut_in_blocks, is_blocked,
-                        is_sharded, is_whole, local_range)
+                        is_grouped, is_sharded, is_whole, local_range)
 
 aten = torch.ops.aten
 
@@ -223,15 +224,31 @@ def reduction(dims_of: Callable[[fx.Node], list[int]], summed: bool = False,
     return Rule(spec)
 
 
+def _parts(parts) -> dict:
+    """A communicating local form's ``(extra, local_op)`` as :class:`Rule` fields."""
+    extra, local_op = parts
+    return dict(extra=extra, local_op=local_op, communicates=True)
+
+
+def softmax():
+    """Softmax and log-softmax along argument 1: along a sharded dim too, by
+    :mod:`~fxtp.passes.sharded_softmax` (the output placed as the input)."""
+    return replace(along(dims_arg(1)), **_parts(softmax_rule_parts()))
+
+
+def extremum(largest: bool):
+    """``amax`` / ``amin``: over sharded dims too, replicated by one all-reduce."""
+    return replace(reduction(dims_arg(1, omitted="all")),
+                   **_parts(reduction_rule_parts(largest)))
+
+
 def vector_norm():
     """A p-norm over ``dim`` (argument 2, every dim when omitted) of order argument 1:
     a reduction whose reduced dims may also arrive sharded, for finite ``p > 0``: the
     local op then sums every rank's powers (one all-reduce, see
     :mod:`~fxtp.passes.sharded_norm`) into a replicated norm."""
     dims_of = dims_arg(2, omitted="all")
-    extra, local_op = norm_rule_parts(dims_of)
-    return replace(reduction(dims_of, keepdim_arg=3), extra=extra, local_op=local_op,
-                   communicates=True)
+    return replace(reduction(dims_of, keepdim_arg=3), **_parts(norm_rule_parts(dims_of)))
 
 
 def permutation(perm_of: Callable[[fx.Node], list[int]]):
@@ -943,6 +960,31 @@ def _gather_scatter_spec(linear: str, source: bool):
     return Rule(spec)
 
 
+def _gathered_from_shards(node: fx.Node, world: int, actual=()):
+    """``gather`` from ``x`` sharded along the gathered dim, the index whole: each rank
+    picks the elements it holds, a ``Partial`` result (per-token log-probabilities of the
+    targets from vocab-sharded logits, as RL and preference-tuning code computes them)."""
+    x = val(node.args[0])
+    d = node.args[1] % x.dim() if x.dim() else 0
+    offered = [Shard(d)] if x.dim() and isinstance(x.shape[d], int) and \
+        x.shape[d] % world == 0 else []
+    arrived = actual[0] if actual else None
+    if isinstance(arrived, (Shard, UnitShard)) and not is_blocked(arrived) and \
+            arrived.dim == d and not is_grouped(arrived, world) and arrived not in offered:
+        offered.append(arrived)
+    for p in offered:
+        yield (p, R), (P,)
+
+
+def _gather_of_shard(node, inputs, output, group):
+    x = node.args[0]
+    d = node.args[1] % val(x).dim() if val(x).dim() else 0
+    if not (isinstance(inputs[0], (Shard, UnitShard)) and not is_blocked(inputs[0]) and
+            inputs[0].dim == d):
+        return node.target, node.args, node.kwargs
+    return gather_of_shard, (x, d, node.args[2], _start(inputs[0], val(x), group)), {}
+
+
 # --- the table ----------------------------------------------------------------------------
 
 _SCALAR_LINEAR = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar,
@@ -1050,6 +1092,8 @@ RULES.update({
                                                 strided=False, units=False),
     aten.cross_entropy_loss.default: Rule(cross_entropy_spec, local_op=loss_parallel,
                                           extra=class_sharded, communicates=True),
+    aten.nll_loss_nd.default: Rule(cross_entropy_spec, local_op=nll_on_classes,
+                                   extra=class_sharded),
     # normalizations
     aten.layer_norm.default: Rule(_norm_spec),
     aten.rms_norm.default: Rule(_norm_spec),
@@ -1057,11 +1101,11 @@ RULES.update({
     aten._fused_rms_norm.default: Rule(_norm_spec),
     aten.group_norm.default: Rule(_group_norm_spec),
     # along a dim
-    aten.softmax.int: along(dims_arg(1)),
-    aten._softmax.default: along(dims_arg(1)),
-    aten._safe_softmax.default: along(dims_arg(1)),
-    aten.log_softmax.int: along(dims_arg(1)),
-    aten._log_softmax.default: along(dims_arg(1)),
+    aten.softmax.int: softmax(),
+    aten._softmax.default: softmax(),
+    aten._safe_softmax.default: softmax(),
+    aten.log_softmax.int: softmax(),
+    aten._log_softmax.default: softmax(),
     aten.cumsum.default: along(dims_arg(1), partial="sum"),
     aten.cumsum_.default: along(dims_arg(1), partial="sum"),
     aten.cumprod.default: along(dims_arg(1)),
@@ -1085,8 +1129,8 @@ RULES.update({
                         local_op=_mean_of_shard(dims_arg(1, omitted="all"))),
     aten.prod.default: reduction(ALL_DIMS, keepdim_arg=None),
     aten.prod.dim_int: reduction(dims_arg(1)),
-    aten.amax.default: reduction(dims_arg(1, omitted="all")),
-    aten.amin.default: reduction(dims_arg(1, omitted="all")),
+    aten.amax.default: extremum(largest=True),
+    aten.amin.default: extremum(largest=False),
     aten.max.default: reduction(ALL_DIMS, keepdim_arg=None),
     aten.min.default: reduction(ALL_DIMS, keepdim_arg=None),
     aten.max.dim: reduction(dims_arg(1)),
@@ -1099,7 +1143,7 @@ RULES.update({
     aten.all.default: reduction(ALL_DIMS, keepdim_arg=None),
     aten.all.dim: reduction(dims_arg(1)),
     aten.all.dims: reduction(dims_arg(1, omitted="all")),
-    aten.logsumexp.default: reduction(dims_arg(1)),
+    aten.logsumexp.default: replace(reduction(dims_arg(1)), **_parts(reduction_rule_parts())),
     aten.var.correction: reduction(dims_arg(1, omitted="all"), keepdim_arg=3),
     aten.std.correction: reduction(dims_arg(1, omitted="all"), keepdim_arg=3),
     aten.var_mean.correction: reduction(dims_arg(1, omitted="all"), keepdim_arg=3),
@@ -1155,7 +1199,8 @@ RULES.update({
     aten.index_add_.default: _index_update_spec("sum"),
     aten.index_fill.int_Scalar: _index_update_spec("none"),
     aten.index_fill_.int_Scalar: _index_update_spec("none"),
-    aten.gather.default: _gather_scatter_spec("product", source=False),
+    aten.gather.default: replace(_gather_scatter_spec("product", source=False),
+                                 extra=_gathered_from_shards, local_op=_gather_of_shard),
     aten.scatter.src: _gather_scatter_spec("sum", source=True),
     aten.scatter_.src: _gather_scatter_spec("sum", source=True),
     aten.scatter.value: _gather_scatter_spec("none", source=False),

@@ -112,6 +112,12 @@ PROGRAMS = {
                                                                label_smoothing=0.1)),
                       lambda: (rand(4, 8, 4), ints(8, 4, 4), rand(4, 8), ints(8, 4),
                                rand(8).abs())),
+    "nll_loss": (lambda x, t, x2, t2, w, t3: (
+                     F.nll_loss(x, t), F.nll_loss(x2, t2, w, reduction="sum"),
+                     F.nll_loss(x2, t3, w, ignore_index=3), F.nll_loss(x, t, reduction="none"),
+                     F.nll_loss(x2[0], t3[0], w, ignore_index=3)),
+                 lambda: (rand(4, 8, 4), ints(8, 4, 4), rand(4, 8), ints(8, 4), rand(8).abs(),
+                          torch.tensor([3, 1, 7, 3]))),
     # normalizations
     "norms": (lambda x, w, b, x4, gw, gb: (F.layer_norm(x, (12,), w, b),
                                            F.rms_norm(x, (12,), w),
@@ -229,6 +235,9 @@ PROGRAMS = {
                                         x.scatter_add(1, i, s), x.clone().scatter_add_(1, i, s)),
                        lambda: (rand(4, 8, 12), torch.argsort(rand(4, 8, 12), 1)[:, :4],
                                 rand(4, 4, 12))),
+    # per-token log-probabilities of targets, by hand (on vocab shards: Partial)
+    "gather_targets": (lambda x, t: (x.gather(-1, t), torch.take_along_dim(x, t, -1)),
+                       lambda: (rand(4, 6, 16), ints(16, 4, 6, 1))),
     # pointwise
     "pointwise": (lambda x, y, b, m: (x + y, x - y, x * y, x / y, x * 2.0, x / 2.0, -x,
                                       x.clone().add_(y), x.clone().sub_(y),

@@ -1,0 +1,236 @@
+"""Softmax, log-softmax, log-sum-exp and max / min over a sharded dim, without gathering.
+
+A z-loss (``logsumexp`` of the logits) or a distillation loss (``log_softmax`` of the
+student's logits) read the logits a colwise LM head leaves sharded over the vocabulary; a
+gather of the logits would undo loss parallel. Over dims split among the ranks (each
+element on exactly one rank, in any partition), these are per-row reductions:
+
+===========================  ===========================  ==============================
+op                           forward all-reduces          backward all-reduces
+===========================  ===========================  ==============================
+``logsumexp``                max, sum of exponentials     none (local, from the result)
+``softmax``, ``log_softmax``  max, sum of exponentials     the row sum of the gradient
+                                                          (times the output, for softmax)
+``amax``, ``amin``           max or min                   the count of ties
+===========================  ===========================  ==============================
+
+Each all-reduce carries a tensor of the reduced shape (a value per row, per token for
+logits). The max keeps the exponentials finite, as torch's kernels do; a row that is all
+``-inf`` has log-sum-exp ``-inf`` and softmax ``nan`` (``_safe_softmax``: 0), as torch's.
+16-bit inputs compute in fp32 and round once. ``softmax`` / ``log_softmax`` keep their
+input's placement; ``logsumexp``, ``amax`` and ``amin`` are replicated.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Replicate, Shard
+
+from .collectives import _all_reduce
+from .cross_entropy import compute_dtype
+from .graph import val
+from .placement import is_grouped, is_sharded
+
+aten = torch.ops.aten
+
+
+def logsumexp_of_shards(x: torch.Tensor, dims: list[int], keepdim: bool, group: str
+                        ) -> torch.Tensor:
+    """``torch.logsumexp(x, dims, keepdim)`` of the tensor whose part along ``dims`` this
+    rank's ``x`` is: the same replicated result on every rank of ``group``."""
+    return _LogSumExp.apply(x, sorted(d % x.dim() for d in dims), keepdim, group)
+
+
+def softmax_of_shards(x: torch.Tensor, dim: int, log: bool, safe: bool, dtype, group: str
+                      ) -> torch.Tensor:
+    """This rank's part of ``softmax`` (``log``: ``log_softmax``; ``safe``:
+    ``_safe_softmax``, 0 on rows of ``-inf``) along ``dim`` of the whole tensor, converted
+    to ``dtype`` first where given (the ops' ``dtype`` argument)."""
+    return _Softmax.apply(x, dim % x.dim(), log, safe, dtype, group)
+
+
+def extremum_of_shards(x: torch.Tensor, dims: list[int], keepdim: bool, largest: bool,
+                       group: str) -> torch.Tensor:
+    """``torch.amax`` (``largest``) or ``torch.amin`` of the whole tensor over ``dims``:
+    replicated. Its gradient is shared evenly among the ties, over all ranks, as torch's."""
+    return _Extremum.apply(x, sorted(d % x.dim() for d in dims), keepdim, largest, group)
+
+
+def all_reduce_bytes(kernel, rows: int, dtype: torch.dtype) -> tuple[list[int], list[int]]:
+    """Bytes per rank of the all-reduces one of this module's kernels issues, forward and
+    backward, on ``rows`` rows (the reduced shape's size) of a ``dtype`` input (softmax: of
+    its ``dtype`` argument where given)."""
+    if kernel is extremum_of_shards:
+        return [rows * dtype.itemsize], [rows * dtype.itemsize]
+    item = compute_dtype(dtype).itemsize
+    return [rows * item] * 2, [] if kernel is logsumexp_of_shards else [rows * item]
+
+
+def _local_extreme(x: torch.Tensor, dims: list[int], largest: bool) -> torch.Tensor:
+    """This rank's max (min) over ``dims``, kept as size 1; ``-inf`` (``inf``) where it
+    holds none of them (an uneven split)."""
+    if all(x.shape[d] for d in dims):
+        return x.amax(dims, keepdim=True) if largest else x.amin(dims, keepdim=True)
+    shape = [1 if d in dims else s for d, s in enumerate(x.shape)]
+    return x.new_full(shape, -torch.inf if largest else torch.inf)
+
+
+def _log_sum_exp(a: torch.Tensor, dims: list[int], group: str) -> torch.Tensor:
+    """The whole rows' log-sum-exp of ``a`` (kept as size 1): 2 all-reduces."""
+    shift = _all_reduce(_local_extreme(a, dims, True), group, "max")
+    shift = shift.masked_fill(shift.isinf(), 0)  # rows of +-inf: as torch's logsumexp
+    return _all_reduce((a - shift).exp().sum(dims, keepdim=True), group).log() + shift
+
+
+def _unsqueezed(grad: torch.Tensor, dims: list[int], keepdim: bool) -> torch.Tensor:
+    if not keepdim:
+        for d in dims:
+            grad = grad.unsqueeze(d)
+    return grad
+
+
+class _LogSumExp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dims, keepdim, group):
+        a = x.to(compute_dtype(x.dtype))
+        lse = _log_sum_exp(a, dims, group)
+        ctx.save_for_backward(x, lse)
+        ctx.dims, ctx.keepdim = dims, keepdim
+        out = lse if keepdim else lse.squeeze(dims)
+        return out.to(x.dtype) if x.is_floating_point() else out  # integers: as torch
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, lse = ctx.saved_tensors
+        grad = _unsqueezed(grad, ctx.dims, ctx.keepdim).to(lse.dtype)
+        return (grad * (x.to(lse.dtype) - lse).exp()).to(x.dtype), None, None, None
+
+
+class _Softmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, log, safe, dtype, group):
+        x_dtype, out_dtype = x.dtype, dtype or x.dtype
+        a = x.to(out_dtype).to(compute_dtype(out_dtype))
+        lse = _log_sum_exp(a, [dim], group)
+        out = a - lse if log else (a - lse).exp()
+        if safe:  # rows all -inf: 0, not nan
+            out = out.masked_fill(lse == -torch.inf, 0)
+        out = out.to(out_dtype)
+        ctx.save_for_backward(out)
+        ctx.dim, ctx.log, ctx.group, ctx.x_dtype = dim, log, group, x_dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out, = ctx.saved_tensors
+        dtype = compute_dtype(out.dtype)
+        o, g = out.to(dtype), grad.to(dtype)
+        if ctx.log:  # g - softmax * sum(g)
+            rows = _all_reduce(g.sum(ctx.dim, keepdim=True), ctx.group)
+            gx = g - o.exp() * rows
+        else:  # softmax * (g - sum(g * softmax))
+            rows = _all_reduce((g * o).sum(ctx.dim, keepdim=True), ctx.group)
+            gx = o * (g - rows)
+        return gx.to(ctx.x_dtype), None, None, None, None, None
+
+
+class _Extremum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dims, keepdim, largest, group):
+        out = _all_reduce(_local_extreme(x, dims, largest), group, "max" if largest else "min")
+        ctx.save_for_backward(x, out)
+        ctx.dims, ctx.keepdim, ctx.group = dims, keepdim, group
+        return out if keepdim else out.squeeze(dims)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, out = ctx.saved_tensors
+        ties = x == out
+        count = _all_reduce(ties.sum(ctx.dims, keepdim=True).to(x.dtype), ctx.group)
+        grad = _unsqueezed(grad, ctx.dims, ctx.keepdim)
+        return grad / count * ties, None, None, None, None
+
+
+# --- as rule parts ------------------------------------------------------------------------
+
+def _offered(node: fx.Node, dims: set, world: int, actual) -> list:
+    """The placements of the input whose sharded dims are among ``dims`` these kernels take:
+    even ``Shard``s, and the input's own sharding on such a dim (uneven, blocked) where
+    each element is on one rank."""
+    shape = val(node.args[0]).shape
+    offered = [Shard(d) for d in sorted(dims) if isinstance(shape[d], int) and
+               shape[d] % world == 0]
+    arrived = actual[0] if actual else None
+    if is_sharded(arrived) and arrived.dim in dims and not is_grouped(arrived, world) and \
+            arrived not in offered:
+        offered.append(arrived)
+    return offered
+
+
+def _along(node: fx.Node) -> set:
+    n = val(node.args[0]).dim()
+    return {node.args[1] % n} if n else set()
+
+
+def _arg(node: fx.Node, i: int, name: str, default=None):
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
+
+def _reduced(node: fx.Node) -> set:
+    """The dims an ``amax`` / ``amin`` / ``logsumexp`` reduces (``[]``: all)."""
+    n = val(node.args[0]).dim()
+    dims = _arg(node, 1, "dim", [])
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    return {d % n for d in dims} if dims else set(range(n))
+
+
+_SOFTMAX = {  # op -> (log, safe, its dtype argument: (index, name) or a flag for fp32)
+    aten.softmax.int: (False, False, (2, "dtype")),
+    aten.log_softmax.int: (True, False, (2, "dtype")),
+    aten._safe_softmax.default: (False, True, (2, "dtype")),
+    aten._softmax.default: (False, False, "half_to_float"),
+    aten._log_softmax.default: (True, False, "half_to_float"),
+}
+
+
+def softmax_rule_parts():
+    """``(extra, local_op)`` of a :class:`~fxtp.passes.rules.Rule` for the softmax ops:
+    an input sharded along the softmax dim gives an output placed as it is."""
+    def extra(node: fx.Node, world: int, actual=()):
+        if val(node.args[0]).dim():
+            for p in _offered(node, _along(node), world, actual):
+                yield (p,), (p,)
+
+    def local_op(node: fx.Node, inputs, output, group):
+        if not (is_sharded(inputs[0]) and inputs[0].dim in _along(node)):
+            return node.target, node.args, node.kwargs
+        log, safe, dtype_arg = _SOFTMAX[node.target]
+        if dtype_arg == "half_to_float":
+            dtype = torch.float32 if node.args[2] else None
+        else:
+            dtype = _arg(node, *dtype_arg)
+        return softmax_of_shards, (node.args[0], node.args[1], log, safe, dtype,
+                                   group.name), {}
+
+    return extra, local_op
+
+
+def reduction_rule_parts(largest=None):
+    """``(extra, local_op)`` for ``logsumexp`` (``largest`` None) or ``amax`` / ``amin``:
+    an input sharded on a reduced dim gives a replicated output."""
+    def extra(node: fx.Node, world: int, actual=()):
+        if val(node.args[0]).dim():
+            for p in _offered(node, _reduced(node), world, actual):
+                yield (p,), (Replicate(),)
+
+    def local_op(node: fx.Node, inputs, output, group):
+        dims = _reduced(node)
+        if not (is_sharded(inputs[0]) and inputs[0].dim in dims):
+            return node.target, node.args, node.kwargs
+        keepdim = _arg(node, 2, "keepdim", False)
+        if largest is None:
+            return logsumexp_of_shards, (node.args[0], sorted(dims), keepdim, group.name), {}
+        return extremum_of_shards, (node.args[0], sorted(dims), keepdim, largest,
+                                    group.name), {}
+
+    return extra, local_op

@@ -1,0 +1,280 @@
+"""Softmax, log-softmax, log-sum-exp, max and min over a sharded dim: per-row all-reduces,
+never a gather of the tensor.
+
+The kernels against torch's ops on the whole tensor (even, uneven, strided and empty
+shards, several reduced dims, ``keepdim``, ``dtype`` arguments, ``-inf`` entries and
+rows, ties, bf16), forward and the local gradient; then the losses model code puts on
+loss parallel's class-sharded logits: a z-loss and a distillation loss, at parity with
+single device, strict, with loss parallel's collectives plus the kernels' own.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+import fxtp
+from fxtp.passes.placement import UnitShard
+from fxtp.passes.sharded_softmax import (extremum_of_shards, logsumexp_of_shards,
+                                         softmax_of_shards)
+from tests import transformer_models as tm
+from tests.compiled import check_compiled
+from tests.parity import TIGHT, check_parity, local_part
+
+aten = torch.ops.aten
+
+# name: (shape, placement, reference on the whole tensor, kernel on this rank's part);
+# "ties": the tensor's values rounded, so that extremes repeat within and across ranks;
+# "masked": with -inf entries in every row ("masked_rows": and whole rows of them)
+CASES = {
+    "logsumexp": ((6, 16), Shard(1), lambda x: torch.logsumexp(x, 1),
+                  lambda x, g: logsumexp_of_shards(x, [1], False, g)),
+    "logsumexp_two_dims_keepdim": ((3, 8, 12), Shard(2),
+                                   lambda x: torch.logsumexp(x, [1, 2], keepdim=True),
+                                   lambda x, g: logsumexp_of_shards(x, [1, -1], True, g)),
+    "logsumexp_uneven_empty": ((4, 5), UnitShard(1, 5), lambda x: torch.logsumexp(x, -1),
+                               lambda x, g: logsumexp_of_shards(x, [-1], False, g)),
+    "logsumexp_masked": ((6, 16), Shard(1), lambda x: torch.logsumexp(x, 1),
+                         lambda x, g: logsumexp_of_shards(x, [1], False, g)),
+    "softmax": ((6, 16), Shard(1), lambda x: x.softmax(-1),
+                lambda x, g: softmax_of_shards(x, -1, False, False, None, g)),
+    "softmax_strided": ((4, 16), _StridedShard(1, split_factor=2), lambda x: x.softmax(1),
+                        lambda x, g: softmax_of_shards(x, 1, False, False, None, g)),
+    "softmax_uneven": ((4, 10), UnitShard(1, 10), lambda x: x.softmax(1),
+                       lambda x, g: softmax_of_shards(x, 1, False, False, None, g)),
+    "softmax_masked": ((6, 16), Shard(1), lambda x: x.softmax(-1),
+                       lambda x, g: softmax_of_shards(x, -1, False, False, None, g)),
+    "softmax_dtype": ((6, 16), Shard(1), lambda x: x.float().softmax(-1, torch.float64),
+                      lambda x, g: softmax_of_shards(x.float(), -1, False, False,
+                                                     torch.float64, g)),
+    "softmax_dim0": ((16, 3, 2), Shard(0), lambda x: x.softmax(0),
+                     lambda x, g: softmax_of_shards(x, 0, False, False, None, g)),
+    "safe_softmax_masked_rows": ((6, 16), Shard(1),
+                                 lambda x: aten._safe_softmax(x, -1),
+                                 lambda x, g: softmax_of_shards(x, -1, False, True,
+                                                                None, g)),
+    "log_softmax": ((6, 16), Shard(1), lambda x: x.log_softmax(-1),
+                    lambda x, g: softmax_of_shards(x, -1, True, False, None, g)),
+    "log_softmax_masked": ((6, 16), Shard(1), lambda x: x.log_softmax(-1),
+                           lambda x, g: softmax_of_shards(x, -1, True, False, None, g)),
+    "amax_ties": ((6, 16), Shard(1), lambda x: x.amax(-1),
+                  lambda x, g: extremum_of_shards(x, [-1], False, True, g)),
+    "amin_ties_two_dims_keepdim": ((3, 8, 4), Shard(1), lambda x: x.amin([0, 1], True),
+                                   lambda x, g: extremum_of_shards(x, [0, 1], True, False,
+                                                                   g)),
+    "amax_uneven_empty": ((4, 5), UnitShard(1, 5), lambda x: x.amax(1),
+                          lambda x, g: extremum_of_shards(x, [1], False, True, g)),
+}
+KERNEL_COUNTS = {"logsumexp": ({"all_reduce": 2}, {}),
+                 "softmax": ({"all_reduce": 2}, {"all_reduce": 1}),
+                 "log_softmax": ({"all_reduce": 2}, {"all_reduce": 1}),
+                 "safe_softmax": ({"all_reduce": 2}, {"all_reduce": 1}),
+                 "amax": ({"all_reduce": 1}, {"all_reduce": 1}),
+                 "amin": ({"all_reduce": 1}, {"all_reduce": 1})}
+
+
+def _whole(name, shape, dtype):
+    """The whole tensor of case ``name``, a leaf."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0),
+                    dtype=torch.float64).mul(3)
+    if "ties" in name:
+        x = x.round()
+    if "masked" in name:  # as attention masks leave them
+        mask = torch.arange(shape[-1]) % 3 == 1
+        if "masked_rows" in name:
+            mask = mask | (torch.arange(shape[0]) == 2)[:, None]
+        x = x.masked_fill(mask, -torch.inf)
+    return x.to(dtype).requires_grad_()
+
+
+def kernel_vs_full(rank, world, name, dtype):
+    shape, placement, reference, kernel = CASES[name]
+    full = _whole(name, shape, dtype)
+    ref = reference(full)
+    upstream = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1),
+                           dtype=torch.float64).to(ref.dtype)
+    (ref.masked_fill(ref.isinf(), 0) * upstream).sum().backward()
+    x = local_part(full.detach(), placement, rank, world).clone().requires_grad_()
+    with fxtp.count_collectives() as fwd:
+        out = kernel(x, dist.group.WORLD.group_name)
+    with fxtp.count_collectives() as bwd:
+        (out.masked_fill(out.isinf(), 0) * local_like(upstream, ref, out, placement, rank,
+                                                      world)).sum().backward()
+    close = TIGHT if dtype == torch.float64 else \
+        dict(rtol=1.6e-2, atol=1e-2) if dtype == torch.bfloat16 else {}
+    expected = local_like(ref.detach(), ref, out, placement, rank, world)
+    assert out.dtype == ref.dtype and x.grad.dtype == x.dtype
+    torch.testing.assert_close(out, expected, equal_nan=True, **close)
+    torch.testing.assert_close(x.grad, local_part(full.grad, placement, rank, world),
+                               **close)
+    return dict(fwd.counts), dict(bwd.counts)
+
+
+def local_like(t, ref, out, placement, rank, world):
+    """``t`` (shaped as the whole result ``ref``) as this rank holds ``out``: its part
+    where the result is sharded like the input, the whole where it is replicated."""
+    return t if out.shape == ref.shape else local_part(t, placement, rank, world)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16],
+                         ids=["fp64", "fp32", "bf16"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_the_op_on_the_whole_tensor(ranks, name, dtype):
+    """Forward 2 all-reduces for the exponentials' shift and sum (1 for max and min);
+    backward 1 for softmax's row sum and for the ties' count, none for logsumexp."""
+    kind = next(k for k in sorted(KERNEL_COUNTS, key=len, reverse=True) if k in name)
+    assert ranks.run(kernel_vs_full, name, dtype)[0] == KERNEL_COUNTS[kind]
+
+
+# --- losses on loss parallel's class-sharded logits ---------------------------------------
+
+L = 2  # layers
+TOKENS = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+TARGETS = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+PLAN = {"model.tok_embeddings": fxtp.RowwiseParallel(input_layouts=Replicate()),
+        **{f"model.{k}": v for k, v in tm.llama_layer_plan().items()},
+        "model.output": fxtp.ColwiseParallel(output_layouts=Shard(-1))}
+
+
+class ZLossLM(nn.Module):
+    """Next-token cross-entropy plus PaLM's z-loss, the squared log-normalizer of the
+    logits (OLMo, PaLM, Chameleon train with it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = tm.Llama(tm.LlamaConfig(n_heads=8, n_kv_heads=4))
+
+    def forward(self, tokens, targets):
+        logits = self.model(tokens)
+        z = torch.logsumexp(logits, dim=-1)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten()) + \
+            1e-2 * z.square().mean()
+
+
+class DistilledLM(nn.Module):
+    """A student distilled from a teacher's temperature-scaled distribution: KL divergence
+    of log-softmaxes (the teacher here a fixed function of the student's detached logits,
+    to stay one model)."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = tm.Llama(tm.LlamaConfig(n_heads=8, n_kv_heads=4))
+
+    def forward(self, tokens, targets):
+        logits = self.model(tokens) / 2.0
+        teacher = torch.sin(logits.detach() * 3)
+        return F.kl_div(F.log_softmax(logits, -1), F.log_softmax(teacher, -1),
+                        reduction="batchmean", log_target=True)
+
+
+class HandWrittenNLL(nn.Module):
+    """Cross-entropy written as ``log_softmax`` then ``nll_loss``, some targets ignored."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = tm.Llama(tm.LlamaConfig(n_heads=8, n_kv_heads=4))
+
+    def forward(self, tokens, targets):
+        targets = targets.masked_fill(targets % 7 == 0, -100)
+        return F.nll_loss(F.log_softmax(self.model(tokens), -1).flatten(0, 1),
+                          targets.flatten())
+
+
+class PolicyGradient(nn.Module):
+    """Per-token log-probabilities of the sampled tokens, taken as RL and preference-tuning
+    libraries take them (``log_softmax(logits).gather(-1, tokens)``), in a clipped
+    importance-ratio objective against the detached log-probabilities."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = tm.Llama(tm.LlamaConfig(n_heads=8, n_kv_heads=4))
+
+    def forward(self, tokens, targets):
+        logprobs = self.model(tokens).log_softmax(-1).gather(-1, targets.unsqueeze(-1))
+        ratio = (logprobs.squeeze(-1) - 0.9 * logprobs.squeeze(-1).detach()).exp()
+        advantages = torch.linspace(-1, 1, targets.shape[-1])
+        return -torch.minimum(ratio * advantages, ratio.clamp(0.8, 1.2) * advantages).mean()
+
+
+LOSSES = {"z_loss": ZLossLM, "distillation": DistilledLM, "nll": HandWrittenNLL,
+          "policy_gradient": PolicyGradient}
+
+
+def loss_parity(rank, world, loss, dtype):
+    return check_parity(rank, world, LOSSES[loss], PLAN, [TOKENS, TARGETS], dtype=dtype,
+                        input_grads=False, strict=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_a_z_loss_on_class_sharded_logits_matches_single_device(ranks, dtype):
+    """Megatron's 2 all-reduces per layer and the embedding's, loss parallel's 3, and the
+    log-sum-exp's 2 forward; backward Megatron's alone (the log-sum-exp's is local). Before,
+    the logits were gathered for the z-loss (a fallback)."""
+    assert ranks.run(loss_parity, "z_loss", dtype)[0] == \
+        ({"all_reduce": 2 * L + 1 + 3 + 2}, {"all_reduce": 2 * L + 1})
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_a_distillation_loss_on_class_sharded_logits_matches_single_device(ranks, dtype):
+    """Each log-softmax 2 all-reduces forward, the KL divergence's sum 1; backward the
+    student's log-softmax 1 (the teacher's carries no gradient)."""
+    assert ranks.run(loss_parity, "distillation", dtype)[0] == \
+        ({"all_reduce": 2 * L + 1 + 2 + 2 + 1}, {"all_reduce": 2 * L + 1 + 1})
+
+
+@pytest.mark.parametrize("loss", ["nll", "policy_gradient"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_target_log_probabilities_from_class_sharded_logits_match_single_device(ranks, loss,
+                                                                                 dtype):
+    """``nll_loss`` and ``gather`` of the targets' log-probabilities pick each token's on the
+    rank holding its class, a partial sum: the log-softmax's 2 all-reduces and 1 for the
+    picked values forward, the log-softmax's 1 backward. Before, the log-probabilities
+    were gathered (a fallback)."""
+    assert ranks.run(loss_parity, loss, dtype)[0] == \
+        ({"all_reduce": 2 * L + 1 + 2 + 1}, {"all_reduce": 2 * L + 1 + 1})
+
+
+def test_explain_reports_the_kernels_collectives(fake_group):
+    """Per-token values in the sums' dtype (fp32): 2 forward each, 1 backward for the
+    student's log-softmax, none for the detached teacher's."""
+    fake_group(4)
+    gm = fxtp.parallelize(DistilledLM(), PLAN, example_inputs=(TOKENS, TARGETS), strict=True)
+    kernels = [n for n in fxtp.explain(gm).nodes if n.collective == "sharded_softmax"]
+    per_token = TOKENS.numel() * 4
+    assert [([c.bytes for c in n.forward], [c.bytes for c in n.backward]) for n in kernels] \
+        == [([per_token] * 2, [per_token]), ([per_token] * 2, [])]
+    assert [n.placement for n in kernels] == ["S(2)", "S(2)"]
+
+
+class Probabilities(nn.Module):
+    """A colwise projection's outputs as probabilities, scaled by a max, mixed back by a
+    rowwise projection, plus a log-normalizer (each kernel on other values: inductor would
+    merge all-reduces of the same row maxima)."""
+
+    def __init__(self, dim=16, hidden=32):
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        h = self.up(x)
+        p = h.softmax(-1) * (2 * h).amax(-1, keepdim=True)
+        return self.down(p) + torch.logsumexp(h - 1, -1, keepdim=True)
+
+
+def compiled_probabilities(rank, world):
+    return check_compiled(rank, world, Probabilities,
+                          {"up": fxtp.ColwiseParallel(), "down": fxtp.RowwiseParallel()},
+                          [torch.randn(2, 8, 16)], dtype=torch.float32, strict=True)
+
+
+def test_the_kernels_compile_whole(ranks2):
+    """Under ``torch.compile(fullgraph=True)`` the kernels' all-reduces are in inductor's
+    code, at parity over 2 AdamW steps. Eager: softmax 2 + 1, amax 1 + 1, logsumexp 2 + 0,
+    the rowwise output's 1 forward, the max's gradient sum and the colwise input's gradient
+    backward. Compiled, the same 10: AOT's partitioner moves the ties' count, which reads
+    no gradient, into the forward."""
+    counts = ranks2.run(compiled_probabilities)[0]
+    assert counts["eager"] == ({"all_reduce": 6}, {"all_reduce": 4})
+    assert counts["compiled"] == ({"all_reduce": 7}, {"all_reduce": 3})
