@@ -392,8 +392,9 @@ class Stamper:
         fresh: dict = {outer: _region(stamp)}
 
         def outside(arg: fx.Node) -> fx.Node:
-            if arg.op != "get_attr" or not arg.target.startswith(prefix):
-                return arg
+            if arg.op != "get_attr" or not arg.target.startswith(prefix) or \
+                    arg.target not in self.canonical:  # a constant the trace made
+                return arg  # (``lifted_tensor_*``): the same for every equivalent block
             target = self.canonical[fqn + "." + arg.target[len(prefix):]]
             if target not in attrs:
                 with graph.inserting_before(first):

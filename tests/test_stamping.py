@@ -154,6 +154,38 @@ class SlottedStack(nn.Module):
         return x
 
 
+class SlidingWindowBlock(nn.Module):
+    """Builds its attention-like mask in forward, writing ``0.0`` into each row's window in
+    a loop, as litgpt writes its sliding-window mask: export lifts every ``0.0`` as a
+    constant of the block (``lifted_tensor_*``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x):
+        t = x.shape[1]
+        mask = torch.full((t, t), float("-inf"))
+        for i in range(t):
+            mask[i, max(0, i - 2):i + 1] = 0.0
+        return x + self.down(self.up(x).relu()) * mask.exp().sum(-1, keepdim=True)
+
+
+class SlidingWindowStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(SlidingWindowBlock() for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+WINDOW_PLAN = {"layers.*.up": fxtp.ColwiseParallel(), "layers.*.down": fxtp.RowwiseParallel()}
+WINDOW_INPUT = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0))
+
+
 def programs(gm: fx.GraphModule) -> dict[str, list[str]]:
     """Each graph module's program, nodes named by position (a copy's node names follow
     the nodes around it)."""
@@ -393,6 +425,23 @@ def test_checkpointed_blocks_are_stamped_with_a_region_each(fake_group):
     assert len(stamped.meta[STAMPED]) == LAYERS - 1
     assert programs(stamped) == programs(traced)
     assert collectives(stamped, (TOKENS,)) == collectives(traced, (TOKENS,))
+
+
+def sliding_window_parity(rank, world):
+    counts = check_parity(rank, world, SlidingWindowStack, WINDOW_PLAN, [WINDOW_INPUT],
+                          dtype=torch.float64, strict=True)
+    stamped = fxtp.parallelize(SlidingWindowStack(), WINDOW_PLAN,
+                               example_inputs=(WINDOW_INPUT,)).meta[STAMPED]
+    return counts, stamped
+
+
+def test_blocks_making_constants_in_forward_are_stamped_and_train_like_single_device(ranks):
+    """A stamp's copy reads its reference's constants (the same values: the blocks are
+    equivalent); before, it looked them up under its own name and the trace failed with a
+    ``KeyError``. Layer 0 reads the model's input and is traced in full."""
+    counts, stamped = ranks.run(sliding_window_parity)[0]
+    assert stamped == {"layers.2": "layers.1"}
+    assert counts == ({"all_reduce": 3}, {"all_reduce": 3})
 
 
 def odd_block_parity(rank, world, dtype):
