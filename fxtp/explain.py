@@ -49,8 +49,8 @@ from .passes.modules import inline_program
 
 from .passes.cross_entropy import forward_all_reduce_bytes, loss_parallel_cross_entropy
 from .passes.sharded_norm import norm_of_shards
-from .passes.sharded_softmax import (all_reduce_bytes, extremum_of_shards, logsumexp_of_shards,
-                                     softmax_of_shards)
+from .passes.sharded_softmax import (arg_of_shards, collective_bytes, extremum_of_shards,
+                                     logsumexp_of_shards, pick_of_shards, softmax_of_shards)
 from .names import model_fqn
 from .report import Comm, Fallback, Layer, NodeInfo, Report, Summary, Totals
 
@@ -119,8 +119,8 @@ def node_info(node: fx.Node, rank: int, world: int, hints: dict,
 
 # local ops that communicate inside -> the kind explain reports them as
 _COMMUNICATING = {loss_parallel_cross_entropy: "loss_parallel", norm_of_shards: "sharded_norm",
-                  logsumexp_of_shards: "sharded_softmax", softmax_of_shards: "sharded_softmax",
-                  extremum_of_shards: "sharded_softmax"}
+                  **dict.fromkeys([logsumexp_of_shards, softmax_of_shards, extremum_of_shards,
+                                   pick_of_shards, arg_of_shards], "sharded_softmax")}
 
 
 def collective_of(node: fx.Node) -> Optional[str]:
@@ -205,9 +205,8 @@ def _comms(node: fx.Node, kind: str, rank: int, world: int, grads) -> tuple[list
         x = val(args["x"])
         dims = args["dims"] if "dims" in args else [args["dim"]]
         rows = _numel_hint(x) // math.prod(_hint(x.shape[d]) for d in dims)
-        forward, backward = all_reduce_bytes(node.target, rows, args.get("dtype") or x.dtype)
-        backward = backward if args["x"] in grads else []
-        return [Comm("all_reduce", b) for b in forward], [Comm("all_reduce", b) for b in backward]
+        forward, backward = collective_bytes(node.target, rows, args.get("dtype") or x.dtype)
+        return [Comm(*c) for c in forward], [Comm(*c) for c in backward if args["x"] in grads]
     if kind == "sharded_norm":  # replicated: every rank sums a tensor of the norm's size
         return [Comm("all_reduce", _local_bytes(node, rank, world))], []
     forward, backward = conjugates(node, grads)

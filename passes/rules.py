@@ -37,7 +37,7 @@ from .local_ops import (add_replicated_once, gather_of_shard, mean_of_shard, sha
                         vocab_parallel_embedding)
 from .loss_parallel import class_sharded, cross_entropy_spec, loss_parallel, nll_on_classes
 from .sharded_norm import norm_rule_parts
-from .sharded_softmax import reduction_rule_parts, softmax_rule_parts
+from .sharded_softmax import pick_rule_parts, reduction_rule_parts, softmax_rule_parts
 from .placement import (P, R, UnitShard, block_bounds, cut_in_blocks, is_blocked,
                         is_grouped, is_sharded, is_whole, local_range)
 
@@ -240,6 +240,13 @@ def extremum(largest: bool):
     """``amax`` / ``amin``: over sharded dims too, replicated by one all-reduce."""
     return replace(reduction(dims_arg(1, omitted="all")),
                    **_parts(reduction_rule_parts(largest)))
+
+
+def pick(largest: bool, values: bool):
+    """``max`` / ``min`` along a dim (``values``: values and indices) and ``argmax`` /
+    ``argmin``: along a sharded dim too, each rank's candidate all-gathered."""
+    dims = dims_arg(1) if values else dims_arg(1, omitted="all")
+    return replace(reduction(dims), **_parts(pick_rule_parts(largest, values)))
 
 
 def vector_norm():
@@ -1133,10 +1140,10 @@ RULES.update({
     aten.amin.default: extremum(largest=False),
     aten.max.default: reduction(ALL_DIMS, keepdim_arg=None),
     aten.min.default: reduction(ALL_DIMS, keepdim_arg=None),
-    aten.max.dim: reduction(dims_arg(1)),
-    aten.min.dim: reduction(dims_arg(1)),
-    aten.argmax.default: reduction(dims_arg(1, omitted="all")),
-    aten.argmin.default: reduction(dims_arg(1, omitted="all")),
+    aten.max.dim: pick(largest=True, values=True),
+    aten.min.dim: pick(largest=False, values=True),
+    aten.argmax.default: pick(largest=True, values=False),
+    aten.argmin.default: pick(largest=False, values=False),
     aten.any.default: reduction(ALL_DIMS, keepdim_arg=None),
     aten.any.dim: reduction(dims_arg(1)),
     aten.any.dims: reduction(dims_arg(1, omitted="all")),

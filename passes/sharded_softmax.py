@@ -1,24 +1,32 @@
-"""Softmax, log-softmax, log-sum-exp and max / min over a sharded dim, without gathering.
+"""Softmax, log-softmax, log-sum-exp, max / min and their indices over a sharded dim,
+without gathering.
 
 A z-loss (``logsumexp`` of the logits) or a distillation loss (``log_softmax`` of the
 student's logits) read the logits a colwise LM head leaves sharded over the vocabulary; a
 gather of the logits would undo loss parallel. Over dims split among the ranks (each
 element on exactly one rank, in any partition), these are per-row reductions:
 
-===========================  ===========================  ==============================
-op                           forward all-reduces          backward all-reduces
-===========================  ===========================  ==============================
-``logsumexp``                max, sum of exponentials     none (local, from the result)
-``softmax``, ``log_softmax``  max, sum of exponentials     the row sum of the gradient
-                                                          (times the output, for softmax)
-``amax``, ``amin``           max or min                   the count of ties
-===========================  ===========================  ==============================
+==============================  =============================  ==========================
+op                              forward                        backward
+==============================  =============================  ==========================
+``logsumexp``                   all-reduces of the max and     none (local, from the
+                                the sum of exponentials        result)
+``softmax``, ``log_softmax``    the same                       an all-reduce of the
+                                                               gradient's row sum
+``amax``, ``amin``              an all-reduce (max or min)     an all-reduce of the
+                                                               count of ties
+``max`` / ``min`` along a dim,  an all-gather of each rank's   none (the rank holding the
+``argmax``, ``argmin``          (value, index) per row         pick takes the gradient)
+==============================  =============================  ==========================
 
-Each all-reduce carries a tensor of the reduced shape (a value per row, per token for
+Each collective carries a tensor of the reduced shape (a value per row, per token for
 logits). The max keeps the exponentials finite, as torch's kernels do; a row that is all
 ``-inf`` has log-sum-exp ``-inf`` and softmax ``nan`` (``_safe_softmax``: 0), as torch's.
 16-bit inputs compute in fp32 and round once. ``softmax`` / ``log_softmax`` keep their
-input's placement; ``logsumexp``, ``amax`` and ``amin`` are replicated.
+input's placement; ``logsumexp``, ``amax`` and ``amin`` are replicated, and so are the
+values and global indices of ``max`` / ``min`` along a dim and ``argmax`` / ``argmin``: the
+first extreme, ``nan`` first, as torch picks it (the first rank's among equal candidates,
+and within it the first index).
 """
 from __future__ import annotations
 
@@ -26,10 +34,10 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
-from .collectives import _all_reduce
+from .collectives import _all_gather, _all_reduce
 from .cross_entropy import compute_dtype
 from .graph import val
-from .placement import is_grouped, is_sharded
+from .placement import is_blocked, is_grouped, is_sharded, local_range
 
 aten = torch.ops.aten
 
@@ -56,14 +64,33 @@ def extremum_of_shards(x: torch.Tensor, dims: list[int], keepdim: bool, largest:
     return _Extremum.apply(x, sorted(d % x.dim() for d in dims), keepdim, largest, group)
 
 
-def all_reduce_bytes(kernel, rows: int, dtype: torch.dtype) -> tuple[list[int], list[int]]:
-    """Bytes per rank of the all-reduces one of this module's kernels issues, forward and
-    backward, on ``rows`` rows (the reduced shape's size) of a ``dtype`` input (softmax: of
-    its ``dtype`` argument where given)."""
+def pick_of_shards(x: torch.Tensor, dim: int, keepdim: bool, largest: bool, offset: int,
+                   rank: int, world: int, group: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.max(whole, dim, keepdim)`` (``largest``; else ``torch.min``) of the tensor
+    whose elements ``[offset, offset + len)`` along ``dim`` this rank's ``x`` holds: the
+    values and global indices, the same on every rank of ``group`` (this rank ``rank`` of
+    ``world``)."""
+    return _Pick.apply(x, dim % x.dim(), keepdim, largest, offset, rank, world, group)
+
+
+def arg_of_shards(x: torch.Tensor, dim: int, keepdim: bool, largest: bool, offset: int,
+                  rank: int, world: int, group: str) -> torch.Tensor:
+    """``torch.argmax`` (``largest``; else ``argmin``) along ``dim``: the indices of
+    :func:`pick_of_shards`."""
+    return pick_of_shards(x, dim, keepdim, largest, offset, rank, world, group)[1]
+
+
+def collective_bytes(kernel, rows: int, dtype: torch.dtype) -> tuple[list, list]:
+    """``(kind, bytes per rank)`` of the collectives one of this module's kernels issues,
+    forward and backward, on ``rows`` rows (the reduced shape's size) of a ``dtype`` input
+    (softmax: of its ``dtype`` argument where given)."""
+    if kernel in (pick_of_shards, arg_of_shards):  # a (value, index) pair per row
+        return [("all_gather", 2 * rows * 8)], []
     if kernel is extremum_of_shards:
-        return [rows * dtype.itemsize], [rows * dtype.itemsize]
+        return [("all_reduce", rows * dtype.itemsize)], [("all_reduce", rows * dtype.itemsize)]
     item = compute_dtype(dtype).itemsize
-    return [rows * item] * 2, [] if kernel is logsumexp_of_shards else [rows * item]
+    return [("all_reduce", rows * item)] * 2, \
+        [] if kernel is logsumexp_of_shards else [("all_reduce", rows * item)]
 
 
 def _local_extreme(x: torch.Tensor, dims: list[int], largest: bool) -> torch.Tensor:
@@ -72,6 +99,9 @@ def _local_extreme(x: torch.Tensor, dims: list[int], largest: bool) -> torch.Ten
     if all(x.shape[d] for d in dims):
         return x.amax(dims, keepdim=True) if largest else x.amin(dims, keepdim=True)
     shape = [1 if d in dims else s for d, s in enumerate(x.shape)]
+    if not x.is_floating_point():
+        return x.new_full(shape, torch.iinfo(x.dtype).min if largest else
+                          torch.iinfo(x.dtype).max)
     return x.new_full(shape, -torch.inf if largest else torch.inf)
 
 
@@ -151,6 +181,38 @@ class _Extremum(torch.autograd.Function):
         return grad / count * ties, None, None, None, None
 
 
+class _Pick(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, keepdim, largest, offset, rank, world, group):
+        if x.shape[dim]:
+            values, index = x.max(dim, keepdim=True) if largest else x.min(dim, keepdim=True)
+        else:  # an empty part of an uneven split: a candidate no other beats
+            values = _local_extreme(x, [dim], largest)
+            index = torch.zeros(values.shape, dtype=torch.long, device=x.device)
+        wide = torch.float64 if x.is_floating_point() else torch.long  # holds both exactly
+        pair = torch.stack([values.to(wide), (index + offset).to(wide)])
+        pairs = _all_gather(pair, 0, world, group).unflatten(0, (world, 2))
+        best, holder = pairs[:, 0].max(0) if largest else pairs[:, 0].min(0)
+        index = pairs[:, 1].gather(0, holder.unsqueeze(0)).squeeze(0).long()
+        ctx.save_for_backward(index, holder == rank)
+        ctx.dim, ctx.keepdim, ctx.offset, ctx.shape = dim, keepdim, offset, x.shape
+        values = best.to(x.dtype)
+        if not keepdim:
+            values, index = values.squeeze(dim), index.squeeze(dim)
+        ctx.mark_non_differentiable(index)
+        return values, index
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        index, mine = ctx.saved_tensors
+        grad = _unsqueezed(grad, [ctx.dim], ctx.keepdim)
+        local = (index - ctx.offset).clamp(0, max(ctx.shape[ctx.dim] - 1, 0))
+        out = grad.new_zeros(ctx.shape)
+        if ctx.shape[ctx.dim]:
+            out.scatter_(ctx.dim, local, grad * mine)
+        return out, None, None, None, None, None, None, None
+
+
 # --- as rule parts ------------------------------------------------------------------------
 
 def _offered(node: fx.Node, dims: set, world: int, actual) -> list:
@@ -211,6 +273,36 @@ def softmax_rule_parts():
             dtype = _arg(node, *dtype_arg)
         return softmax_of_shards, (node.args[0], node.args[1], log, safe, dtype,
                                    group.name), {}
+
+    return extra, local_op
+
+
+def pick_rule_parts(largest: bool, values: bool):
+    """``(extra, local_op)`` for ``max.dim`` / ``min.dim`` (``values``: values and indices)
+    or ``argmax`` / ``argmin`` along a dim that arrives sharded: replicated results.
+    ``argmax`` without a dim (over the flattened tensor) keeps to its spec."""
+    def dim_of(node):
+        dim = _arg(node, 1, "dim")
+        return None if dim is None or not val(node.args[0]).dim() else \
+            dim % val(node.args[0]).dim()
+
+    def extra(node: fx.Node, world: int, actual=()):
+        d = dim_of(node)
+        if d is None:
+            return
+        for p in _offered(node, {d}, world, actual):
+            if not is_blocked(p):  # the indices count from one offset per rank
+                yield (p,), (Replicate(),) * (2 if values else 1)
+
+    def local_op(node: fx.Node, inputs, output, group):
+        d = dim_of(node)
+        if d is None or not (is_sharded(inputs[0]) and inputs[0].dim == d):
+            return node.target, node.args, node.kwargs
+        x = node.args[0]
+        offset = local_range(inputs[0], val(x).shape[d], group.rank, group.world)[0]
+        return (pick_of_shards if values else arg_of_shards), (
+            x, d, _arg(node, 2, "keepdim", False), largest, offset, group.rank, group.world,
+            group.name), {}
 
     return extra, local_op
 

@@ -17,7 +17,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 import fxtp
 from fxtp.passes.placement import UnitShard
-from fxtp.passes.sharded_softmax import (extremum_of_shards, logsumexp_of_shards,
+from fxtp.passes.placement import local_range
+from fxtp.passes.sharded_softmax import (arg_of_shards, extremum_of_shards,
+                                         logsumexp_of_shards, pick_of_shards,
                                          softmax_of_shards)
 from tests import transformer_models as tm
 from tests.compiled import check_compiled
@@ -128,6 +130,64 @@ def test_matches_the_op_on_the_whole_tensor(ranks, name, dtype):
     assert ranks.run(kernel_vs_full, name, dtype)[0] == KERNEL_COUNTS[kind]
 
 
+# name: (shape, placement, dim, keepdim, largest); "ties", "masked" as above; "nan": some
+# rows hold nan, on either rank's part or both
+PICKS = {
+    "max": ((6, 16), Shard(1), -1, False, True),
+    "min_keepdim": ((6, 16), Shard(1), 1, True, False),
+    "max_ties": ((6, 16), Shard(1), 1, False, True),
+    "min_ties_dim0": ((16, 3, 2), Shard(0), 0, False, False),
+    "max_nan": ((6, 16), Shard(1), 1, False, True),
+    "min_nan": ((6, 16), Shard(1), 1, False, False),
+    "max_masked_rows": ((6, 16), Shard(1), 1, False, True),
+    "max_uneven_empty": ((4, 5), UnitShard(1, 5), 1, False, True),
+    "min_ties_uneven": ((4, 10), UnitShard(1, 10), 1, True, False),
+}
+
+
+def pick_vs_full(rank, world, name, dtype):
+    """``max`` / ``min`` along a dim (values, indices, the values' gradient) and ``argmax``
+    / ``argmin`` against torch's on the whole tensor."""
+    shape, placement, dim, keepdim, largest = PICKS[name]
+    full = _whole(name, shape, dtype)
+    if "nan" in name:
+        with torch.no_grad():
+            full[1, 3] = full[2, -2] = full[2, 5] = torch.nan
+    ref_values, ref_index = (torch.max if largest else torch.min)(full, dim, keepdim)
+    upstream = torch.randn(ref_values.shape, generator=torch.Generator().manual_seed(1),
+                           dtype=torch.float64).to(dtype)
+    (ref_values.nan_to_num(0, 0, 0) * upstream).sum().backward()
+    x = local_part(full.detach(), placement, rank, world).clone().requires_grad_()
+    offset = local_range(placement, shape[dim], rank, world)[0]
+    args = (dim, keepdim, largest, offset, rank, world, dist.group.WORLD.group_name)
+    with fxtp.count_collectives() as fwd:
+        values, index = pick_of_shards(x, *args)
+    with fxtp.count_collectives() as bwd:
+        (values.nan_to_num(0, 0, 0) * upstream).sum().backward()
+    assert torch.equal(index, ref_index) and index.dtype == torch.long
+    torch.testing.assert_close(values, ref_values.detach(), equal_nan=True, rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, local_part(full.grad, placement, rank, world),
+                               rtol=0, atol=0)
+    arg = (torch.argmax if largest else torch.argmin)(full.detach(), dim, keepdim)
+    assert torch.equal(arg_of_shards(x.detach(), *args), arg)
+    if dtype == torch.float64:  # integers: the candidates pack exactly too
+        ints = (full.detach().nan_to_num(0, 0, 0) * 4).long()
+        got = pick_of_shards(local_part(ints, placement, rank, world), *args)
+        want = (torch.max if largest else torch.min)(ints, dim, keepdim)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    return dict(fwd.counts), dict(bwd.counts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16],
+                         ids=["fp64", "fp32", "bf16"])
+@pytest.mark.parametrize("name", list(PICKS))
+def test_max_and_argmax_along_a_sharded_dim_match_torchs(ranks, name, dtype):
+    """Exactly torch's values and indices (the first extreme, nan first) and the values'
+    gradient on the holding rank: one all-gather of each rank's (value, index) pair per
+    row forward, none backward."""
+    assert ranks.run(pick_vs_full, name, dtype)[0] == ({"all_gather": 1}, {})
+
+
 # --- losses on loss parallel's class-sharded logits ---------------------------------------
 
 L = 2  # layers
@@ -198,8 +258,23 @@ class PolicyGradient(nn.Module):
         return -torch.minimum(ratio * advantages, ratio.clamp(0.8, 1.2) * advantages).mean()
 
 
+class SelfTrained(nn.Module):
+    """Self-training on the model's own most likely tokens (``argmax`` of the detached
+    logits) with a penalty on the largest logit (``max(-1).values``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = tm.Llama(tm.LlamaConfig(n_heads=8, n_kv_heads=4))
+
+    def forward(self, tokens, targets):
+        logits = self.model(tokens)
+        pseudo = logits.detach().argmax(-1)
+        return F.cross_entropy(logits.flatten(0, 1), pseudo.flatten()) + \
+            1e-2 * logits.max(-1).values.square().mean()
+
+
 LOSSES = {"z_loss": ZLossLM, "distillation": DistilledLM, "nll": HandWrittenNLL,
-          "policy_gradient": PolicyGradient}
+          "policy_gradient": PolicyGradient, "self_trained": SelfTrained}
 
 
 def loss_parity(rank, world, loss, dtype):
@@ -236,6 +311,15 @@ def test_target_log_probabilities_from_class_sharded_logits_match_single_device(
         ({"all_reduce": 2 * L + 1 + 2 + 1}, {"all_reduce": 2 * L + 1 + 1})
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_argmax_and_max_of_class_sharded_logits_match_single_device(ranks, dtype):
+    """The pseudo-labels' argmax and the largest logits' max each all-gather a (value,
+    index) pair per token forward, besides loss parallel's 3; backward Megatron's alone
+    (the max's gradient goes to the rank holding it). Before, the logits were gathered."""
+    assert ranks.run(loss_parity, "self_trained", dtype)[0] == \
+        ({"all_reduce": 2 * L + 1 + 3, "all_gather": 2}, {"all_reduce": 2 * L + 1})
+
+
 def test_explain_reports_the_kernels_collectives(fake_group):
     """Per-token values in the sums' dtype (fp32): 2 forward each, 1 backward for the
     student's log-softmax, none for the detached teacher's."""
@@ -248,10 +332,20 @@ def test_explain_reports_the_kernels_collectives(fake_group):
     assert [n.placement for n in kernels] == ["S(2)", "S(2)"]
 
 
+def test_explain_reports_the_picks_all_gathers(fake_group):
+    """A (value, index) pair per token, each 8 bytes, from every rank; nothing backward."""
+    fake_group(4)
+    gm = fxtp.parallelize(SelfTrained(), PLAN, example_inputs=(TOKENS, TARGETS), strict=True)
+    kernels = [n for n in fxtp.explain(gm).nodes if n.collective == "sharded_softmax"]
+    pair = ("all_gather", 2 * TOKENS.numel() * 8)
+    assert [([(c.kind, c.bytes) for c in n.forward], n.backward) for n in kernels] == \
+        [([pair], []), ([pair], [])]
+
+
 class Probabilities(nn.Module):
     """A colwise projection's outputs as probabilities, scaled by a max, mixed back by a
-    rowwise projection, plus a log-normalizer (each kernel on other values: inductor would
-    merge all-reduces of the same row maxima)."""
+    rowwise projection, plus a log-normalizer and a max with its index (each kernel on
+    other values: inductor would merge all-reduces of the same row maxima)."""
 
     def __init__(self, dim=16, hidden=32):
         super().__init__()
@@ -260,7 +354,8 @@ class Probabilities(nn.Module):
     def forward(self, x):
         h = self.up(x)
         p = h.softmax(-1) * (2 * h).amax(-1, keepdim=True)
-        return self.down(p) + torch.logsumexp(h - 1, -1, keepdim=True)
+        return self.down(p) + torch.logsumexp(h - 1, -1, keepdim=True) + \
+            (h + 1).max(-1, keepdim=True).values
 
 
 def compiled_probabilities(rank, world):
@@ -273,8 +368,8 @@ def test_the_kernels_compile_whole(ranks2):
     """Under ``torch.compile(fullgraph=True)`` the kernels' all-reduces are in inductor's
     code, at parity over 2 AdamW steps. Eager: softmax 2 + 1, amax 1 + 1, logsumexp 2 + 0,
     the rowwise output's 1 forward, the max's gradient sum and the colwise input's gradient
-    backward. Compiled, the same 10: AOT's partitioner moves the ties' count, which reads
+    backward; the max along a dim 1 all-gather + 0. Compiled, the same 10: AOT's partitioner moves the ties' count, which reads
     no gradient, into the forward."""
     counts = ranks2.run(compiled_probabilities)[0]
-    assert counts["eager"] == ({"all_reduce": 6}, {"all_reduce": 4})
-    assert counts["compiled"] == ({"all_reduce": 7}, {"all_reduce": 3})
+    assert counts["eager"] == ({"all_reduce": 6, "all_gather": 1}, {"all_reduce": 4})
+    assert counts["compiled"] == ({"all_reduce": 7, "all_gather": 1}, {"all_reduce": 3})
