@@ -14,6 +14,7 @@ holding its target: a ``Partial`` loss, summed by one all-reduce where it is rea
 """
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
@@ -65,11 +66,7 @@ def class_sharded(node: fx.Node, world: int, actual=()):
     inputs = (shard, shard if target.is_floating_point() else Replicate())
     if _options(node)["weight"] is not None:
         inputs += (Replicate(),)
-    yield inputs, (P if _is_nll(node) else Replicate(),)
-
-
-def _is_nll(node: fx.Node) -> bool:
-    return "nll_loss" in str(node.target)
+    yield inputs, (P if node.target is torch.ops.aten.nll_loss_nd.default else Replicate(),)
 
 
 def _class_shard(node: fx.Node, inputs) -> bool:
