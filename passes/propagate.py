@@ -39,7 +39,8 @@ from .placement import (R, describe, is_narrowing, is_replicate, is_sharded,
                         transition_cost)
 from .dimspec import indivisible
 from .reduce_early import reduce_early
-from .rules import PASSTHROUGH, ZERO_FILLED, returns_alias, rule_for, writes_first_input
+from .rules import (PASSTHROUGH, ZERO_FILLED, returns_alias, rule_for, writes_first_input,
+                    written_args, written_inputs)
 
 
 def propagate(gm: fx.GraphModule, world: int, strict: bool = False) -> list[str]:
@@ -101,7 +102,7 @@ def _shard_wanted(node: fx.Node):
         needs = user.meta.get(INPUTS) or ()
         inputs = tensor_inputs(user)
         if user.op != "call_function" or len(needs) != len(inputs) or STAMP in user.meta or \
-                writes_first_input(user.target) and user.args[0] is node:
+                any(inputs[i] is node for i in written_inputs(user)):
             return None
         wanted |= {p for a, p in zip(inputs, needs) if a is node}
     want = next(iter(wanted)) if len(wanted) == 1 else None
@@ -117,7 +118,7 @@ def _made_at_source(gm, node: fx.Node, want, world: int, shared: set) -> list | 
             isinstance(attr(gm, node.target), nn.Parameter) else None
     rule = rule_for(node.target) if node.op == "call_function" else None
     if rule is None or {STAMP, FALLBACK, PINNED} & node.meta.keys() or \
-            writes_first_input(node.target):
+            written_args(node.target):
         return None
     inputs = tensor_inputs(node)
     actual = [placement_of(a) for a in inputs]
@@ -188,9 +189,10 @@ def _propagate_call(node: fx.Node, world: int) -> str | None:
             node.meta[PLACEMENT] = pinned
             return None
         pinned = None  # zeros of a shard's shape: placed as the shard is
+    kept = [i for i in written_inputs(node) if i > 0]  # state an op updates (BatchNorm's)
     for ins, out in rule.strategies(node, world, actual):
-        if writes and ins[0] != actual[0]:
-            continue  # an in-place op writes the caller's tensor, as it is placed
+        if writes and ins[0] != actual[0] or any(ins[i] not in (None, actual[i]) for i in kept):
+            continue  # an in-place op writes the caller's tensors, as they are placed
         if pinned is not None and tuple(out) != (pinned,):
             continue
         cost = inputs_cost(actual, ins, in_vals, world)

@@ -30,7 +30,8 @@ from .graph import (AUTOCAST, COLLECTIVE, INPUTS, PLACEMENT, STAMP, attr, branch
                     placement_of, stack_upto, tensor_inputs, val)
 from .placement import (UnitShard, blocks, describe, is_replicate, is_sharded,
                         local_range, numel_hint, transition_steps)
-from .rules import is_tagged_pointwise, replicated_into_partial, writes_first_input
+from .rules import (is_tagged_pointwise, replicated_into_partial, writes_first_input,
+                    written_args)
 
 aten = torch.ops.aten
 
@@ -299,8 +300,7 @@ def computed_from_parameters(graph: fx.Graph) -> set:
 def _pure(target) -> bool:
     if not isinstance(target, torch._ops.OpOverload):
         return target is operator.getitem
-    return torch.Tag.nondeterministic_seeded not in target.tags and \
-        not writes_first_input(target)
+    return torch.Tag.nondeterministic_seeded not in target.tags and not written_args(target)
 
 
 def _bucket_param_grad_syncs(graph: fx.Graph, params: dict, group: str, where: str,

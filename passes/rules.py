@@ -722,6 +722,26 @@ def _group_norm_spec(node):
     return DimSpec((x,) + params, (x,))
 
 
+def _batch_norm_spec(training_arg: Optional[int]):
+    """``batch_norm`` / ``native_batch_norm(x (N, C, *), weight, bias, running_mean,
+    running_var, training, ...)`` and the eval form: channels are independent, so the channel dim shards with
+    every per-channel tensor (the running statistics it updates included) and the saved
+    per-channel statistics; the batch and spatial dims, which statistics are taken over
+    in training, never shard then (in eval, given ``training_arg`` None, they shard
+    freely)."""
+    def spec(node):
+        n = _rank(node.args[0])
+        training = training_arg is not None and _arg(node, training_arg, "training", True)
+        x = tuple("c" if j == 1 else f"d{j}!" if training else f"d{j}" for j in range(n))
+        params = tuple(("c",) for _ in tensor_inputs(node)[1:])
+        outs = [x] + [("c",) if getattr(v, "shape", None) == val(node.args[0]).shape[1:2]
+                      else tuple(fixed_label() for _ in range(v.dim()))
+                      if isinstance(v, torch.Tensor) else None
+                      for v in output_vals(node)[1:]]
+        return DimSpec((x,) + params, tuple(outs))
+    return Rule(spec)
+
+
 def _sdpa_spec(node):
     """Batch and head dims shard; query/key length and head dim do not (GQA: key/value may
     have fewer heads; they shard on the same head label). Serves ``scaled_dot_product_attention``
@@ -1107,6 +1127,9 @@ RULES.update({
     aten.native_layer_norm.default: Rule(_norm_spec),
     aten._fused_rms_norm.default: Rule(_norm_spec),
     aten.group_norm.default: Rule(_group_norm_spec),
+    aten.batch_norm.default: _batch_norm_spec(training_arg=5),
+    aten.native_batch_norm.default: _batch_norm_spec(training_arg=5),
+    aten._native_batch_norm_legit_no_training.default: _batch_norm_spec(training_arg=None),
     # along a dim
     aten.softmax.int: softmax(),
     aten._softmax.default: softmax(),
@@ -1282,14 +1305,31 @@ def returns_alias(target) -> bool:
         any(r.alias_info is not None for r in target._schema.returns)
 
 
+# ops that update their running statistics in training, which their schemas do not mark
+_UNMARKED_WRITES = {aten.native_batch_norm.default: (3, 4), aten.batch_norm.default: (3, 4)}
+
+
+def written_args(target) -> tuple[int, ...]:
+    """The positions of the arguments an ATen op writes in place (``add_``'s first,
+    ``native_batch_norm``'s running statistics, 3 and 4): those inputs must keep their
+    placements, so the op writes the caller's tensors, not redistributed copies."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return ()
+    return _UNMARKED_WRITES.get(target) or tuple(
+        i for i, a in enumerate(target._schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write)
+
+
 def writes_first_input(target) -> bool:
-    """Whether an ATen op writes its first argument in place (``add_``, ``index_put_``):
-    that input must keep its placement, so the op writes the caller's tensor, not a
-    redistributed copy."""
-    if not isinstance(target, torch._ops.OpOverload) or not target._schema.arguments:
-        return False
-    alias = target._schema.arguments[0].alias_info
-    return alias is not None and alias.is_write
+    """Whether an ATen op writes its first argument in place (``add_``, ``index_put_``)."""
+    return 0 in written_args(target)
+
+
+def written_inputs(node: fx.Node) -> list[int]:
+    """The indices, among ``tensor_inputs(node)``, of the tensors ``node`` writes in place."""
+    inputs = tensor_inputs(node)
+    return [inputs.index(node.args[p]) for p in written_args(node.target)
+            if p < len(node.args) and node.args[p] in inputs]
 
 
 def localize_shape(shape, placement, group, graph: fx.Graph, before: fx.Node):

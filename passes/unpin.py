@@ -133,7 +133,7 @@ def _upstream(gm: fx.GraphModule, markers: list[fx.Node]) -> dict[fx.Node, int]:
 def _written_from(node: fx.Node, upstream: dict, markers: int) -> bool:
     """Whether a value computed from one of ``markers`` is written in place into ``node``
     (or a view of it)."""
-    return any(upstream[writer] & markers for writer, _ in writes_into(node))
+    return any(upstream[writer] & markers for writer, *_ in writes_into(node))
 
 
 def _markers(gm: fx.GraphModule) -> list[fx.Node]:

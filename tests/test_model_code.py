@@ -420,3 +420,53 @@ def test_a_sequence_parallel_parallel_block_reduce_scatters_once(ranks):
     assert ranks.run(parity, ParallelStack, PARALLEL_SP_PLAN)[0] == (
         {"all_gather": 2, "reduce_scatter": 1, "all_reduce": 1},
         {"reduce_scatter": 2, "all_reduce": 2, "all_gather": 2})
+
+
+class BatchNormed(nn.Module):
+    """A BatchNorm over a colwise projection's channels (a convolutional or MLP-Mixer
+    block's), then a rowwise projection. ``native_batch_norm`` updates its running
+    statistics in place, which its schema does not mark."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
+        self.bn = nn.BatchNorm1d(4 * DIM)
+
+    def forward(self, x):
+        h = self.bn(self.up(x).transpose(1, 2)).transpose(1, 2)
+        return self.down(F.gelu(h))
+
+
+BN_PLAN = {"up": fxtp.ColwiseParallel(), "down": fxtp.RowwiseParallel()}
+
+
+def batch_norm_state(rank, world):
+    """Parity over 3 steps; then the running statistics after a step and the outputs in
+    eval mode (where they are read), against single device."""
+    counts = parity(rank, world, BatchNormed, BN_PLAN)
+    torch.manual_seed(0)
+    model = BatchNormed().double()
+    x = example(B, T, DIM).double()
+    gm = fxtp.parallelize(model, BN_PLAN, example_inputs=(x,), strict=True)
+    gm(x)
+    model(x)
+    held = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
+            for k, v in gm.state_dict().items()}
+    for name, t in model.state_dict().items():
+        torch.testing.assert_close(held[name], t, rtol=1e-9, atol=1e-11, msg=name)
+    placements = {k: v.placements for k, v in gm.state_dict().items() if "running" in k}
+    gm.eval()
+    model.eval()
+    torch.testing.assert_close(gm(x), model(x), rtol=1e-9, atol=1e-11)
+    return counts, placements
+
+
+def test_a_batch_norm_on_channel_shards_keeps_its_running_statistics_as_them(ranks):
+    """Channels are independent: each rank normalizes and updates the statistics of its own
+    (held as ``Shard(0)``; the state dict holds the whole), with no collective of its own.
+    Before, the statistics stayed replicated and each rank updated only its part of them:
+    the ranks' copies disagreed, silently, and eval mode read them."""
+    counts, placements = ranks.run(batch_norm_state)[0]
+    assert counts == MEGATRON
+    assert placements == {"bn.running_mean": (fxtp.Shard(0),),
+                          "bn.running_var": (fxtp.Shard(0),)}

@@ -125,6 +125,12 @@ PROGRAMS = {
                                            F.group_norm(x4, 2, gw, gb)),
               lambda: (rand(4, 8, 12), rand(12), rand(12), rand(4, 8, 4, 4), rand(8),
                        rand(8))),
+    "batch_norm": (lambda x, w, b, rm, rv: (
+                       F.batch_norm(x, rm.clone(), rv.clone(), w, b, training=True),
+                       F.batch_norm(x, rm, rv, w, b, training=False),
+                       aten.native_batch_norm(x, w, b, rm.clone(), rv.clone(), True, 0.1, 1e-5),
+                       aten._native_batch_norm_legit_no_training(x, w, b, rm, rv, 0.1, 1e-5)),
+                   lambda: (rand(4, 8, 12), rand(8), rand(8), rand(8), rand(8).abs() + 0.5)),
     "fused_rms_norm": (lambda x, w: aten._fused_rms_norm(x, [12], w, 1e-6),
                        lambda: (rand(4, 8, 12), rand(12))),
     # along a dim
