@@ -1,6 +1,7 @@
 """Gradient clipping: fxtp.clip_grad_norm_ computes the norm of the single-device gradients
 (sharded partial norms reduced in one collective, replicated gradients counted once) and
-clips like torch.nn.utils.clip_grad_norm_ on the single-device model."""
+clips like torch.nn.utils.clip_grad_norm_ on the single-device model. Loss scaling: an
+overflow in one rank's shard skips the step on every rank."""
 import copy
 import math
 
@@ -77,3 +78,37 @@ def test_clip_grad_norm_of_blocks_compiled_or_checkpointed_in_place(ranks2):
     """The wrappers' segments in parameter names do not hide which gradients are sharded."""
     for counts, total, norm in ranks2.run(clip, "llama", 2.0, 0.3, fxtp.clip_grad_norm_, True):
         assert counts == {"all_reduce": 1} and total == pytest.approx(norm, rel=1e-12)
+
+
+def overflow_on_one_rank(rank, world, dtensor_params, scaler):
+    """One element of rank 1's shard of a gradient overflows: does each rank step, and what
+    scale does it go on with?"""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    make, plan = SUBJECTS["llama"]
+    torch.manual_seed(0)
+    gm = fxtp.parallelize(make(), plan, example_inputs=(TOKENS,), dtensor_params=dtensor_params)
+    opt = torch.optim.AdamW(gm.parameters(), lr=1e-2)
+    scaler = (ShardedGradScaler if scaler == "sharded" else torch.amp.GradScaler)(
+        "cpu", init_scale=2.0 ** 8)
+    scaler.scale(gm(TOKENS).square().mean()).backward()
+    weight = gm.get_parameter("layers.0.attention.wq.weight")
+    if rank == 1:
+        local_of(weight.grad)[0, 0] = math.inf
+    before = local_of(weight).detach().clone()
+    scaler.step(opt)
+    scaler.update()
+    return not torch.equal(local_of(weight).detach(), before), scaler.get_scale()
+
+
+@pytest.mark.parametrize("dtensor_params,scaler", [(True, "torch"), (False, "sharded")],
+                         ids=["dtensor-params-GradScaler", "local-params-ShardedGradScaler"])
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(ranks2, dtensor_params, scaler):
+    """fxtp's DTensor parameters: torch's ``GradScaler`` finds the overflow on every rank.
+    Plain local parameters (``dtensor_params=False``): torch's ``ShardedGradScaler`` over the
+    TP group does; a plain ``GradScaler`` would see only its own shard, and rank 0 would
+    step while rank 1 skips (asserted below)."""
+    assert ranks2.run(overflow_on_one_rank, dtensor_params, scaler) == [(False, 128.0)] * 2
+
+
+def test_a_plain_grad_scaler_on_local_parameters_sees_only_its_shard(ranks2):
+    assert ranks2.run(overflow_on_one_rank, False, "torch") == [(True, 256.0), (False, 128.0)]
