@@ -48,7 +48,7 @@ from .passes.placement import (UnitShard, blocks, describe, is_sharded, local_ra
 from .passes.modules import inline_program
 
 from .passes.cross_entropy import forward_all_reduce_bytes, loss_parallel_cross_entropy
-from .passes.sharded_norm import norm_of_shards
+from .passes.sharded_norm import layer_norm_bytes, layer_norm_of_shards, norm_of_shards
 from .passes.sharded_softmax import (arg_of_shards, collective_bytes, extremum_of_shards,
                                      logsumexp_of_shards, pick_of_shards, softmax_of_shards)
 from .names import model_fqn
@@ -119,6 +119,7 @@ def node_info(node: fx.Node, rank: int, world: int, hints: dict,
 
 # local ops that communicate inside -> the kind explain reports them as
 _COMMUNICATING = {loss_parallel_cross_entropy: "loss_parallel", norm_of_shards: "sharded_norm",
+                  layer_norm_of_shards: "sharded_norm",
                   **dict.fromkeys([logsumexp_of_shards, softmax_of_shards, extremum_of_shards,
                                    pick_of_shards, arg_of_shards], "sharded_softmax")}
 
@@ -206,6 +207,11 @@ def _comms(node: fx.Node, kind: str, rank: int, world: int, grads) -> tuple[list
         dims = args["dims"] if "dims" in args else [args["dim"]]
         rows = _numel_hint(x) // math.prod(_hint(x.shape[d]) for d in dims)
         forward, backward = collective_bytes(node.target, rows, args.get("dtype") or x.dtype)
+        return [Comm(*c) for c in forward], [Comm(*c) for c in backward if args["x"] in grads]
+    if node.target is layer_norm_of_shards:
+        x = val(args["x"])
+        rows = _numel_hint(x) // math.prod(_hint(s) for s in x.shape[x.dim() - args["k"]:])
+        forward, backward = layer_norm_bytes(rows, x.dtype)
         return [Comm(*c) for c in forward], [Comm(*c) for c in backward if args["x"] in grads]
     if kind == "sharded_norm":  # replicated: every rank sums a tensor of the norm's size
         return [Comm("all_reduce", _local_bytes(node, rank, world))], []

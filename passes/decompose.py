@@ -20,7 +20,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .graph import placement_of
-from .placement import is_sharded
+from .placement import is_blocked, is_grouped, is_sharded
 from .rules import rule_for
 
 aten = torch.ops.aten
@@ -44,9 +44,10 @@ def decompose_unruled(gm: fx.GraphModule) -> list[str]:
 
 
 def decompose_sharded_norms(gm: fx.GraphModule, world: int) -> bool:
-    """Replace each ``layer_norm`` / ``rms_norm`` whose input arrives sharded on a
-    normalized dim (a q / k norm over all heads, read on a colwise projection's head shards:
-    ESM-C's, OLMo-core's), and each variance or standard deviation over a sharded dim (the
+    """Replace each ``rms_norm`` whose input arrives sharded on a normalized dim (a q / k
+    norm over all heads, read on a colwise projection's head shards: OLMo-core's), each
+    ``layer_norm`` whose input arrives so in blocks or to groups of ranks (even and unit
+    shards are its rule's kernel's, :mod:`~fxtp.passes.sharded_norm`), and each variance or standard deviation over a sharded dim (the
     same norm written by hand), by its means, centring and scaling ops, whose rules sum the
     ranks' partial sums (one all-reduce per mean, each way) instead of gathering the input.
     Run between propagations: ``True`` where the graph changed."""
@@ -57,6 +58,9 @@ def decompose_sharded_norms(gm: fx.GraphModule, world: int) -> bool:
             continue
         function, reduced = found
         p, rank = placement_of(node.args[0]), node.args[0].meta["val"].dim()
+        if node.target is aten.layer_norm.default and not (is_blocked(p) or
+                                                           is_grouped(p, world)):
+            continue  # its rule's kernel takes even and unit shards in one collective
         if is_sharded(p) and getattr(p, "dim", -1) % rank in reduced(node, rank) and \
                 _inline_decomposition(gm.graph, node, function):
             gm.graph.erase_node(node)

@@ -36,7 +36,7 @@ from .graph import (INTO_PARTIAL, is_tensor_node, output_vals, stamp_edge, tenso
 from .local_ops import (add_replicated_once, gather_of_shard, mean_of_shard, sharded_dropout,
                         vocab_parallel_embedding)
 from .loss_parallel import class_sharded, cross_entropy_spec, loss_parallel, nll_on_classes
-from .sharded_norm import norm_rule_parts
+from .sharded_norm import layer_norm_rule_parts, norm_rule_parts
 from .sharded_softmax import pick_rule_parts, reduction_rule_parts, softmax_rule_parts
 from .placement import (P, R, UnitShard, block_bounds, cut_in_blocks, is_blocked,
                         is_grouped, is_sharded, is_whole, local_range)
@@ -1122,7 +1122,7 @@ RULES.update({
     aten.nll_loss_nd.default: Rule(cross_entropy_spec, local_op=nll_on_classes,
                                    extra=class_sharded),
     # normalizations
-    aten.layer_norm.default: Rule(_norm_spec),
+    aten.layer_norm.default: Rule(_norm_spec, **_parts(layer_norm_rule_parts())),
     aten.rms_norm.default: Rule(_norm_spec),
     aten.native_layer_norm.default: Rule(_norm_spec),
     aten._fused_rms_norm.default: Rule(_norm_spec),

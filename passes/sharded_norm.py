@@ -1,4 +1,4 @@
-"""Vector norms over a sharded dim, without gathering the tensor.
+"""Vector norms and LayerNorm over a sharded dim, without gathering the tensor.
 
 A p-norm over dims that are split among the ranks is the p-th root of the sum of every
 rank's ``sum |x|^p``: one all-reduce of a tensor of the norm's (output) shape. DoRA takes
@@ -8,6 +8,13 @@ Offered as an extra strategy of ``linalg_vector_norm`` / ``norm`` for finite ``p
 a replicated norm whatever partition of the reduced dim the input arrives in, even or
 not, blocked or strided, as long as each element lies on exactly one rank. Backward is
 local: the gradient of this rank's elements, from the replicated norm.
+
+``layer_norm`` over normalized dims one of which is split among the ranks (a q / k norm
+over all heads, read on a colwise projection's head shards: ESM-C's ``nn.LayerNorm``)
+needs each row's mean and variance: each rank's mean and sum of squared deviations, all
+gathered in one collective and combined exactly (Chan's parallel formula, no cancellation
+of large means); backward needs two row sums of the gradient, stacked in one all-reduce.
+One collective each way where the norm's decomposition into means costs two.
 """
 from __future__ import annotations
 
@@ -18,9 +25,9 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
-from .collectives import _all_reduce
-from .graph import val
-from .placement import is_grouped, is_sharded
+from .collectives import _all_gather, _all_reduce
+from .graph import tensor_inputs, val
+from .placement import UnitShard, is_blocked, is_grouped, is_sharded, local_range
 
 
 def norm_of_shards(x: torch.Tensor, ord: float, dims: list[int], keepdim: bool, dtype,
@@ -95,5 +102,99 @@ def norm_rule_parts(dims_of: Callable[[fx.Node], list[int]], ord_arg: int = 1,
             node.kwargs.get("keepdim", False)
         return norm_of_shards, (node.args[0], p, sorted(dims), keepdim,
                                 node.kwargs.get("dtype"), group.name), {}
+
+    return extra, local_op
+
+
+def layer_norm_of_shards(x: torch.Tensor, k: int, weight, bias, eps: float,
+                         counts: tuple[int, ...], group: str) -> torch.Tensor:
+    """This rank's part of ``F.layer_norm`` over ``x``'s last ``k`` dims, whose elements
+    are split among the ranks of ``group``, rank ``r`` holding ``counts[r]`` of each row's;
+    ``weight`` and ``bias`` (or ``None``) are this rank's part of them."""
+    return _LayerNormOfShards.apply(x, k, weight, bias, eps, counts, group)
+
+
+def layer_norm_bytes(rows: int, dtype: torch.dtype) -> tuple[list, list]:
+    """``(kind, bytes per rank)`` of :func:`layer_norm_of_shards`'s collectives, forward
+    and backward, over ``rows`` rows of a ``dtype`` input: two statistics per row each way,
+    in fp32 (fp64 for fp64)."""
+    size = 2 * rows * torch.promote_types(dtype, torch.float32).itemsize
+    return [("all_gather", size)], [("all_reduce", size)]
+
+
+class _LayerNormOfShards(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, k, weight, bias, eps, counts, group):
+        dims = list(range(x.dim() - k, x.dim()))
+        a = x.to(torch.promote_types(x.dtype, torch.float32))
+        world, total = len(counts), float(sum(counts))
+        if all(a.shape[d] for d in dims):
+            mean = a.mean(dims, keepdim=True)
+            squares = (a - mean).square().sum(dims, keepdim=True)
+        else:  # this rank holds none of the rows' elements (an uneven split)
+            mean = squares = a.new_zeros([1 if d in dims else s for d, s in enumerate(a.shape)])
+        parts = _all_gather(torch.stack([mean, squares]), 0, world, group)
+        means, sums = parts.unflatten(0, (world, 2)).unbind(1)  # (world, rows...)
+        n = torch.tensor(counts, dtype=a.dtype).view(-1, *[1] * a.dim())
+        mean = (n * means).sum(0) / total
+        rstd = torch.rsqrt((sums + n * (means - mean).square()).sum(0) / total + eps)
+        ctx.save_for_backward(x, mean, rstd, weight)
+        ctx.k, ctx.total, ctx.group = k, total, group
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        out = (a - mean) * rstd
+        out = out if weight is None else out * weight
+        return (out if bias is None else out + bias).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, mean, rstd, weight = ctx.saved_tensors
+        dims = list(range(x.dim() - ctx.k, x.dim()))
+        leading = list(range(x.dim() - ctx.k))
+        g = grad.to(mean.dtype)
+        xhat = (x.to(mean.dtype) - mean) * rstd
+        gw = g if weight is None else g * weight
+        rows = _all_reduce(torch.stack([gw.sum(dims, keepdim=True),
+                                        (gw * xhat).sum(dims, keepdim=True)]), ctx.group)
+        dx = rstd * (gw - rows[0] / ctx.total - xhat * rows[1] / ctx.total)
+        dw = None if weight is None else (g * xhat).sum(leading).to(weight.dtype)
+        db = None if ctx.bias_dtype is None else g.sum(leading).to(ctx.bias_dtype)
+        return dx.to(x.dtype), None, dw, db, None, None, None
+
+
+def layer_norm_rule_parts():
+    """``(extra, local_op)`` of ``layer_norm``'s :class:`~fxtp.passes.rules.Rule`: ``x``
+    arriving sharded on a normalized dim, evenly or in units, with ``weight`` and ``bias``
+    sharded alike on their matching dim, gives an output sharded as ``x``."""
+    def normalized(node):
+        n, k = val(node.args[0]).dim(), len(node.args[1])
+        return n, k
+
+    def extra(node: fx.Node, world: int, actual=()):
+        n, k = normalized(node)
+        shape = val(node.args[0]).shape
+        offered = [Shard(d) for d in range(n - k, n)
+                   if isinstance(shape[d], int) and shape[d] % world == 0]
+        arrived = actual[0] if actual else None
+        if isinstance(arrived, UnitShard) and arrived.dim >= n - k and \
+                not is_grouped(arrived, world):
+            offered.append(arrived)
+        for p in offered:
+            params = Shard(p.dim - (n - k)) if type(p) is Shard else \
+                UnitShard(p.dim - (n - k), p.units)
+            yield (p,) + (params,) * (len(tensor_inputs(node)) - 1), (p,)
+
+    def local_op(node: fx.Node, inputs, output, group):
+        n, k = normalized(node)
+        p = inputs[0]
+        if not (is_sharded(p) and not is_blocked(p) and p.dim >= n - k):
+            return node.target, node.args, node.kwargs
+        shape = val(node.args[0]).shape
+        rows = math.prod(shape[d] for d in range(n - k, n)) // shape[p.dim]
+        counts = tuple(rows * local_range(p, shape[p.dim], r, group.world)[1]
+                       for r in range(group.world))
+        def arg(i, name, default=None):
+            return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+        return layer_norm_of_shards, (node.args[0], k, arg(2, "weight"), arg(3, "bias"),
+                                      arg(4, "eps", 1e-5), counts, group.name), {}
 
     return extra, local_op

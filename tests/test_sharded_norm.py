@@ -8,6 +8,8 @@ over a colwise layer's features, at parity with single device and Megatron's col
 plus the norm's one all-reduce; and LayerNorm / RMSNorm over all heads on head shards,
 taken as their means' partial sums.
 """
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,7 +20,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 import fxtp
 from fxtp.passes.placement import UnitShard
-from fxtp.passes.sharded_norm import norm_of_shards
+from fxtp.passes.placement import local_range
+from fxtp.passes.sharded_norm import layer_norm_of_shards, norm_of_shards
 from tests.compiled import check_compiled
 from tests.parity import TIGHT, check_parity, example, local_part
 
@@ -75,6 +78,75 @@ def norm_vs_full(rank, world, name):
 def test_matches_the_norm_of_the_whole_tensor(ranks, name):
     """One all-reduce of the norm's size forward, none backward."""
     assert ranks.run(norm_vs_full, name)[0] == ({"all_reduce": 1}, {})
+
+
+# name: (shape, normalized dims k, placement, affine, offset added to the input)
+LAYER_NORMS = {
+    "last_dim": ((6, 16), 1, Shard(1), True, 0.0),
+    "two_dims": ((3, 4, 8), 2, Shard(1), True, 0.0),
+    "two_dims_inner": ((3, 4, 8), 2, Shard(2), True, 0.0),
+    "no_affine": ((6, 16), 1, Shard(1), False, 0.0),
+    "uneven": ((4, 10), 1, UnitShard(1, 10), True, 0.0),
+    "uneven_empty": ((4, 5), 1, UnitShard(1, 5), True, 0.0),
+    "large_mean": ((6, 16), 1, Shard(1), True, 1e4),
+}
+
+
+def layer_norm_vs_full(rank, world, name, dtype):
+    shape, k, placement, affine, offset = LAYER_NORMS[name]
+    gen = torch.Generator().manual_seed(0)
+    full = (torch.randn(shape, generator=gen, dtype=torch.float64) + offset).to(dtype)
+    full.requires_grad_()
+    normalized = shape[-k:]
+    weight = (torch.rand(normalized, generator=gen, dtype=torch.float64) + 0.5).to(dtype) \
+        .requires_grad_() if affine else None
+    bias = torch.randn(normalized, generator=gen, dtype=torch.float64).to(dtype) \
+        .requires_grad_() if affine else None
+    upstream = torch.randn(shape, generator=torch.Generator().manual_seed(1),
+                           dtype=torch.float64).to(dtype)
+    close = TIGHT if dtype == torch.float64 else \
+        dict(rtol=1.6e-2, atol=2e-2) if dtype == torch.bfloat16 else {}
+    if offset:  # rounding |x| costs eps * offset in any kernel: against the exact result
+        full, weight, bias, upstream = (t.detach().double().requires_grad_(t.requires_grad)
+                                        for t in (full, weight, bias, upstream))
+        close = dict(rtol=0, atol=8 * torch.finfo(dtype).eps * offset)
+    ref = F.layer_norm(full, normalized, weight, bias, 1e-5)
+    (ref * upstream).sum().backward()
+    d = placement.dim
+    param_placement = Shard(d - (len(shape) - k)) if type(placement) is Shard else \
+        UnitShard(d - (len(shape) - k), placement.units)
+    x = local_part(full.detach(), placement, rank, world).to(dtype).requires_grad_()
+    w, b = (local_part(t.detach(), param_placement, rank, world).to(dtype).requires_grad_()
+            if t is not None else None for t in (weight, bias))
+    rows = math.prod(normalized) // shape[d]
+    counts = tuple(rows * local_range(placement, shape[d], r, world)[1] for r in range(world))
+    with fxtp.count_collectives() as fwd:
+        out = layer_norm_of_shards(x, k, w, b, 1e-5, counts, dist.group.WORLD.group_name)
+    with fxtp.count_collectives() as bwd:
+        (out * local_part(upstream, placement, rank, world).to(dtype)).sum().backward()
+    assert out.dtype == dtype and x.grad.dtype == dtype
+
+    def check(got, whole, p):
+        torch.testing.assert_close(got, local_part(whole, p, rank, world).to(dtype), **close)
+    check(out, ref.detach(), placement)
+    check(x.grad, full.grad, placement)
+    for mine, whole in ((w, weight), (b, bias)):
+        if whole is not None:
+            check(mine.grad, whole.grad, param_placement)
+    return dict(fwd.counts), dict(bwd.counts)
+
+
+@pytest.mark.parametrize("name,dtype", [
+    (name, dtype) for name in LAYER_NORMS
+    for dtype in (torch.float64, torch.float32, torch.bfloat16)
+    if not (name == "large_mean" and dtype == torch.bfloat16)],  # bf16 cannot hold x there
+    ids=lambda v: v if isinstance(v, str) else str(v).removeprefix("torch."))
+def test_layer_norm_kernel_matches_the_whole_tensors(ranks, name, dtype):
+    """Output and the gradients of the input, weight and bias, against ``F.layer_norm`` on
+    the whole tensor: one all-gather of each rank's mean and sum of squared deviations
+    forward (exact for a large mean: no cancellation), one all-reduce backward."""
+    assert ranks.run(layer_norm_vs_full, name, dtype)[0] == \
+        ({"all_gather": 1}, {"all_reduce": 1})
 
 
 class CosineFeatures(nn.Module):
@@ -167,24 +239,30 @@ def normed_heads(rank, world, norm, dtype):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
 @pytest.mark.parametrize("norm", list(NORMS))
 def test_a_norm_over_all_heads_on_head_shards_matches_single_device(ranks, norm, dtype):
-    """The norm is taken as its means, each rank's partial sums all-reduced (a value per
-    token): LayerNorm's mean and variance, RMSNorm's mean square, for q and for k, each
-    way; before, the heads were gathered for it (a fallback). Plus Megatron's: the
-    rowwise output forward, the colwise input's gradient backward."""
-    means = {"layer_norm": 2, "rms_norm": 1}[norm] * 2
-    assert ranks.run(normed_heads, norm, dtype)[0] == \
-        ({"all_reduce": 1 + means}, {"all_reduce": 1 + means})
+    """One collective per norm each way, for q and for k: LayerNorm's kernel all-gathers
+    each rank's mean and sum of squared deviations per token forward and all-reduces two
+    row sums of the gradient backward; RMSNorm, taken as its mean square, all-reduces each
+    rank's partial sum each way. Before, the heads were gathered for them (a fallback),
+    then LayerNorm took 2 all-reduces each way. Plus Megatron's: the rowwise output
+    forward, the colwise input's gradient backward."""
+    forward = {"layer_norm": {"all_gather": 2, "all_reduce": 1},
+               "rms_norm": {"all_reduce": 3}}[norm]
+    assert ranks.run(normed_heads, norm, dtype)[0] == (forward, {"all_reduce": 3})
 
 
 def test_the_norms_weights_are_held_as_the_heads_are(fake_group):
     """Read only on head shards, each rank holds the weights' and biases' part for its
-    heads: no gradient of theirs to sum."""
+    heads: no gradient of theirs to sum. ``explain`` reports each kernel's collectives."""
     fake_group(4)
     gm = fxtp.parallelize(NormedHeads(nn.LayerNorm), HEADS_PLAN,
                           example_inputs=(example(2, 8, 16),), strict=True)
     assert not gm.fxtp.fallbacks
     assert {name: p for name, p in gm.fxtp.param_placements.items() if "norm" in name} == \
         {f"{n}_norm.{p}": Shard(0) for n in "qk" for p in ("weight", "bias")}
+    kernels = [n for n in fxtp.explain(gm).nodes if n.collective == "sharded_norm"]
+    per_token = 2 * 2 * 8 * 4  # two fp32 statistics for each of 2 x 8 tokens
+    assert [([(c.kind, c.bytes) for c in n.forward], [(c.kind, c.bytes) for c in n.backward])
+            for n in kernels] == [([("all_gather", per_token)], [("all_reduce", per_token)])] * 2
 
 
 class HandWrittenLayerNorm(nn.Module):
