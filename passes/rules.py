@@ -724,11 +724,11 @@ def _group_norm_spec(node):
 
 def _batch_norm_spec(training_arg: Optional[int]):
     """``batch_norm`` / ``native_batch_norm(x (N, C, *), weight, bias, running_mean,
-    running_var, training, ...)`` and the eval form: channels are independent, so the channel dim shards with
-    every per-channel tensor (the running statistics it updates included) and the saved
-    per-channel statistics; the batch and spatial dims, which statistics are taken over
-    in training, never shard then (in eval, given ``training_arg`` None, they shard
-    freely)."""
+    running_var, training, ...)`` and the eval form: channels are independent, so the
+    channel dim shards with every per-channel tensor (the running statistics it updates
+    included) and the saved per-channel statistics; the batch and spatial dims, which
+    statistics are taken over in training, never shard then (in eval, given
+    ``training_arg`` None, they shard freely)."""
     def spec(node):
         n = _rank(node.args[0])
         training = training_arg is not None and _arg(node, training_arg, "training", True)
