@@ -715,11 +715,29 @@ def _norm_spec(node):
 
 
 def _group_norm_spec(node):
-    """``group_norm(x (N, C, *), groups, weight, bias)``: only the batch dim shards."""
+    """``group_norm(x (N, C, *), groups, weight, bias)``: the batch dim shards; channels by
+    :func:`_whole_groups`."""
     n = _rank(node.args[0])
     x = ("n",) + tuple(fixed_label() for _ in range(n - 1))
     params = tuple((x[1],) for _ in tensor_inputs(node)[1:])
     return DimSpec((x,) + params, (x,))
+
+
+def _whole_groups(node: fx.Node, world: int, actual=()):
+    """``group_norm`` on channel shards holding whole groups (the groups divide by the
+    world size: RWKV's and RetNet's norm over heads, read on head shards), weight and bias
+    sharded alike: each rank normalizes its own groups."""
+    channels, groups = val(node.args[0]).shape[1], node.args[1]
+    if isinstance(channels, int) and groups % world == 0:
+        yield (Shard(1),) + (Shard(0),) * (len(tensor_inputs(node)) - 1), (Shard(1),)
+
+
+def _local_groups(node, inputs, output, group):
+    """On channel shards: this rank's number of groups."""
+    if inputs[0] != Shard(1):
+        return node.target, node.args, node.kwargs
+    return node.target, (node.args[0], node.args[1] // group.world, *node.args[2:]), \
+        node.kwargs
 
 
 def _batch_norm_spec(training_arg: Optional[int]):
@@ -1126,7 +1144,8 @@ RULES.update({
     aten.rms_norm.default: Rule(_norm_spec),
     aten.native_layer_norm.default: Rule(_norm_spec),
     aten._fused_rms_norm.default: Rule(_norm_spec),
-    aten.group_norm.default: Rule(_group_norm_spec),
+    aten.group_norm.default: Rule(_group_norm_spec, extra=_whole_groups, local_op=_local_groups,
+                                  strided=False, units=False),
     aten.batch_norm.default: _batch_norm_spec(training_arg=5),
     aten.native_batch_norm.default: _batch_norm_spec(training_arg=5),
     aten._native_batch_norm_legit_no_training.default: _batch_norm_spec(training_arg=None),

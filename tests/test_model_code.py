@@ -470,3 +470,32 @@ def test_a_batch_norm_on_channel_shards_keeps_its_running_statistics_as_them(ran
     assert counts == MEGATRON
     assert placements == {"bn.running_mean": (fxtp.Shard(0),),
                           "bn.running_var": (fxtp.Shard(0),)}
+
+
+class GroupNormedHeads(nn.Module):
+    """Attention whose output is normalized per head by a GroupNorm with a group per head,
+    as RWKV (``ln_x``) and RetNet write it, between the colwise projections and the rowwise
+    output: on head shards each rank holds whole groups."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.kv = nn.Linear(DIM, DIM), nn.Linear(DIM, 2 * DIM)
+        self.norm = nn.GroupNorm(HEADS, DIM)
+        with torch.no_grad():
+            self.norm.weight.copy_(torch.linspace(0.5, 1.5, DIM))
+            self.norm.bias.copy_(torch.linspace(-0.2, 0.2, DIM))
+        self.o = nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, HEADS, HEAD).transpose(1, 2)
+        k, v = (y.view(b, t, HEADS, HEAD).transpose(1, 2) for y in self.kv(x).chunk(2, -1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        return self.o(self.norm(y.reshape(b * t, DIM)).view(b, t, DIM))
+
+
+def test_a_group_norm_over_heads_runs_on_head_shards(ranks):
+    """Each rank normalizes its own heads' groups, its part of the weight and bias held as
+    the heads are: Megatron's collectives and nothing else (before, the heads were
+    gathered for the norm: a fallback)."""
+    assert ranks.run(parity, GroupNormedHeads)[0] == MEGATRON
