@@ -1011,8 +1011,9 @@ def _gathered_from_shards(node: fx.Node, world: int, actual=()):
     targets from vocab-sharded logits, as RL and preference-tuning code computes them)."""
     x = val(node.args[0])
     d = node.args[1] % x.dim() if x.dim() else 0
-    offered = [Shard(d)] if x.dim() and isinstance(x.shape[d], int) and \
-        x.shape[d] % world == 0 else []
+    if not x.dim() or not isinstance(x.shape[d], int):
+        return  # each rank's offset into the dim is a number
+    offered = [Shard(d)] if x.shape[d] % world == 0 else []
     arrived = actual[0] if actual else None
     if isinstance(arrived, (Shard, UnitShard)) and not is_blocked(arrived) and \
             arrived.dim == d and not is_grouped(arrived, world) and arrived not in offered:

@@ -172,8 +172,9 @@ def layer_norm_rule_parts():
     def extra(node: fx.Node, world: int, actual=()):
         n, k = normalized(node)
         shape = val(node.args[0]).shape
-        offered = [Shard(d) for d in range(n - k, n)
-                   if isinstance(shape[d], int) and shape[d] % world == 0]
+        if not all(isinstance(shape[d], int) for d in range(n - k, n)):
+            return  # the ranks' counts of a row's elements are numbers
+        offered = [Shard(d) for d in range(n - k, n) if shape[d] % world == 0]
         arrived = actual[0] if actual else None
         if isinstance(arrived, UnitShard) and arrived.dim >= n - k and \
                 not is_grouped(arrived, world):

@@ -288,8 +288,8 @@ def pick_rule_parts(largest: bool, values: bool):
 
     def extra(node: fx.Node, world: int, actual=()):
         d = dim_of(node)
-        if d is None:
-            return
+        if d is None or not isinstance(val(node.args[0]).shape[d], int):
+            return  # each rank's offset into the dim is a number
         for p in _offered(node, {d}, world, actual):
             if not is_blocked(p):  # the indices count from one offset per rank
                 yield (p,), (Replicate(),) * (2 if values else 1)
