@@ -123,6 +123,19 @@ def is_sharded(p) -> bool:
     return isinstance(p, (Shard, _StridedShard, BlockShard, UnitShard))
 
 
+def shardings_over(dims, shape, world: int, arrived) -> list:
+    """The placements on one of ``dims`` that a kernel taking any partition of them accepts
+    for a tensor of ``shape``: an even ``Shard`` of each dim of static size, and
+    ``arrived``, the placement the tensor comes in, where it is sharded on one of them with
+    each element on one rank (not a unit several ranks hold)."""
+    offered = [Shard(d) for d in sorted(dims)
+               if isinstance(shape[d], int) and shape[d] % world == 0]
+    if is_sharded(arrived) and arrived.dim in dims and not is_grouped(arrived, world) and \
+            arrived not in offered:
+        offered.append(arrived)
+    return offered
+
+
 def is_blocked(p) -> bool:
     """A dim cut into blocks, each sharded: ``_StridedShard`` or :class:`BlockShard`."""
     return isinstance(p, (_StridedShard, BlockShard))

@@ -39,7 +39,7 @@ from .loss_parallel import class_sharded, cross_entropy_spec, loss_parallel, nll
 from .sharded_norm import layer_norm_rule_parts, norm_rule_parts
 from .sharded_softmax import pick_rule_parts, reduction_rule_parts, softmax_rule_parts
 from .placement import (P, R, UnitShard, block_bounds, cut_in_blocks, is_blocked,
-                        is_grouped, is_sharded, is_whole, local_range)
+                        is_sharded, is_whole, local_range, shardings_over)
 
 aten = torch.ops.aten
 
@@ -1013,13 +1013,9 @@ def _gathered_from_shards(node: fx.Node, world: int, actual=()):
     d = node.args[1] % x.dim() if x.dim() else 0
     if not x.dim() or not isinstance(x.shape[d], int):
         return  # each rank's offset into the dim is a number
-    offered = [Shard(d)] if x.shape[d] % world == 0 else []
-    arrived = actual[0] if actual else None
-    if isinstance(arrived, (Shard, UnitShard)) and not is_blocked(arrived) and \
-            arrived.dim == d and not is_grouped(arrived, world) and arrived not in offered:
-        offered.append(arrived)
-    for p in offered:
-        yield (p, R), (P,)
+    for p in shardings_over({d}, x.shape, world, actual[0] if actual else None):
+        if not is_blocked(p):  # one offset per rank
+            yield (p, R), (P,)
 
 
 def _gather_of_shard(node, inputs, output, group):

@@ -27,7 +27,8 @@ from torch.distributed.tensor import Replicate, Shard
 
 from .collectives import _all_gather, _all_reduce
 from .graph import tensor_inputs, val
-from .placement import UnitShard, is_blocked, is_grouped, is_sharded, local_range
+from .placement import (UnitShard, is_blocked, is_grouped, is_sharded, local_range,
+                        shardings_over)
 
 
 def norm_of_shards(x: torch.Tensor, ord: float, dims: list[int], keepdim: bool, dtype,
@@ -83,15 +84,8 @@ def norm_rule_parts(dims_of: Callable[[fx.Node], list[int]], ord_arg: int = 1,
         p = order(node)
         if not (0 < p < math.inf):
             return
-        dims = reduced(node)
-        shape = val(node.args[0]).shape
-        offered = [Shard(d) for d in sorted(dims)
-                   if isinstance(shape[d], int) and shape[d] % world == 0]
-        arrived = actual[0] if actual else None
-        if is_sharded(arrived) and arrived.dim in dims and not is_grouped(arrived, world) \
-                and arrived not in offered:
-            offered.append(arrived)
-        for placement in offered:
+        for placement in shardings_over(reduced(node), val(node.args[0]).shape, world,
+                                        actual[0] if actual else None):
             yield (placement,), (Replicate(),)
 
     def local_op(node: fx.Node, inputs, output, group):

@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate
 
 from .collectives import _all_gather, _all_reduce
 from .cross_entropy import compute_dtype
 from .graph import val
-from .placement import is_blocked, is_grouped, is_sharded, local_range
+from .placement import is_blocked, is_sharded, local_range, shardings_over
 
 aten = torch.ops.aten
 
@@ -216,17 +216,8 @@ class _Pick(torch.autograd.Function):
 # --- as rule parts ------------------------------------------------------------------------
 
 def _offered(node: fx.Node, dims: set, world: int, actual) -> list:
-    """The placements of the input whose sharded dims are among ``dims`` these kernels take:
-    even ``Shard``s, and the input's own sharding on such a dim (uneven, blocked) where
-    each element is on one rank."""
-    shape = val(node.args[0]).shape
-    offered = [Shard(d) for d in sorted(dims) if isinstance(shape[d], int) and
-               shape[d] % world == 0]
-    arrived = actual[0] if actual else None
-    if is_sharded(arrived) and arrived.dim in dims and not is_grouped(arrived, world) and \
-            arrived not in offered:
-        offered.append(arrived)
-    return offered
+    """The placements of the input sharded on one of ``dims`` these kernels take."""
+    return shardings_over(dims, val(node.args[0]).shape, world, actual[0] if actual else None)
 
 
 def _along(node: fx.Node) -> set:
