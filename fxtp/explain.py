@@ -202,16 +202,14 @@ def _comms(node: fx.Node, kind: str, rank: int, world: int, grads) -> tuple[list
         sizes = forward_all_reduce_bytes(tokens, logits.dtype, target.is_floating_point(),
                                          args["label_smoothing"])
         return [Comm("all_reduce", b) for b in sizes], []
-    if kind == "sharded_softmax":  # every rank reduces a value per row, in its sum's dtype
+    norm = node.target is layer_norm_of_shards
+    if kind == "sharded_softmax" or norm:  # a few values per row of x, over the reduced dims
         x = val(args["x"])
-        dims = args["dims"] if "dims" in args else [args["dim"]]
+        dims = range(x.dim() - args["k"], x.dim()) if norm else \
+            args["dims"] if "dims" in args else [args["dim"]]
         rows = _numel_hint(x) // math.prod(_hint(x.shape[d]) for d in dims)
-        forward, backward = collective_bytes(node.target, rows, args.get("dtype") or x.dtype)
-        return [Comm(*c) for c in forward], [Comm(*c) for c in backward if args["x"] in grads]
-    if node.target is layer_norm_of_shards:
-        x = val(args["x"])
-        rows = _numel_hint(x) // math.prod(_hint(s) for s in x.shape[x.dim() - args["k"]:])
-        forward, backward = layer_norm_bytes(rows, x.dtype)
+        forward, backward = layer_norm_bytes(rows, x.dtype) if norm else \
+            collective_bytes(node.target, rows, args.get("dtype") or x.dtype)
         return [Comm(*c) for c in forward], [Comm(*c) for c in backward if args["x"] in grads]
     if kind == "sharded_norm":  # replicated: every rank sums a tensor of the norm's size
         return [Comm("all_reduce", _local_bytes(node, rank, world))], []
