@@ -65,6 +65,20 @@ class Stack(nn.Module):
         return self.norm(x)
 
 
+class Layers(nn.Module):
+    """``n`` blocks made by ``make``, applied in turn: a ``layers`` list plans name by
+    ``layers.*``."""
+
+    def __init__(self, make, n):
+        super().__init__()
+        self.layers = nn.ModuleList(make() for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
 class Redundant(nn.Module):
     """Four bias-free MLPs: ``second`` reads ``first``'s output, ``left`` and ``right`` both
     read ``second``'s and their outputs are multiplied. Under :data:`REDUNDANT_PLAN`,

@@ -21,7 +21,7 @@ from fxtp.passes.placement import local_range
 from fxtp.passes.sharded_softmax import (arg_of_shards, extremum_of_shards,
                                          logsumexp_of_shards, pick_of_shards,
                                          softmax_of_shards)
-from tests import transformer_models as tm
+from tests import models, transformer_models as tm
 from tests.compiled import check_compiled
 from tests.parity import TIGHT, check_parity, local_part
 
@@ -358,19 +358,8 @@ class Probabilities(nn.Module):
             (h + 1).max(-1, keepdim=True).values
 
 
-class ProbabilityStack(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList(Probabilities() for _ in range(2))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
 def checkpointed_stack(rank, world, checkpoint):
-    return check_parity(rank, world, ProbabilityStack,
+    return check_parity(rank, world, lambda: models.Layers(Probabilities, 2),
                         {"layers.*.up": fxtp.ColwiseParallel(),
                          "layers.*.down": fxtp.RowwiseParallel()},
                         [torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0))],

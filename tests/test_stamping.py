@@ -10,6 +10,7 @@ import fxtp
 from fxtp.llama import (Llama, LlamaConfig, TransformerBlock, llama_sp_plan,
                         llama_tp_plan)
 from fxtp.stamping import STAMPED
+from tests.models import Layers
 from tests.parity import check_parity
 
 LAYERS = 4
@@ -171,15 +172,8 @@ class SlidingWindowBlock(nn.Module):
         return x + self.down(self.up(x).relu()) * mask.exp().sum(-1, keepdim=True)
 
 
-class SlidingWindowStack(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList(SlidingWindowBlock() for _ in range(3))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
+def sliding_window_stack():
+    return Layers(SlidingWindowBlock, 3)
 
 
 WINDOW_PLAN = {"layers.*.up": fxtp.ColwiseParallel(), "layers.*.down": fxtp.RowwiseParallel()}
@@ -428,9 +422,9 @@ def test_checkpointed_blocks_are_stamped_with_a_region_each(fake_group):
 
 
 def sliding_window_parity(rank, world):
-    counts = check_parity(rank, world, SlidingWindowStack, WINDOW_PLAN, [WINDOW_INPUT],
+    counts = check_parity(rank, world, sliding_window_stack, WINDOW_PLAN, [WINDOW_INPUT],
                           dtype=torch.float64, strict=True)
-    stamped = fxtp.parallelize(SlidingWindowStack(), WINDOW_PLAN,
+    stamped = fxtp.parallelize(sliding_window_stack(), WINDOW_PLAN,
                                example_inputs=(WINDOW_INPUT,)).meta[STAMPED]
     return counts, stamped
 
