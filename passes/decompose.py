@@ -19,7 +19,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .graph import placement_of
+from .graph import op_arg, placement_of
 from .placement import is_blocked, is_grouped, is_sharded
 from .rules import rule_for
 
@@ -138,7 +138,7 @@ def _trailing(node, rank):  # the normalized dims: as many trailing dims as the 
 
 
 def _dim_argument(node, rank):
-    return set(_reduced(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim"), rank))
+    return set(_reduced(op_arg(node, 1, "dim"), rank))
 
 
 _NORMS = {  # op -> (its decomposition, the dims it reduces)

@@ -168,6 +168,11 @@ def _signature(fn) -> Optional[inspect.Signature]:
         return None
 
 
+def op_arg(node: fx.Node, i: int, name: str, default=None):
+    """An op call's argument at position ``i``, or passed by ``name``, or ``default``."""
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
+
 def call_args(node: fx.Node) -> Optional[dict]:
     """A Python function call's arguments by parameter name, defaults filled (``None`` for
     ops without a Python signature: read those through their schema)."""

@@ -20,6 +20,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from .cross_entropy import REDUCTIONS, loss_parallel_cross_entropy
 from .dimspec import DimSpec
+from .graph import op_arg
 from .local_ops import nll_loss_of_shard
 from .placement import P, UnitShard, local_range
 
@@ -28,7 +29,7 @@ _ARGS = (("weight", None), ("reduction", 1), ("ignore_index", -100), ("label_smo
 
 def _options(node: fx.Node) -> dict:
     """weight, reduction (aten's enum), ignore_index, label_smoothing of the node."""
-    return {name: node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+    return {name: op_arg(node, i, name, default)
             for i, (name, default) in enumerate(_ARGS, start=2)}
 
 

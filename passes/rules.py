@@ -31,8 +31,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from .dimspec import DimSpec, fixed_label, parse, strategies
-from .graph import (INTO_PARTIAL, is_tensor_node, output_vals, stamp_edge, tensor_inputs,
-                    val)
+from .graph import (INTO_PARTIAL, is_tensor_node, op_arg, output_vals, stamp_edge,
+                    tensor_inputs, val)
 from .local_ops import (add_replicated_once, gather_of_shard, mean_of_shard, sharded_dropout,
                         vocab_parallel_embedding)
 from .loss_parallel import class_sharded, cross_entropy_spec, loss_parallel, nll_on_classes
@@ -108,12 +108,6 @@ def _ranks(node):
     return [_rank(a) for a in tensor_inputs(node)]
 
 
-def _arg(node, i, name, default=None):
-    if len(node.args) > i:
-        return node.args[i]
-    return node.kwargs.get(name, default)
-
-
 def _labels(n: int, prefix="d") -> tuple:
     return tuple(f"{prefix}{j}" for j in range(n))
 
@@ -177,7 +171,7 @@ def dims_arg(i: int, name: str = "dim", omitted: Optional[str] = None):
     own default applies: ``omitted="all"`` (every dim), ``"last"`` (dim -1) or ``None``
     (the argument is required)."""
     def dims(node):
-        d = _arg(node, i, name)
+        d = op_arg(node, i, name)
         if d is None or (isinstance(d, (list, tuple)) and not d):
             if omitted is None:
                 raise ValueError(f"{node.target} was called without its {name!r} argument")
@@ -216,7 +210,7 @@ def reduction(dims_of: Callable[[fx.Node], list[int]], summed: bool = False,
         dims = {d % n for d in dims_of(node)} if n else set()
         mark = "+" if summed else "!"
         labels = tuple(f"d{j}{mark}" if j in dims else f"d{j}" for j in range(n))
-        keepdim = keepdim_arg is not None and _arg(node, keepdim_arg, "keepdim", False)
+        keepdim = keepdim_arg is not None and op_arg(node, keepdim_arg, "keepdim", False)
         out = tuple(fixed_label() if j in dims else labels[j] for j in range(n)
                     if keepdim or j not in dims)
         return DimSpec((labels,) + (None,) * (len(tensor_inputs(node)) - 1),
@@ -415,7 +409,7 @@ def _repeat_spec(node):
 def _cat_spec(node):
     tensors = [t for t in node.args[0] if is_tensor_node(t)]
     n = _rank(node)
-    d = _arg(node, 1, "dim", 0) % n
+    d = op_arg(node, 1, "dim", 0) % n
     label = lambda j: fixed_label() if j == d else f"d{j}"  # noqa: E731
     ins = tuple(tuple(label(j) for j in range(n)) if _rank(t) == n else (fixed_label(),)
                 for t in tensors)
@@ -425,7 +419,7 @@ def _cat_spec(node):
 def _stack_spec(node):
     """``stack(tensors, dim)``: equal-shaped inputs share every dim; the new dim is fixed."""
     n = _rank(node) - 1
-    d = _arg(node, 1, "dim", 0) % (n + 1)
+    d = op_arg(node, 1, "dim", 0) % (n + 1)
     labels = _labels(n)
     ins = tuple(labels for _ in tensor_inputs(node))
     return DimSpec(ins, (labels[:d] + (fixed_label(),) + labels[d:],), "sum")
@@ -433,14 +427,14 @@ def _stack_spec(node):
 
 def _split_spec(node):
     n = _rank(node.args[0])
-    d = _arg(node, 2, "dim", 0) % n
+    d = op_arg(node, 2, "dim", 0) % n
     labels = tuple(f"d{j}!" if j == d else f"d{j}" for j in range(n))
     return DimSpec((labels,), tuple(labels for _ in output_vals(node)), "sum")
 
 
 def _unbind_spec(node):
     n = _rank(node.args[0])
-    d = _arg(node, 1, "dim", 0) % n
+    d = op_arg(node, 1, "dim", 0) % n
     labels = tuple(f"d{j}!" if j == d else f"d{j}" for j in range(n))
     out = tuple(lab for j, lab in enumerate(labels) if j != d)
     return DimSpec((labels,), tuple(out for _ in output_vals(node)), "sum")
@@ -452,7 +446,7 @@ def _blocked_parts(node, world, actual=()):
     unequal ones: gpt-fast's ``[dim, kv, kv]``): every output is ``Shard(d)``, computed by
     splitting the local shard into local sizes. ``chunk`` takes equal parts only (its
     local form counts parts)."""
-    d = _arg(node, 2, "dim", 0) % _rank(node.args[0])
+    d = op_arg(node, 2, "dim", 0) % _rank(node.args[0])
     parts = [v.shape[d] for v in output_vals(node)]
     if len(parts) < 2 or not all(isinstance(p, int) and p % world == 0 for p in parts):
         return
@@ -463,7 +457,7 @@ def _blocked_parts(node, world, actual=()):
 def _local_split(node, inputs, output, group):
     """Split sizes of an input blocked on the split dim are this rank's sizes (``chunk``
     counts parts; an input blocked on another dim splits as is)."""
-    d = _arg(node, 2, "dim", 0) % _rank(node.args[0])
+    d = op_arg(node, 2, "dim", 0) % _rank(node.args[0])
     if not is_blocked(inputs[0]) or inputs[0].dim != d or node.target is aten.chunk.default:
         return node.target, node.args, node.kwargs
     sizes = node.args[1]
@@ -478,7 +472,7 @@ def _fixed_dim_spec(dim_index: int, drop: bool = False, default: int = 0):
     def spec(node):
         n = _rank(node.args[0])
         dims = dims_arg(dim_index, omitted="all")(node) if default is None else \
-            [_arg(node, dim_index, "dim", default)]
+            [op_arg(node, dim_index, "dim", default)]
         fixed = {d % n for d in dims}
         labels = tuple(f"d{j}!" if j in fixed else f"d{j}" for j in range(n))
         out = tuple(lab for j, lab in enumerate(labels) if not (drop and j in fixed))
@@ -490,9 +484,9 @@ def _slice_args(node):
     """``(dim, size, start, end, step)`` of a slice with static bounds, clamped into the
     dim, else ``None``."""
     x = val(node.args[0])
-    d = _arg(node, 1, "dim", 0) % x.dim()
-    size, step = x.shape[d], _arg(node, 4, "step", 1)
-    start, end = _arg(node, 2, "start", None), _arg(node, 3, "end", None)
+    d = op_arg(node, 1, "dim", 0) % x.dim()
+    size, step = x.shape[d], op_arg(node, 4, "step", 1)
+    start, end = op_arg(node, 2, "start", None), op_arg(node, 3, "end", None)
     start, end = 0 if start is None else start, size if end is None else end
     if not all(isinstance(v, int) for v in (size, start, end, step)):
         return None
@@ -572,12 +566,12 @@ def _mean_of_shard(dims_of):
         n = _rank(node.args[0])
         if not (is_sharded(p) and p.dim in {d % n for d in dims_of(node)}):
             return node.target, node.args, node.kwargs
-        dim = None if node.target is aten.mean.default else _arg(node, 1, "dim")
+        dim = None if node.target is aten.mean.default else op_arg(node, 1, "dim")
         share = (local_size(p, val(node.args[0]).shape[p.dim], group),
                  val(node.args[0]).shape[p.dim]) if isinstance(p, UnitShard) else \
             (1, group.world)
         return mean_of_shard, (node.args[0], *share), dict(
-            dim=dim, keepdim=_arg(node, 2, "keepdim", False), dtype=node.kwargs.get("dtype"))
+            dim=dim, keepdim=op_arg(node, 2, "keepdim", False), dtype=node.kwargs.get("dtype"))
     return local
 
 
@@ -585,7 +579,7 @@ def _diff_spec(node):
     """``diff(x, n, dim, prepend, append)``: ``dim`` never shards; ``prepend`` / ``append``
     shard with ``x`` on the other dims."""
     n = _rank(node.args[0])
-    d = _arg(node, 2, "dim", -1) % n
+    d = op_arg(node, 2, "dim", -1) % n
     labels = tuple(f"d{j}!" if j == d else f"d{j}" for j in range(n))
     return DimSpec(tuple(labels for _ in tensor_inputs(node)), (labels,))
 
@@ -596,7 +590,7 @@ def _pad_spec(node):
     n, pads = _rank(node.args[0]), list(node.args[1])
     padded = {n - 1 - k // 2 for k, p in enumerate(pads) if p != 0}
     labels = tuple(f"d{j}!" if j in padded else f"d{j}" for j in range(n))
-    return DimSpec((labels,), (labels,), "sum" if _arg(node, 2, "value", 0) == 0 else "none")
+    return DimSpec((labels,), (labels,), "sum" if op_arg(node, 2, "value", 0) == 0 else "none")
 
 
 def _shifted_diagonal(node, inputs, output, group):
@@ -609,7 +603,7 @@ def _shifted_diagonal(node, inputs, output, group):
         return node.target, node.args, node.kwargs
     offset = _start(p, val(node.args[0]), group)
     shift = offset if p.dim == n - 2 else -offset
-    return node.target, (node.args[0], _arg(node, 1, "diagonal", 0) + shift), {}
+    return node.target, (node.args[0], op_arg(node, 1, "diagonal", 0) + shift), {}
 
 
 def _start(p, value, group) -> int:
@@ -665,7 +659,7 @@ def _grouped_mm_spec(node):
     """``torch._grouped_mm`` in the form mixture-of-experts layers use (2-D rows, 3-D
     weights, offsets); its other forms keep every dim whole (a gather, reported)."""
     ranks = _ranks(node)
-    if ranks == [2, 3, 1] and _arg(node, 3, "bias") is None:
+    if ranks == [2, 3, 1] and op_arg(node, 3, "bias") is None:
         return parse(_GROUPED_MM, ranks, partial="product", partial_args=(0, 1))
     out = val(node).dim()
     return DimSpec(tuple(tuple(fixed_label() for _ in range(r)) for r in ranks),
@@ -749,7 +743,7 @@ def _batch_norm_spec(training_arg: Optional[int]):
     ``training_arg`` None, they shard freely)."""
     def spec(node):
         n = _rank(node.args[0])
-        training = training_arg is not None and _arg(node, training_arg, "training", True)
+        training = training_arg is not None and op_arg(node, training_arg, "training", True)
         x = tuple("c" if j == 1 else f"d{j}!" if training else f"d{j}" for j in range(n))
         params = tuple(("c",) for _ in tensor_inputs(node)[1:])
         outs = [x] + [("c",) if getattr(v, "shape", None) == val(node.args[0]).shape[1:2]
@@ -864,7 +858,7 @@ def _vocab_parallel(node, inputs, output, group):
         return node.target, node.args, node.kwargs
     weight, indices = node.args[:2]
     offset = _start(inputs[0], val(weight), group)
-    return vocab_parallel_embedding, (weight, indices, offset, _arg(node, 2, "padding_idx", -1)), {}
+    return vocab_parallel_embedding, (weight, indices, offset, op_arg(node, 2, "padding_idx", -1)), {}
 
 
 def _dropout(node, inputs, output, group):
@@ -874,7 +868,7 @@ def _dropout(node, inputs, output, group):
     every rank's part of a partial sum."""
     if not isinstance(inputs[0], (Shard, UnitShard)):
         return node.target, node.args, node.kwargs
-    x, p, train = node.args[0], _arg(node, 1, "p"), _arg(node, 2, "train")
+    x, p, train = node.args[0], op_arg(node, 1, "p"), op_arg(node, 2, "train")
     d = inputs[0].dim
     return sharded_dropout, (x, p, train, d, _start(inputs[0], val(x), group),
                              val(x).shape[d]), {}
@@ -885,7 +879,7 @@ def _same_dims(node):
     multiple of it (``repeat_interleave`` along a dim keeps contiguous blocks together).
     Without a dim the input is flattened first: only its leading dim maps, to the 1-d output."""
     labels = _labels(_rank(node.args[0]))
-    if _arg(node, 2, "dim") is None:
+    if op_arg(node, 2, "dim") is None:
         labels = labels[:1] + tuple(fixed_label() for _ in labels[1:])
         return DimSpec((labels,), (labels[:1] or (fixed_label(),),), "sum")
     return DimSpec((labels,), (labels,), "sum")

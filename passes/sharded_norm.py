@@ -26,7 +26,8 @@ import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
 from .collectives import _all_gather, _all_reduce
-from .graph import tensor_inputs, val
+from .cross_entropy import compute_dtype
+from .graph import op_arg, tensor_inputs, val
 from .placement import (UnitShard, is_blocked, is_grouped, is_sharded, local_range,
                         shardings_over)
 
@@ -73,7 +74,7 @@ def norm_rule_parts(dims_of: Callable[[fx.Node], list[int]], ord_arg: int = 1,
     """``(extra, local_op)`` of a :class:`~fxtp.passes.rules.Rule` for a norm op whose
     order is argument ``ord_arg`` (default 2) and whose reduced dims are ``dims_of``."""
     def order(node):
-        p = node.args[ord_arg] if len(node.args) > ord_arg else node.kwargs.get("ord")
+        p = op_arg(node, ord_arg, "ord")
         return 2.0 if p is None else float(p)
 
     def reduced(node):
@@ -92,9 +93,8 @@ def norm_rule_parts(dims_of: Callable[[fx.Node], list[int]], ord_arg: int = 1,
         p, dims = order(node), reduced(node)
         if not (is_sharded(inputs[0]) and inputs[0].dim in dims and 0 < p < math.inf):
             return node.target, node.args, node.kwargs
-        keepdim = node.args[keepdim_arg] if len(node.args) > keepdim_arg else \
-            node.kwargs.get("keepdim", False)
-        return norm_of_shards, (node.args[0], p, sorted(dims), keepdim,
+        return norm_of_shards, (node.args[0], p, sorted(dims),
+                                op_arg(node, keepdim_arg, "keepdim", False),
                                 node.kwargs.get("dtype"), group.name), {}
 
     return extra, local_op
@@ -112,7 +112,7 @@ def layer_norm_bytes(rows: int, dtype: torch.dtype) -> tuple[list, list]:
     """``(kind, bytes per rank)`` of :func:`layer_norm_of_shards`'s collectives, forward
     and backward, over ``rows`` rows of a ``dtype`` input: two statistics per row each way,
     in fp32 (fp64 for fp64)."""
-    size = 2 * rows * torch.promote_types(dtype, torch.float32).itemsize
+    size = 2 * rows * compute_dtype(dtype).itemsize
     return [("all_gather", size)], [("all_reduce", size)]
 
 
@@ -120,7 +120,7 @@ class _LayerNormOfShards(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, k, weight, bias, eps, counts, group):
         dims = list(range(x.dim() - k, x.dim()))
-        a = x.to(torch.promote_types(x.dtype, torch.float32))
+        a = x.to(compute_dtype(x.dtype))
         world, total = len(counts), float(sum(counts))
         if all(a.shape[d] for d in dims):
             mean = a.mean(dims, keepdim=True)
@@ -187,9 +187,8 @@ def layer_norm_rule_parts():
         rows = math.prod(shape[d] for d in range(n - k, n)) // shape[p.dim]
         counts = tuple(rows * local_range(p, shape[p.dim], r, group.world)[1]
                        for r in range(group.world))
-        def arg(i, name, default=None):
-            return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
-        return layer_norm_of_shards, (node.args[0], k, arg(2, "weight"), arg(3, "bias"),
-                                      arg(4, "eps", 1e-5), counts, group.name), {}
+        return layer_norm_of_shards, (node.args[0], k, op_arg(node, 2, "weight"),
+                                      op_arg(node, 3, "bias"), op_arg(node, 4, "eps", 1e-5),
+                                      counts, group.name), {}
 
     return extra, local_op

@@ -36,7 +36,7 @@ from torch.distributed.tensor import Replicate
 
 from .collectives import _all_gather, _all_reduce
 from .cross_entropy import compute_dtype
-from .graph import val
+from .graph import op_arg, val
 from .placement import is_blocked, is_sharded, local_range, shardings_over
 
 aten = torch.ops.aten
@@ -225,14 +225,10 @@ def _along(node: fx.Node) -> set:
     return {node.args[1] % n} if n else set()
 
 
-def _arg(node: fx.Node, i: int, name: str, default=None):
-    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
-
-
 def _reduced(node: fx.Node) -> set:
     """The dims an ``amax`` / ``amin`` / ``logsumexp`` reduces (``[]``: all)."""
     n = val(node.args[0]).dim()
-    dims = _arg(node, 1, "dim", [])
+    dims = op_arg(node, 1, "dim", [])
     dims = [dims] if isinstance(dims, int) else list(dims)
     return {d % n for d in dims} if dims else set(range(n))
 
@@ -261,7 +257,7 @@ def softmax_rule_parts():
         if dtype_arg == "half_to_float":
             dtype = torch.float32 if node.args[2] else None
         else:
-            dtype = _arg(node, *dtype_arg)
+            dtype = op_arg(node, *dtype_arg)
         return softmax_of_shards, (node.args[0], node.args[1], log, safe, dtype,
                                    group.name), {}
 
@@ -273,7 +269,7 @@ def pick_rule_parts(largest: bool, values: bool):
     or ``argmax`` / ``argmin`` along a dim that arrives sharded: replicated results.
     ``argmax`` without a dim (over the flattened tensor) keeps to its spec."""
     def dim_of(node):
-        dim = _arg(node, 1, "dim")
+        dim = op_arg(node, 1, "dim")
         return None if dim is None or not val(node.args[0]).dim() else \
             dim % val(node.args[0]).dim()
 
@@ -292,7 +288,7 @@ def pick_rule_parts(largest: bool, values: bool):
         x = node.args[0]
         offset = local_range(inputs[0], val(x).shape[d], group.rank, group.world)[0]
         return (pick_of_shards if values else arg_of_shards), (
-            x, d, _arg(node, 2, "keepdim", False), largest, offset, group.rank, group.world,
+            x, d, op_arg(node, 2, "keepdim", False), largest, offset, group.rank, group.world,
             group.name), {}
 
     return extra, local_op
@@ -310,7 +306,7 @@ def reduction_rule_parts(largest=None):
         dims = _reduced(node)
         if not (is_sharded(inputs[0]) and inputs[0].dim in dims):
             return node.target, node.args, node.kwargs
-        keepdim = _arg(node, 2, "keepdim", False)
+        keepdim = op_arg(node, 2, "keepdim", False)
         if largest is None:
             return logsumexp_of_shards, (node.args[0], sorted(dims), keepdim, group.name), {}
         return extremum_of_shards, (node.args[0], sorted(dims), keepdim, largest,
