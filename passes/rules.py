@@ -858,7 +858,8 @@ def _vocab_parallel(node, inputs, output, group):
         return node.target, node.args, node.kwargs
     weight, indices = node.args[:2]
     offset = _start(inputs[0], val(weight), group)
-    return vocab_parallel_embedding, (weight, indices, offset, op_arg(node, 2, "padding_idx", -1)), {}
+    return vocab_parallel_embedding, (weight, indices, offset,
+                                      op_arg(node, 2, "padding_idx", -1)), {}
 
 
 def _dropout(node, inputs, output, group):
