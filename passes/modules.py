@@ -264,7 +264,7 @@ def _call_stamp(graph: fx.Graph, part: list, fqn: str, reference, target: str,
     except AttributeError:  # a block holding no tensors has no holder: stamp_modules copies
         graph.owning_module.add_submodule(target, nn.Module())  # its reference into this
     with graph.inserting_before(stamp):
-        call = graph.call_module(target, tuple(args))
+        call = _call_module(graph, target, tuple(args))
         results = [call] if len(gives) == 1 else \
             [graph.call_function(operator.getitem, (call, i)) for i in range(len(gives))]
     call.meta = {"val": tuple(g.meta.get("val") for g in gives),
@@ -277,6 +277,13 @@ def _call_stamp(graph: fx.Graph, part: list, fqn: str, reference, target: str,
         graph.erase_node(out)
     graph.erase_node(stamp)
     _rename(records, renamed)
+
+
+def _call_module(graph: fx.Graph, target: str, args: tuple) -> fx.Node:
+    """``graph.call_module(target, args)``, its node not named ``self``: a module named so
+    (BERT's ``attention.self``) would shadow the ``self`` of the generated ``forward``."""
+    return graph.create_node("call_module", target, args,
+                             name="self_module" if target == "self" else None)
 
 
 def _stamps(nodes: Iterable[fx.Node]) -> list[Stamp]:
@@ -400,7 +407,7 @@ def _call(graph: fx.Graph, part: list, inputs: list, outputs: list, target: str,
                 tainted.add(node)
                 later.append(node)
     with where:
-        call = graph.call_module(target, tuple(inputs))
+        call = _call_module(graph, target, tuple(inputs))
         call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
         results = [call] if len(outputs) == 1 else \
             [graph.call_function(operator.getitem, (call, i)) for i in range(len(outputs))]

@@ -103,3 +103,40 @@ def test_a_model_returning_its_kv_cache_is_told_to_trace_without_it(fake_group):
     model.config.use_cache = False
     gm = fxtp.parallelize(model, GPT2_PLAN, example_inputs=(TOKENS,))
     assert gm(TOKENS).logits.shape == (*TOKENS.shape, 64)
+
+
+# Families without a TP plan of their own, under the plan a user writes from torch's styles.
+
+def bert():
+    """An encoder: BertAttention's child module is named ``self``."""
+    cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=L,
+                                  num_attention_heads=4, intermediate_size=64,
+                                  max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0)
+    return transformers.BertForMaskedLM(cfg)
+
+
+BERT_PLAN = {
+    "bert.encoder.layer.*.attention.self.query": fxtp.ColwiseParallel(),
+    "bert.encoder.layer.*.attention.self.key": fxtp.ColwiseParallel(),
+    "bert.encoder.layer.*.attention.self.value": fxtp.ColwiseParallel(),
+    "bert.encoder.layer.*.attention.output.dense": fxtp.RowwiseParallel(),
+    "bert.encoder.layer.*.intermediate.dense": fxtp.ColwiseParallel(),
+    "bert.encoder.layer.*.output.dense": fxtp.RowwiseParallel(),
+}
+
+
+def unplanned_family(rank, world, name):
+    make, plan, kwargs = {
+        "bert": (bert, BERT_PLAN, {}),
+    }[name]
+    return check_parity(rank, world, make, plan, [TOKENS], dtype=torch.float64, strict=True,
+                        input_grads=False, kwargs=kwargs, output=lambda out: out.logits)
+
+
+def test_bert_whose_attention_holds_a_module_named_self(ranks2):
+    """The generated code of ``attention`` calls its child ``self`` without shadowing its
+    own ``self``: Megatron's minimum."""
+    assert ranks2.run(unplanned_family, "bert")[0] == ({"all_reduce": 2 * L},
+                                                      {"all_reduce": 2 * L})
+
