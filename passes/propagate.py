@@ -75,20 +75,27 @@ def _shard_at_source(gm: fx.GraphModule, world: int) -> None:
     """Make a replicated value that every reader takes as the same shard as that shard,
     where its sources can make it without communicating, backward included: a broadcast
     expanded straight to this rank's part (its input's gradient, a partial sum, is
-    all-reduced at the unexpanded size), or a chain of ops each reading only the one before
-    it, back to a parameter read nowhere else, which is then held as that shard (its
-    gradient needs no collective). Sharding after the op would all-gather the whole
-    gradient of the value in backward."""
+    all-reduced at the unexpanded size), or ops back to parameters read nowhere else, which
+    are then held as that shard (their gradients need no collective). Sharding after the op
+    would all-gather the whole gradient of the value in backward. The values making one are
+    taken only if each of their readers is made so too or takes that shard; values whose
+    sources meet (one relative position bias every layer adds to its head-sharded scores)
+    are made together."""
     names = collections.Counter(id(t) for _, t in gm.named_parameters(remove_duplicate=False))
     shared = tied_attrs(gm) | {n for n in gm.graph.nodes  # read twice, or tied to a name
                                if n.op == "get_attr" and names[id(attr(gm, n.target))] > 1}
-    for node in reversed(gm.graph.nodes):
-        want = _shard_wanted(node)
-        for source, needs, made in (want and _made_at_source(gm, node, want, world, shared)
-                                    or ()):
-            if needs is not None:
-                source.meta[INPUTS] = needs
-            source.meta[PLACEMENT] = made
+    seeds = {n: w for n in gm.graph.nodes if (w := _shard_wanted(n)) is not None}
+    alone = {s: _region(gm, {s: w}, world, shared) for s, w in seeds.items()}
+    for group in _meeting({s: r for s, r in alone.items() if r is not None}):
+        tried = [group] + ([[s] for s in group] if len(group) > 1 else [])
+        for seeds_tried in tried:
+            plan = _region(gm, {s: seeds[s] for s in seeds_tried}, world, shared)
+            if plan is not None and _closed(plan):
+                for source, (needs, made) in plan.items():
+                    if needs is not None:
+                        source.meta[INPUTS] = needs
+                    source.meta[PLACEMENT] = made
+                break
 
 
 def _shard_wanted(node: fx.Node):
@@ -109,12 +116,33 @@ def _shard_wanted(node: fx.Node):
     return want if type(want) is Shard else None  # one piece per rank: its gradient is its own
 
 
-def _made_at_source(gm, node: fx.Node, want, world: int, shared: set) -> list | None:
-    """``[(value, its input placements or None for a parameter, its placement), ...]``:
-    how ``node`` and the values it is made from are placed to make ``want`` with no
-    collective, or ``None``. ``shared``: parameters' nodes that must stay whole."""
+def _region(gm, seeds: dict, world: int, shared: set) -> dict | None:
+    """``{value: (its input placements, None for a parameter; its placement)}``: how each
+    of ``seeds`` (value -> the ``Shard`` wanted of it) and the values it is made from are
+    placed to make it with no collective, or ``None``. ``shared``: parameters' nodes that
+    must stay whole."""
+    plan: dict[fx.Node, tuple] = {}
+    todo = list(seeds.items())
+    while todo:
+        node, want = todo.pop()
+        if node in plan:
+            if plan[node][1] != want:
+                return None
+            continue
+        made = _made_as(gm, node, want, world, shared)
+        if made is None:
+            return None
+        plan[node] = (made[0], want)
+        todo += made[1]
+    return plan
+
+
+def _made_as(gm, node: fx.Node, want, world: int, shared: set) -> tuple | None:
+    """``(input placements, [(input, the Shard it must be made as), ...])``: the strategy
+    making ``node`` as ``want`` that needs the fewest of its replicated inputs made as
+    shards (the others taken as they are), or ``None``; a parameter: ``(None, [])``."""
     if node.op == "get_attr":
-        return [(node, None, want)] if node not in shared and \
+        return (None, []) if node not in shared and \
             isinstance(attr(gm, node.target), nn.Parameter) else None
     rule = rule_for(node.target) if node.op == "call_function" else None
     if rule is None or {STAMP, FALLBACK, PINNED} & node.meta.keys() or \
@@ -126,19 +154,48 @@ def _made_at_source(gm, node: fx.Node, want, world: int, shared: set) -> list | 
     for ins, out in rule.strategies(node, world, actual):
         if tuple(out) != (want,):
             continue
-        made = [(node, ins, want)]
+        deeper = []
         for x, a, c, i in zip(inputs, actual, node.meta[INPUTS], ins):
             if i == c or i == (a if c is None else c):
                 continue  # taken as chosen
-            deeper = _made_at_source(gm, x, i, world, shared) if a == R and \
-                type(i) is Shard and all(u is node for u in x.users) else None
-            if deeper is None:
-                made = None
+            if a != R or type(i) is not Shard:
+                deeper = None
                 break
-            made += deeper
-        if made is not None and (best is None or len(made) < len(best)):
-            best = made
+            deeper.append((x, i))
+        if deeper is not None and (best is None or len(deeper) < len(best[1])):
+            best = (tuple(ins), deeper)
     return best
+
+
+def _closed(plan: dict) -> bool:
+    """Whether every reader of every value in ``plan`` is in it, or already takes the
+    value as the shard it is to be made as."""
+    for node, (_, made) in plan.items():
+        for user in node.users:
+            needs = plan[user][0] if user in plan else user.meta.get(INPUTS)
+            inputs = tensor_inputs(user)
+            if needs is None or len(needs) != len(inputs) or \
+                    any(x is node and n != made for x, n in zip(inputs, needs)):
+                return False
+    return True
+
+
+def _meeting(regions: dict) -> list[list]:
+    """The seeds of ``regions`` (seed -> its region) grouped where their regions share a
+    value, in the seeds' order."""
+    order = {s: i for i, s in enumerate(regions)}
+    group_of: dict[fx.Node, fx.Node] = {}  # value -> the first seed of its group
+    groups: dict[fx.Node, list] = {}
+    for seed, region in regions.items():
+        merged = [seed]
+        for first in dict.fromkeys(group_of[n] for n in region if n in group_of):
+            merged += groups.pop(first)
+        merged.sort(key=order.__getitem__)
+        first = merged[0]
+        groups[first] = merged
+        for s in merged:
+            group_of.update(dict.fromkeys(regions[s], first))
+    return list(groups.values())
 
 
 def _propagate_call(node: fx.Node, world: int) -> str | None:

@@ -126,9 +126,32 @@ BERT_PLAN = {
 }
 
 
+def t5():
+    """An encoder-decoder: the first block of each stack computes a relative position bias
+    (an embedding of buckets, one column per head) that every block adds to its scores."""
+    cfg = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=L,
+                                num_heads=4, dropout_rate=0.0, decoder_start_token_id=0)
+    return transformers.T5ForConditionalGeneration(cfg)
+
+
+def t5_plan():
+    layers = {"encoder": ("layer.0.SelfAttention", "layer.1.DenseReluDense"),
+              "decoder": ("layer.0.SelfAttention", "layer.1.EncDecAttention",
+                          "layer.2.DenseReluDense")}
+    plan = {}
+    for stack, modules in layers.items():
+        for module in modules:
+            rows, cols = ("o", "qkv") if "Attention" in module else ("wo", ("wi",))
+            for name in cols:
+                plan[f"{stack}.block.*.{module}.{name}"] = fxtp.ColwiseParallel()
+            plan[f"{stack}.block.*.{module}.{rows}"] = fxtp.RowwiseParallel()
+    return plan
+
+
 def unplanned_family(rank, world, name):
     make, plan, kwargs = {
         "bert": (bert, BERT_PLAN, {}),
+        "t5": (t5, t5_plan(), {"decoder_input_ids": TOKENS[:, :7], "use_cache": False}),
     }[name]
     return check_parity(rank, world, make, plan, [TOKENS], dtype=torch.float64, strict=True,
                         input_grads=False, kwargs=kwargs, output=lambda out: out.logits)
@@ -139,4 +162,14 @@ def test_bert_whose_attention_holds_a_module_named_self(ranks2):
     own ``self``: Megatron's minimum."""
     assert ranks2.run(unplanned_family, "bert")[0] == ({"all_reduce": 2 * L},
                                                       {"all_reduce": 2 * L})
+
+
+def test_t5s_relative_position_bias_is_made_on_head_shards(ranks2):
+    """The bias every block of a stack reads is made from the bucket embedding held by head
+    columns, so no block narrows a replicated bias (whose gradient would be all-gathered,
+    a (batch, heads, queries, keys) tensor per block): forward 2 all-reduces per
+    self-attention, cross-attention and MLP; backward those and the encoder output's
+    gradient from the decoder's colwise keys and values."""
+    assert ranks2.run(unplanned_family, "t5")[0] == ({"all_reduce": 5 * L},
+                                                    {"all_reduce": 5 * L + 1})
 
