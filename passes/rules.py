@@ -20,6 +20,7 @@ argument at position 1 that sums (sharding the reduced dim gives ``Partial``)::
 from __future__ import annotations
 
 import copy
+import math
 import operator
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
@@ -38,7 +39,7 @@ from .local_ops import (add_replicated_once, gather_of_shard, mean_of_shard, sha
 from .loss_parallel import class_sharded, cross_entropy_spec, loss_parallel, nll_on_classes
 from .sharded_norm import layer_norm_rule_parts, norm_rule_parts
 from .sharded_softmax import pick_rule_parts, reduction_rule_parts, softmax_rule_parts
-from .placement import (P, R, UnitShard, block_bounds, cut_in_blocks, is_blocked,
+from .placement import (P, R, UnitShard, block_bounds, blocks, cut_in_blocks, is_blocked,
                         is_sharded, is_whole, local_range, shardings_over)
 
 aten = torch.ops.aten
@@ -317,6 +318,33 @@ def _view_spec(node):
         out_labels += [label] + [fixed_label() for _ in gj[1:]]
         i, j = gi[-1] + 1, gj[-1] + 1
     return DimSpec((tuple(in_labels),), (tuple(out_labels),), "sum")
+
+
+def _view_of_inner_shard(node, world, actual=()):
+    """A view merging a sharded dim with dims before it (BLOOM's ``(batch, heads, ...) ->
+    (batch * heads, ...)`` on head shards), or splitting such a merged dim again. For every
+    index of the dims before it, a rank holds one contiguous piece of the elements: in the
+    view, the dim holding them is cut in that many blocks, each sharded
+    (``_StridedShard(d, m)``; ``Shard(d)`` for one block). Static sizes only; the leading
+    dim of a group of merged dims is the view spec's own strategy."""
+    src, dst = val(node.args[0]).shape, val(node).shape
+    p = actual[0] if actual else None
+    if not (isinstance(p, Shard) or is_blocked(p)) or isinstance(blocks(p), tuple) or \
+            not all(isinstance(s, int) and s > 0 for s in (*src, *dst)):
+        return
+    cut = blocks(p)
+    if src[p.dim] % (cut * world):
+        return
+    before = math.prod(src[:p.dim]) * cut  # pieces each rank holds one part of
+    out_before = 1
+    for q, size in enumerate(dst):
+        if before < out_before * size:  # dim q holds the pieces' boundaries
+            m = before // out_before
+            if before % out_before == 0 and size % (m * world) == 0 and \
+                    (m > 1 or cut > 1 or math.prod(src[:p.dim]) > 1):
+                yield (p,), (cut_in_blocks(q, [size // m] * m) if m > 1 else Shard(q),)
+            return
+        out_before *= size
 
 
 def _expr(size):
@@ -1198,11 +1226,11 @@ RULES.update({
     aten.median.dim: reduction(dims_arg(1)),
     aten.kthvalue.default: reduction(dims_arg(2, omitted="last"), keepdim_arg=3),
     # views and shape changes
-    aten.view.default: Rule(_view_spec, shape_arg=1),
-    aten.reshape.default: Rule(_view_spec, shape_arg=1),
-    aten._unsafe_view.default: Rule(_view_spec, shape_arg=1),
+    aten.view.default: Rule(_view_spec, shape_arg=1, extra=_view_of_inner_shard),
+    aten.reshape.default: Rule(_view_spec, shape_arg=1, extra=_view_of_inner_shard),
+    aten._unsafe_view.default: Rule(_view_spec, shape_arg=1, extra=_view_of_inner_shard),
     aten.expand.default: Rule(_expand_spec, shape_arg=1),
-    aten.flatten.using_ints: Rule(_view_spec),
+    aten.flatten.using_ints: Rule(_view_spec, extra=_view_of_inner_shard),
     aten.unflatten.int: Rule(_view_spec, local_op=_localize_unflatten),
     aten.transpose.int: permutation(_transpose_perm),
     aten.permute.default: permutation(lambda n: list(n.args[1])),

@@ -155,6 +155,40 @@ def test_strided_inputs_reach_the_split_without_redistribution(name, world):
     assert all(type(n.meta[PLACEMENT]) is Shard for n in slices)
 
 
+MERGED = {  # (program, input, its placement, the output's placement)
+    # BLOOM: heads merged into the batch for bmm, split out again
+    "heads_into_batch": (lambda x: (lambda h: torch.bmm(h, h.transpose(1, 2)).softmax(-1))(
+        x.reshape(8, 12, 8)).reshape(2, 4, 12, 12), rand(2, 4, 12, 8), Shard(1), Shard(1)),
+    "flattened_whole": (lambda x: (x.flatten() * 3).view(2, 4, 6), rand(2, 4, 6), Shard(1),
+                        Shard(1)),
+    "regrouped": (lambda x: x.reshape(8, 6).exp().reshape(2, 24), rand(2, 4, 6), Shard(1),
+                  Shard(1)),
+    "last_dim_into_all": (lambda x: x.reshape(-1).tanh(), rand(3, 2, 8), Shard(2),
+                          _StridedShard(0, split_factor=6)),
+}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", list(MERGED))
+def test_a_view_merging_a_sharded_dim_with_dims_before_it_keeps_it_sharded(name, world):
+    """For each index of the dims before a sharded dim, a rank holds one contiguous piece:
+    merged, the dim holding them is cut in that many blocks, each sharded
+    (``_StridedShard``), and split out again it is the sharded dim. No op redistributes,
+    and every strategy reassembles the single-device result."""
+    fn, x, placement, expected = MERGED[name]
+    gm, values = _record(fn, [x])
+    next(n for n in gm.graph.nodes if n.op == "placeholder").meta[PLACEMENT] = placement
+    propagate(gm, world)
+    merged = []
+    for node in _ops(gm):
+        actual = [placement_of(a) for a in tensor_inputs(node)]
+        assert list(node.meta[INPUTS]) == actual, node.format_node()
+        assert _check_strategies(node, values, world, actual) >= 1
+        merged += [p for p in actual if isinstance(p, _StridedShard)]
+    assert merged or name == "last_dim_into_all"
+    assert placement_of(_ops(gm)[-1]) == expected
+
+
 def _check_strategies(node, values, world, actual=()):
     """Run every strategy of ``node`` on simulated ranks; return how many were checked."""
     return len(check_strategies(node, values, world, actual))
