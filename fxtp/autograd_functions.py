@@ -8,7 +8,10 @@ function that records a gradient (grad mode on, an input requiring grad) is kept
 node, whose target, :class:`Apply`, calls ``function.apply`` at run time: the function's
 own forward and backward run, as on a single device. Propagation has no rule for such a
 node: its inputs arrive replicated (gathered where they are not, a reported fallback) and
-its outputs are replicated.
+its outputs are replicated; unless the function is elementwise (BLOOM's GeLU), which is
+checked mechanically: its forward and its backward, traced on the call's shapes, run only
+ops torch tags pointwise on tensors of one shape (and scalars). Such a call is sharded as a
+pointwise op is.
 
 Calls whose arguments cannot be graph constants (a module, an object) are traced into their
 forward, with a warning naming the function. torch's own functions are traced as before:
@@ -29,10 +32,13 @@ _FUNCTION_APPLY = torch.autograd.Function.apply.__func__
 
 
 class Apply:
-    """A graph target that calls ``function.apply(*args, **kwargs)``."""
+    """A graph target that calls ``function.apply(*args, **kwargs)``. ``elementwise``: the
+    function was found elementwise on the call's inputs (:func:`is_elementwise`), which
+    propagation reads to shard the call as a pointwise op."""
 
-    def __init__(self, function: type[torch.autograd.Function]):
+    def __init__(self, function: type[torch.autograd.Function], elementwise: bool = False):
         self.function = function
+        self.elementwise = elementwise
         self.__name__ = f"{function.__name__}_apply"
 
     def __call__(self, *args, **kwargs):
@@ -93,8 +99,10 @@ def call_kept_functions(gm: fx.GraphModule, kept: dict) -> None:
             function = _function_called(module, func, args, kept)
             if function is None:
                 continue  # not a function's call: left for the trace to reject, naming it
+            elementwise = is_elementwise(function, [_example(a) for a in args[1:]], kwargs)
             with graph.inserting_before(node):
-                call = graph.call_function(Apply(function), tuple(args[1:]), kwargs)
+                call = graph.call_function(Apply(function, elementwise), tuple(args[1:]),
+                                           kwargs)
             call.meta.update(node.meta)
             replaced += (func, spec)
             node.replace_all_uses_with(call)
@@ -128,3 +136,84 @@ def _function_called(module: fx.GraphModule, func: fx.Node, args: tuple, kept: d
     function = getattr(importlib.import_module(owner), name, None)
     return function if isinstance(function, type) and \
         issubclass(function, torch.autograd.Function) else None
+
+
+def _example(arg):
+    """A graph argument's traced value (a fake tensor), or the constant itself."""
+    return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
+
+
+class _Context:
+    """The ``ctx`` of a function traced by :func:`is_elementwise`."""
+
+    def __init__(self, needs):
+        self.needs_input_grad = needs
+        self.saved_tensors = ()
+        self.materialize_grads = True
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+    def mark_non_differentiable(self, *tensors):
+        pass
+
+    def set_materialize_grads(self, value):
+        self.materialize_grads = value
+
+
+_aten = torch.ops.aten
+_SHAPE_KEEPING = frozenset({  # a copy, or a constant, of a tensor's shape
+    _aten.detach.default, _aten.clone.default, _aten._to_copy.default, _aten.alias.default,
+    _aten.lift_fresh_copy.default, _aten.ones_like.default, _aten.zeros_like.default,
+    _aten.full_like.default, _aten.empty_like.default})
+
+
+def is_elementwise(function: type[torch.autograd.Function], args: list, kwargs: dict) -> bool:
+    """Whether ``function``'s forward and backward, traced together on fake tensors shaped
+    as ``args``' tensors (all of one shape, the outputs too), run only ATen ops torch tags
+    pointwise (random ones excluded), copies of a tensor or constants of its shape, on
+    values of that shape or single elements: then each output element and each input gradient element
+    depends only on the same element of the inputs and output gradients, and a shard
+    computes its part of the whole. Anything else (another shape, a reduction, a view, a
+    function that cannot be traced so) is ``False``."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.utils._python_dispatch import _disable_current_modes
+    from .passes.rules import is_tagged_pointwise
+    positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    shapes = {tuple(args[i].shape) for i in positions}
+    if kwargs or len(shapes) != 1 or \
+            not all(args[i].is_floating_point() for i in positions):
+        return False
+    (shape,) = shapes
+    custom_setup = function.setup_context is not torch.autograd.Function.setup_context
+
+    def forward_and_backward(*tensors):
+        given = list(args)
+        for i, t in zip(positions, tensors):
+            given[i] = t
+        ctx = _Context(tuple(i in positions for i in range(len(given))))
+        if custom_setup:
+            out = function.forward(*given)
+            function.setup_context(ctx, tuple(given), out)
+        else:
+            out = function.forward(ctx, *given)
+        outs = out if isinstance(out, tuple) else (out,)
+        grads = function.backward(ctx, *[torch.ones_like(o) for o in outs])
+        return outs, grads if isinstance(grads, tuple) else (grads,)
+    try:
+        with _disable_current_modes(), torch.enable_grad():
+            meta = [torch.empty(shape, dtype=args[i].dtype, device="meta") for i in positions]
+            traced = make_fx(forward_and_backward, tracing_mode="fake")(*meta)
+    except Exception:  # noqa: BLE001 - a function that cannot be traced so is not shown
+        return False      # elementwise
+    for node in traced.graph.nodes:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor) and tuple(value.shape) != shape and \
+                value.numel() != 1:
+            return False
+        if node.op == "call_function" and node.target not in _SHAPE_KEEPING and \
+                not is_tagged_pointwise(node.target):
+            return False
+    outputs = pytree.tree_leaves(next(iter(traced.graph.find_nodes(op="output"))).args)
+    return all(not isinstance(o, fx.Node) or tuple(o.meta["val"].shape) == shape
+               for o in outputs)

@@ -1305,8 +1305,11 @@ loaded, or not installed)."""
 
 def rule_for(target) -> Optional[Rule]:
     """The rule of ``target``: stated in :data:`RULES` (or :data:`LIBRARY_RULES`), else the
-    pointwise rule for an ATen op torch tags ``pointwise`` (no Partial pass-through), else
-    ``None``."""
+    pointwise rule for an ATen op torch tags ``pointwise`` (no Partial pass-through) and
+    for a call of a custom ``autograd.Function`` found elementwise (a target whose
+    ``elementwise`` is true: :class:`fxtp.autograd_functions.Apply`), else ``None``."""
+    if getattr(target, "elementwise", False) is True:
+        return _POINTWISE
     rule = RULES.get(target)
     if rule is None and isinstance(target, torch._ops.OpOverload):
         rule = LIBRARY_RULES.get(target._schema.name) if target.namespace != "aten" else None

@@ -148,10 +148,27 @@ def t5_plan():
     return plan
 
 
+def bloom():
+    """Fused per-head query-key-value, heads merged into the batch for ``baddbmm`` with the
+    ALiBi bias, and GeLU as a custom ``autograd.Function`` while training."""
+    cfg = transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=L, n_head=4,
+                                   hidden_dropout=0.0, attention_dropout=0.0)
+    return transformers.BloomForCausalLM(cfg)
+
+
+BLOOM_PLAN = {
+    "transformer.h.*.self_attention.query_key_value": fxtp.ColwiseParallel(),
+    "transformer.h.*.self_attention.dense": fxtp.RowwiseParallel(),
+    "transformer.h.*.mlp.dense_h_to_4h": fxtp.ColwiseParallel(),
+    "transformer.h.*.mlp.dense_4h_to_h": fxtp.RowwiseParallel(),
+}
+
+
 def unplanned_family(rank, world, name):
     make, plan, kwargs = {
         "bert": (bert, BERT_PLAN, {}),
         "t5": (t5, t5_plan(), {"decoder_input_ids": TOKENS[:, :7], "use_cache": False}),
+        "bloom": (bloom, BLOOM_PLAN, {"use_cache": False}),
     }[name]
     return check_parity(rank, world, make, plan, [TOKENS], dtype=torch.float64, strict=True,
                         input_grads=False, kwargs=kwargs, output=lambda out: out.logits)
@@ -173,3 +190,10 @@ def test_t5s_relative_position_bias_is_made_on_head_shards(ranks2):
     assert ranks2.run(unplanned_family, "t5")[0] == ({"all_reduce": 5 * L},
                                                     {"all_reduce": 5 * L + 1})
 
+
+def test_bloom_merging_heads_into_the_batch_and_its_custom_gelu(ranks):
+    """``(batch, heads, ...) -> (batch * heads, ...)`` on head shards is a strided shard of
+    the merged dim and splits back to head shards; BLOOM's ``GeLUFunction`` is elementwise,
+    so it runs on the colwise shards: Megatron's minimum, strict."""
+    assert ranks.run(unplanned_family, "bloom")[0] == ({"all_reduce": 2 * L},
+                                                      {"all_reduce": 2 * L})
