@@ -176,6 +176,13 @@ def _forwards_partial(node: fx.Node, carries: frozenset, seen=frozenset()) -> bo
     seen = seen | {node}
     if not all(_contributes_partial_grad(u, carries, seen) for u in node.users):
         return False
+    if node.target is operator.getitem and not isinstance(val(node.args[0]), torch.Tensor):
+        # a split's piece: the split's gradient is its pieces' together, which is no tensor
+        # to sync, so a piece's partial gradient passes it only where every piece's does
+        # (the pieces being decided on this path are taken to)
+        if not all(p in seen or _contributes_partial_grad(p, carries, seen)
+                   for p in node.args[0].users):
+            return False
     return _hands_on(node, carries) or _shares_a_gather(node, carries) or \
         node.target in _PRODUCTS and all(
             is_replicate(placement_of(a)) and _summed_anyway(a, node, carries, seen)

@@ -8,6 +8,10 @@
   fused SwiGLU failed to run.
 * An in-place op must write the caller's tensor: where its rule would need that input
   redistributed (a copy), parallelize refuses instead of writing the copy.
+* A replicated value split in pieces, one feeding sharded ops (its gradient a per-rank
+  partial sum) and another read replicated (Mamba's ``x_proj`` output cut into the time
+  step, B and C): the piece handed its partial gradient on to the split, which is no
+  tensor to sum on, so the sum was never taken. It is now taken on the piece.
 """
 import copy
 
@@ -167,3 +171,31 @@ def test_an_in_place_op_on_a_temporary_only_it_reads_writes_a_gathered_copy(rank
     single device does (the gather is the cumsum's fallback)."""
     fwd, bwd = ranks2.run(in_place_temporary)[0]
     assert fwd == {"all_gather": 1}
+
+
+class SplitFeeds(nn.Module):
+    """A replicated projection split in two: one piece into a colwise layer, the other
+    gating the result replicated."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(models.DIM, 2 * models.DIM)
+        self.up = nn.Linear(models.DIM, 16)
+        self.down = nn.Linear(16, models.DIM)
+
+    def forward(self, x):
+        a, b = self.proj(x).split(models.DIM, -1)
+        return self.down(self.up(a)) * torch.tanh(b)
+
+
+def split_feeds(rank, world, dtype):
+    return check_parity(rank, world, SplitFeeds,
+                        {"up": fxtp.ColwiseParallel(), "down": fxtp.RowwiseParallel()},
+                        [example(2, 4, models.DIM)], dtype=dtype, strict=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_a_split_piece_feeding_sharded_ops_sums_its_partial_gradient(ranks, dtype):
+    fwd, bwd = ranks.run(split_feeds, dtype)[0]
+    assert fwd == {"all_reduce": 1}
+    assert bwd == {"all_reduce": 1}  # the piece's gradient, before the split puts it back
