@@ -677,6 +677,46 @@ def _matmul_spec(node):
     return parse(f"{a}, {b} -> {out}", [ra, rb], partial="product")
 
 
+def _convolution_spec(node):
+    """``aten.convolution``: input ``(N, C, *spatial)``, weight ``(O, C / groups,
+    *kernel)``. The batch shards; with one group also the output channels (colwise) and,
+    without a bias, the input channels (a Partial sum). Spatial dims stay whole (a shard
+    would need its neighbours' edges); a transposed convolution shards the batch only, a
+    grouped one also by whole groups (:func:`_grouped_convolution`)."""
+    ranks = _ranks(node)
+    spatial, kernel = " _" * (ranks[0] - 2), " _" * (ranks[1] - 2)
+    bias = len(ranks) == 3
+    if op_arg(node, 6, "transposed", False) or op_arg(node, 8, "groups", 1) != 1:
+        return parse(f"n _{spatial}, _ _{kernel}{', _' if bias else ''} -> n _{spatial}",
+                     ranks)
+    if bias:
+        return parse(f"n c!{spatial}, o c!{kernel}, o -> n o{spatial}", ranks)
+    return parse(f"n c+{spatial}, o c+{kernel} -> n o{spatial}", ranks, partial="product",
+                 partial_args=(0, 1))
+
+
+def _grouped_convolution(node, world, actual=()):
+    """A grouped convolution whose groups divide by the world size, on channel shards: each
+    rank convolves whole groups, its channels of the input, the weight and the bias
+    (Mamba's and ConvNeXt's depthwise convolutions); the local op takes ``groups /
+    world`` (:func:`_local_conv_groups`)."""
+    groups = op_arg(node, 8, "groups", 1)
+    if op_arg(node, 6, "transposed", False) or not isinstance(groups, int) or groups == 1 \
+            or groups % world:
+        return
+    yield (Shard(1), Shard(0)) + (Shard(0),) * (len(tensor_inputs(node)) - 2), (Shard(1),)
+
+
+def _local_conv_groups(node, inputs, output, group):
+    """A grouped convolution on channel shards convolves this rank's groups."""
+    groups = op_arg(node, 8, "groups", 1)
+    if groups == 1 or not (isinstance(inputs[0], Shard) and inputs[0].dim == 1):
+        return node.target, node.args, node.kwargs
+    args = list(node.args)
+    args[8] = groups // group.world
+    return node.target, tuple(args), node.kwargs
+
+
 _GROUPED_MM = "s! k+, _ k+ n, _ -> s! n"
 """A grouped matmul of rows grouped by expert (``offs``: each group's end) by a stack of
 expert weights: row i of group e times weight[e]. The rows and the experts stay whole, as
@@ -1137,6 +1177,8 @@ RULES.update({
     aten.tril.default: Rule(_tri_spec, local_op=_shifted_diagonal, strided=False),
     aten.triu.default: Rule(_tri_spec, local_op=_shifted_diagonal, strided=False),
     # matrix products
+    aten.convolution.default: Rule(_convolution_spec, local_op=_local_conv_groups,
+                                   extra=_grouped_convolution),
     aten.linear.default: Rule(_linear_spec),
     aten.matmul.default: Rule(_matmul_spec),
     aten.addmm.default: Rule(_addmm_spec),

@@ -63,6 +63,13 @@ def _sdpa_ops(q, k, v):
             aten._scaled_dot_product_attention_math(q, k, v)[:2])
 
 
+def conv(x, w, b=None, padding=0, groups=1, transposed=False):
+    """``aten.convolution``, which fxtp's trace makes of ``F.conv*`` (they have no rule)."""
+    spatial = x.dim() - 2
+    return torch.ops.aten.convolution.default(x, w, b, [1] * spatial, [padding] * spatial,
+                                              [1] * spatial, transposed, [0] * spatial, groups)
+
+
 PROGRAMS = {
     # matrix products
     "linear": (lambda x, w: F.linear(x, w), lambda: (rand(4, 8, 12), rand(16, 12))),
@@ -72,6 +79,14 @@ PROGRAMS = {
                lambda: (rand(4, 8, 12), rand(4, 12, 16), rand(12, 16), rand(12), rand(16))),
     "mm_bmm": (lambda a, b, c, d: (torch.mm(a, b), torch.bmm(c, d)),
                lambda: (rand(8, 12), rand(12, 16), rand(4, 8, 12), rand(4, 12, 16))),
+    # convolutions (conv1d / conv2d / conv_transpose1d as fxtp's trace decomposes them):
+    # biased, unbiased (input channels give a partial sum), grouped and depthwise (Mamba's
+    # causal conv: groups dealt to ranks), transposed (batch only)
+    "convolution": (lambda x, w, b, x2, w2, wd, bd, wt: (
+        conv(x, w, b, padding=1), conv(x, w), conv(x2, w2, groups=4),
+        conv(x, wd, bd, padding=3, groups=8), conv(x, wt, transposed=True)),
+        lambda: (rand(4, 8, 12), rand(16, 8, 3), rand(16), rand(4, 8, 6, 6),
+                 rand(16, 2, 3, 3), rand(8, 1, 4), rand(8), rand(8, 4, 3))),
     # every step-th element from an offset below step (gpt-oss's interleaved gate / up)
     "strided_slice": (lambda x: (x[:, ::2], x[:, 1::2], x[..., 2::4]),
                       lambda: (rand(4, 12, 16),)),
