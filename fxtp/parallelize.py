@@ -31,6 +31,7 @@ from .passes.seed import seed
 from .passes.strided import stride_fused_splits
 from .passes.units import deal_consumers, deal_sources
 from .passes.unpin import unpin_layouts
+from .passes.unused import drop_unused
 
 from .dump import Dumper
 from .dtensor_outputs import dtensor_positions, hand_out_dtensors
@@ -167,6 +168,10 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
                                   shardings, dynamic_shapes, checkpointed,
                                   repeated if stamp_blocks else (),
                                   {k: s.style for k, s in shardings.items()}, keep_stamps)
+            boundaries = [n for c in calls.values()
+                          for n in (*c.args, *c.kwargs.values(), *c.outputs)]
+            if drop_unused(gm.graph, boundaries):
+                gm.recompile()
             decompose_unruled(gm)  # composite ops without a rule of their own
             for fqn in recast.keys() - meta.keys():  # the model's own, not the recast
                 owner, _, name = fqn.rpartition(".")
@@ -174,7 +179,8 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
             dump.code("traced", gm)
             stamped = gm.meta[STAMPED] if keep_stamps else {}
             outside = _outside(shardings, stamped)
-            uncalled = _uncalled(outside, calls, strict)
+            read = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+            uncalled = _uncalled(outside, calls, strict, read)
             called = {k: s for k, s in shardings.items() if k not in uncalled}
             handed_on = dtensor_positions(gm, calls, called)
             draw = int(torch.randint(2 ** 62, (), device="cpu")) if meta else 0  # init seed
@@ -289,16 +295,20 @@ def _outside(shardings: dict, stamped: dict) -> dict:
     return {k: s for k, s in shardings.items() if not (k + ".").startswith(inner)}
 
 
-def _uncalled(shardings: dict, calls: dict, strict: bool) -> dict[str, str]:
+def _uncalled(shardings: dict, calls: dict, strict: bool, read: set) -> dict[str, str]:
     """The plan's modules that ``forward`` did not call (an embedding, where the model was
     traced with ``inputs_embeds``), each with what it means: the program never reads their
-    parameters, held as their styles split them. Under ``strict``, a :class:`PlanError`."""
+    parameters, held as their styles split them. Under ``strict``, a :class:`PlanError`.
+    A module whose parameters the program reads without calling it (Mamba's
+    ``dt_proj.weight @ x``) is not one: its parameters are placed as its style says and
+    read so. ``read``: the tensors the program reads, by FQN."""
     found = {fqn: f"module '{fqn}' is named by the plan but forward did not call it while "
                   f"tracing (a model traced with inputs_embeds does not call its input "
                   f"embedding): the program never reads its parameters, which each rank "
                   f"holds as its style splits them. Leave it out of the plan, or trace the "
                   f"call that uses it"
-             for fqn in shardings if fqn and not calls_of(calls, fqn)}
+             for fqn in shardings if fqn and not calls_of(calls, fqn) and
+             not any(t.startswith(fqn + ".") for t in read)}
     if strict and found:
         raise PlanError(next(iter(found.values())) + " (strict=True)")
     return found
