@@ -205,17 +205,17 @@ def _hands_on(node: fx.Node, carries: frozenset) -> bool:
     return len(graded) == 1 and val(graded[0]).dtype == val(node).dtype
 
 
-_GATHERS = {aten.index.Tensor, aten.index_select.default}
+_GATHERS = {aten.index.Tensor, aten.index_select.default, aten.select.int, aten.slice.Tensor}
 _SAME_SIZE_VIEWS = _VIEWS - {aten.expand.default}
 
 
 def _shares_a_gather(node: fx.Node, carries: frozenset) -> bool:
-    """Is ``node`` a gather of rows of a replicated value, or of a view of it of as many
-    elements, that with the value's other such gathers takes at least as many elements as
-    the value holds? Top-k routing takes each token k times: an MoE's experts each taking
-    their tokens, ``x[token_idx]``, and their routing weights,
+    """Is ``node`` a gather (an index, a select, a slice) of a replicated value, or of a view
+    of it of as many elements, that with the value's other such gathers takes at least as
+    many elements as the value holds? Top-k routing takes each token k times: an MoE's
+    experts each taking their tokens, ``x[token_idx]``, and their routing weights,
     ``probs.unsqueeze(-1)[token_idx, slot]``, or one gather of every token's k copies sorted
-    by expert (torchtitan's). Its partial gradient is then better summed on the value, where
+    by expert (torchtitan's); a recurrence takes each step's row (Mamba's scan, ``C[:, t]``). Its partial gradient is then better summed on the value, where
     the gathers' gradients are added up and other readers' partial gradients (a shared
     expert's) join them, than on each gather: no more bytes, and no more collectives."""
     if node.target not in _GATHERS:

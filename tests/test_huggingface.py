@@ -164,14 +164,35 @@ BLOOM_PLAN = {
 }
 
 
+def mamba():
+    """A selective state space model (the scan on CPU: a loop over the tokens, in fp32
+    whatever the model's dtype): a depthwise causal convolution over the inner channels,
+    ``x_proj``'s output cut into time step, B and C, ``dt_proj``'s weight read without
+    calling the module, ``A_log`` and ``D`` read by channel."""
+    cfg = transformers.MambaConfig(vocab_size=64, hidden_size=32, state_size=8,
+                                   num_hidden_layers=L, expand=2, conv_kernel=4,
+                                   use_mambapy=False)
+    return transformers.MambaForCausalLM(cfg)
+
+
+MAMBA_PLAN = {  # the inner channels sharded, as Megatron's Mamba mixer shards them
+    "backbone.layers.*.mixer.in_proj": fxtp.ColwiseParallel(),
+    "backbone.layers.*.mixer.x_proj": fxtp.RowwiseParallel(output_layouts=Replicate()),
+    "backbone.layers.*.mixer.dt_proj": fxtp.ColwiseParallel(),
+    "backbone.layers.*.mixer.out_proj": fxtp.RowwiseParallel(),
+}
+
+
 def unplanned_family(rank, world, name):
     make, plan, kwargs = {
         "bert": (bert, BERT_PLAN, {}),
         "t5": (t5, t5_plan(), {"decoder_input_ids": TOKENS[:, :7], "use_cache": False}),
         "bloom": (bloom, BLOOM_PLAN, {"use_cache": False}),
+        "mamba": (mamba, MAMBA_PLAN, {"use_cache": False}),
     }[name]
     return check_parity(rank, world, make, plan, [TOKENS], dtype=torch.float64, strict=True,
-                        input_grads=False, kwargs=kwargs, output=lambda out: out.logits)
+                        input_grads=False, kwargs=kwargs, output=lambda out: out.logits,
+                        compare_dtype=torch.float32 if name == "mamba" else None)
 
 
 def test_bert_whose_attention_holds_a_module_named_self(ranks2):
@@ -197,3 +218,13 @@ def test_bloom_merging_heads_into_the_batch_and_its_custom_gelu(ranks):
     so it runs on the colwise shards: Megatron's minimum, strict."""
     assert ranks.run(unplanned_family, "bloom")[0] == ({"all_reduce": 2 * L},
                                                       {"all_reduce": 2 * L})
+
+
+def test_mamba_on_inner_channel_shards(ranks2):
+    """The depthwise convolution convolves each rank's channels (its groups); the conv, dt
+    projection, ``A_log`` and ``D`` weights are held by channel; nothing is gathered.
+    Forward: the rowwise x_proj's sum and out_proj's per layer. Backward: in_proj's input
+    gradient, and the time step's, B's and C's gradients (each read by channel-sharded
+    ops) per layer. Compared at fp32's tolerance: the scan computes in fp32."""
+    assert ranks2.run(unplanned_family, "mamba")[0] == ({"all_reduce": 2 * L},
+                                                       {"all_reduce": 4 * L})
