@@ -179,14 +179,16 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
             dump.code("traced", gm)
             stamped = gm.meta[STAMPED] if keep_stamps else {}
             outside = _outside(shardings, stamped)
-            read = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+            tied = tied_names(model)  # a tied weight read is no sign of its own module's
+            read = {n.target for n in gm.graph.nodes if n.op == "get_attr" and n.users} - \
+                tied.keys()
             uncalled = _uncalled(outside, calls, strict, read)
             called = {k: s for k, s in shardings.items() if k not in uncalled}
             handed_on = dtensor_positions(gm, calls, called)
             draw = int(torch.randint(2 ** 62, (), device="cpu")) if meta else 0  # init seed
             init_seed = check_same_on_every_rank(group, _device(None, group), shardings,
                                                  model, gm, draw)
-            seed(gm, outside, calls, group.world, tied_names(model))
+            seed(gm, outside, calls, group.world, tied)
             def place() -> list:
                 fallbacks = propagate(gm, group.world)
                 # layouts that serve what would be gathered: fused projections strided,
@@ -301,7 +303,8 @@ def _uncalled(shardings: dict, calls: dict, strict: bool, read: set) -> dict[str
     parameters, held as their styles split them. Under ``strict``, a :class:`PlanError`.
     A module whose parameters the program reads without calling it (Mamba's
     ``dt_proj.weight @ x``) is not one: its parameters are placed as its style says and
-    read so. ``read``: the tensors the program reads, by FQN."""
+    read so. ``read``: the tensors the program reads, by FQN (tied ones left out: the
+    reader may be the module sharing it)."""
     found = {fqn: f"module '{fqn}' is named by the plan but forward did not call it while "
                   f"tracing (a model traced with inputs_embeds does not call its input "
                   f"embedding): the program never reads its parameters, which each rank "
