@@ -434,6 +434,21 @@ def _repeat_spec(node):
     return DimSpec((ins,), (outs,), "sum")
 
 
+def _tiled_shard(node, world, actual=()):
+    """``repeat`` of a dim arriving sharded (in ``k`` equal blocks, or one): each copy holds
+    the blocks, so the result is cut in ``reps * k`` blocks, each sharded, and every rank
+    repeats its pieces (DeBERTa tiles its head-sharded relative position keys over the
+    batch, to meet its queries' batch-and-heads dim). Static sizes only."""
+    p = actual[0] if actual else None
+    if not (isinstance(p, Shard) or is_blocked(p)) or isinstance(blocks(p), tuple):
+        return
+    src, reps = val(node.args[0]).shape, list(node.args[1])
+    off, cut = len(reps) - len(src), blocks(p)
+    size, r = src[p.dim], reps[len(reps) - len(src) + p.dim]
+    if isinstance(size, int) and isinstance(r, int) and r > 1 and size % (cut * world) == 0:
+        yield (p,), (cut_in_blocks(off + p.dim, [size // cut] * (r * cut)),)
+
+
 def _cat_spec(node):
     tensors = [t for t in node.args[0] if is_tensor_node(t)]
     n = _rank(node)
@@ -1283,7 +1298,7 @@ RULES.update({
     aten.squeeze.default: Rule(_squeeze_spec, local_op=_local_squeeze),
     aten.squeeze.dim: Rule(_squeeze_spec, local_op=_local_squeeze),
     aten.squeeze.dims: Rule(_squeeze_spec, local_op=_local_squeeze),
-    aten.repeat.default: Rule(_repeat_spec),
+    aten.repeat.default: Rule(_repeat_spec, extra=_tiled_shard),
     aten.repeat_interleave.self_int: Rule(_same_dims),
     aten.view_as_complex.default: Rule(_complex_view_spec),
     aten.view_as_real.default: Rule(_complex_view_spec),

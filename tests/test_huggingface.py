@@ -183,12 +183,37 @@ MAMBA_PLAN = {  # the inner channels sharded, as Megatron's Mamba mixer shards t
 }
 
 
+def deberta():
+    """DeBERTa-v3's disentangled attention: the relative position embeddings go through the
+    layer's own (shared) key and query projections, and the head-sharded result is tiled
+    over the batch (``repeat``) to meet the queries' batch-and-heads dim."""
+    cfg = transformers.DebertaV2Config(vocab_size=64, hidden_size=32, num_hidden_layers=L,
+                                       num_attention_heads=4, intermediate_size=64,
+                                       max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                       attention_probs_dropout_prob=0.0,
+                                       relative_attention=True, position_buckets=8,
+                                       pos_att_type=["p2c", "c2p"], share_att_key=True,
+                                       norm_rel_ebd="layer_norm")
+    return transformers.DebertaV2ForMaskedLM(cfg)
+
+
+DEBERTA_PLAN = {
+    "deberta.encoder.layer.*.attention.self.query_proj": fxtp.ColwiseParallel(),
+    "deberta.encoder.layer.*.attention.self.key_proj": fxtp.ColwiseParallel(),
+    "deberta.encoder.layer.*.attention.self.value_proj": fxtp.ColwiseParallel(),
+    "deberta.encoder.layer.*.attention.output.dense": fxtp.RowwiseParallel(),
+    "deberta.encoder.layer.*.intermediate.dense": fxtp.ColwiseParallel(),
+    "deberta.encoder.layer.*.output.dense": fxtp.RowwiseParallel(),
+}
+
+
 def unplanned_family(rank, world, name):
     make, plan, kwargs = {
         "bert": (bert, BERT_PLAN, {}),
         "t5": (t5, t5_plan(), {"decoder_input_ids": TOKENS[:, :7], "use_cache": False}),
         "bloom": (bloom, BLOOM_PLAN, {"use_cache": False}),
         "mamba": (mamba, MAMBA_PLAN, {"use_cache": False}),
+        "deberta": (deberta, DEBERTA_PLAN, {}),
     }[name]
     return check_parity(rank, world, make, plan, [TOKENS], dtype=torch.float64, strict=True,
                         input_grads=False, kwargs=kwargs, output=lambda out: out.logits,
@@ -228,3 +253,11 @@ def test_mamba_on_inner_channel_shards(ranks2):
     ops) per layer. Compared at fp32's tolerance: the scan computes in fp32."""
     assert ranks2.run(unplanned_family, "mamba")[0] == ({"all_reduce": 2 * L},
                                                        {"all_reduce": 4 * L})
+
+
+def test_deberta_tiles_its_head_sharded_relative_positions_over_the_batch(ranks2):
+    """The tiled position keys and queries stay head shards (cut in one block per copy),
+    nothing gathered: Megatron's minimum, and backward one all-reduce more for the
+    relative embeddings every layer projects."""
+    assert ranks2.run(unplanned_family, "deberta")[0] == ({"all_reduce": 2 * L},
+                                                         {"all_reduce": 2 * L + 1})

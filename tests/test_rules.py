@@ -165,6 +165,9 @@ MERGED = {  # (program, input, its placement, the output's placement)
                   Shard(1)),
     "last_dim_into_all": (lambda x: x.reshape(-1).tanh(), rand(3, 2, 8), Shard(2),
                           _StridedShard(0, split_factor=6)),
+    # DeBERTa: head-sharded relative position keys tiled over the batch
+    "tiled_heads": (lambda x: (x.repeat(2, 1, 1) * 2).reshape(2, 4, 16, 8), rand(4, 16, 8),
+                    Shard(0), Shard(1)),
 }
 
 
@@ -173,8 +176,9 @@ MERGED = {  # (program, input, its placement, the output's placement)
 def test_a_view_merging_a_sharded_dim_with_dims_before_it_keeps_it_sharded(name, world):
     """For each index of the dims before a sharded dim, a rank holds one contiguous piece:
     merged, the dim holding them is cut in that many blocks, each sharded
-    (``_StridedShard``), and split out again it is the sharded dim. No op redistributes,
-    and every strategy reassembles the single-device result."""
+    (``_StridedShard``), and split out again it is the sharded dim; tiled by ``repeat``,
+    each copy is such a block. No op redistributes, and every strategy reassembles the
+    single-device result."""
     fn, x, placement, expected = MERGED[name]
     gm, values = _record(fn, [x])
     next(n for n in gm.graph.nodes if n.op == "placeholder").meta[PLACEMENT] = placement
