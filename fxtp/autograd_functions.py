@@ -172,9 +172,9 @@ def is_elementwise(function: type[torch.autograd.Function], args: list, kwargs: 
     """Whether ``function``'s forward and backward, traced together on fake tensors shaped
     as ``args``' tensors (all of one shape, the outputs too), run only ATen ops torch tags
     pointwise (random ones excluded), copies of a tensor or constants of its shape, on
-    values of that shape or single elements: then each output element and each input gradient element
-    depends only on the same element of the inputs and output gradients, and a shard
-    computes its part of the whole. Anything else (another shape, a reduction, a view, a
+    values of that shape or single elements: then each element of the outputs and of the
+    input gradients depends only on the same element of the inputs and output gradients,
+    and a shard computes its part of the whole. Anything else (another shape, a reduction, a view, a
     function that cannot be traced so) is ``False``."""
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.utils._python_dispatch import _disable_current_modes

@@ -215,8 +215,9 @@ def _shares_a_gather(node: fx.Node, carries: frozenset) -> bool:
     many elements as the value holds? Top-k routing takes each token k times: an MoE's
     experts each taking their tokens, ``x[token_idx]``, and their routing weights,
     ``probs.unsqueeze(-1)[token_idx, slot]``, or one gather of every token's k copies sorted
-    by expert (torchtitan's); a recurrence takes each step's row (Mamba's scan, ``C[:, t]``). Its partial gradient is then better summed on the value, where
-    the gathers' gradients are added up and other readers' partial gradients (a shared
+    by expert (torchtitan's); a recurrence takes each step's row (Mamba's scan,
+    ``C[:, t]``). Its partial gradient is then better summed on the value, where the
+    gathers' gradients are added up and other readers' partial gradients (a shared
     expert's) join them, than on each gather: no more bytes, and no more collectives."""
     if node.target not in _GATHERS:
         return False

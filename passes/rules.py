@@ -328,23 +328,28 @@ def _view_of_inner_shard(node, world, actual=()):
     (``_StridedShard(d, m)``; ``Shard(d)`` for one block). Static sizes only; the leading
     dim of a group of merged dims is the view spec's own strategy."""
     src, dst = val(node.args[0]).shape, val(node).shape
-    p = actual[0] if actual else None
-    if not (isinstance(p, Shard) or is_blocked(p)) or isinstance(blocks(p), tuple) or \
-            not all(isinstance(s, int) and s > 0 for s in (*src, *dst)):
-        return
-    cut = blocks(p)
-    if src[p.dim] % (cut * world):
+    p, cut = _in_equal_blocks(actual)
+    if p is None or not all(isinstance(s, int) and s > 0 for s in (*src, *dst)) or \
+            src[p.dim] % (cut * world):
         return
     before = math.prod(src[:p.dim]) * cut  # pieces each rank holds one part of
     out_before = 1
     for q, size in enumerate(dst):
         if before < out_before * size:  # dim q holds the pieces' boundaries
             m = before // out_before
-            if before % out_before == 0 and size % (m * world) == 0 and \
-                    (m > 1 or cut > 1 or math.prod(src[:p.dim]) > 1):
+            if before > 1 and before % out_before == 0 and size % (m * world) == 0:
                 yield (p,), (cut_in_blocks(q, [size // m] * m) if m > 1 else Shard(q),)
             return
         out_before *= size
+
+
+def _in_equal_blocks(actual) -> tuple:
+    """``(placement, blocks)`` of a first input arriving sharded in one or more equal
+    blocks (``Shard``, ``_StridedShard``), else ``(None, None)``."""
+    p = actual[0] if actual else None
+    if (isinstance(p, Shard) or is_blocked(p)) and not isinstance(blocks(p), tuple):
+        return p, blocks(p)
+    return None, None
 
 
 def _expr(size):
@@ -439,12 +444,12 @@ def _tiled_shard(node, world, actual=()):
     the blocks, so the result is cut in ``reps * k`` blocks, each sharded, and every rank
     repeats its pieces (DeBERTa tiles its head-sharded relative position keys over the
     batch, to meet its queries' batch-and-heads dim). Static sizes only."""
-    p = actual[0] if actual else None
-    if not (isinstance(p, Shard) or is_blocked(p)) or isinstance(blocks(p), tuple):
+    p, cut = _in_equal_blocks(actual)
+    if p is None:
         return
     src, reps = val(node.args[0]).shape, list(node.args[1])
-    off, cut = len(reps) - len(src), blocks(p)
-    size, r = src[p.dim], reps[len(reps) - len(src) + p.dim]
+    off = len(reps) - len(src)
+    size, r = src[p.dim], reps[off + p.dim]
     if isinstance(size, int) and isinstance(r, int) and r > 1 and size % (cut * world) == 0:
         yield (p,), (cut_in_blocks(off + p.dim, [size // cut] * (r * cut)),)
 
@@ -714,22 +719,12 @@ def _grouped_convolution(node, world, actual=()):
     """A grouped convolution whose groups divide by the world size, on channel shards: each
     rank convolves whole groups, its channels of the input, the weight and the bias
     (Mamba's and ConvNeXt's depthwise convolutions); the local op takes ``groups /
-    world`` (:func:`_local_conv_groups`)."""
+    world`` (:func:`_local_groups`)."""
     groups = op_arg(node, 8, "groups", 1)
     if op_arg(node, 6, "transposed", False) or not isinstance(groups, int) or groups == 1 \
             or groups % world:
         return
     yield (Shard(1), Shard(0)) + (Shard(0),) * (len(tensor_inputs(node)) - 2), (Shard(1),)
-
-
-def _local_conv_groups(node, inputs, output, group):
-    """A grouped convolution on channel shards convolves this rank's groups."""
-    groups = op_arg(node, 8, "groups", 1)
-    if groups == 1 or not (isinstance(inputs[0], Shard) and inputs[0].dim == 1):
-        return node.target, node.args, node.kwargs
-    args = list(node.args)
-    args[8] = groups // group.world
-    return node.target, tuple(args), node.kwargs
 
 
 _GROUPED_MM = "s! k+, _ k+ n, _ -> s! n"
@@ -809,12 +804,16 @@ def _whole_groups(node: fx.Node, world: int, actual=()):
         yield (Shard(1),) + (Shard(0),) * (len(tensor_inputs(node)) - 1), (Shard(1),)
 
 
-def _local_groups(node, inputs, output, group):
-    """On channel shards: this rank's number of groups."""
-    if inputs[0] != Shard(1):
-        return node.target, node.args, node.kwargs
-    return node.target, (node.args[0], node.args[1] // group.world, *node.args[2:]), \
-        node.kwargs
+def _local_groups(index: int):
+    """The local op of an op of groups of channels (its argument ``index``: the number of
+    groups) taking channel shards of whole groups: this rank's number of groups."""
+    def local(node, inputs, output, group):
+        if inputs[0] != Shard(1) or node.args[index] == 1:  # one group: a Partial sum's
+            return node.target, node.args, node.kwargs
+        args = list(node.args)
+        args[index] //= group.world
+        return node.target, tuple(args), node.kwargs
+    return local
 
 
 def _batch_norm_spec(training_arg: Optional[int]):
@@ -1192,7 +1191,7 @@ RULES.update({
     aten.tril.default: Rule(_tri_spec, local_op=_shifted_diagonal, strided=False),
     aten.triu.default: Rule(_tri_spec, local_op=_shifted_diagonal, strided=False),
     # matrix products
-    aten.convolution.default: Rule(_convolution_spec, local_op=_local_conv_groups,
+    aten.convolution.default: Rule(_convolution_spec, local_op=_local_groups(8),
                                    extra=_grouped_convolution),
     aten.linear.default: Rule(_linear_spec),
     aten.matmul.default: Rule(_matmul_spec),
@@ -1221,7 +1220,7 @@ RULES.update({
     aten.rms_norm.default: Rule(_norm_spec),
     aten.native_layer_norm.default: Rule(_norm_spec),
     aten._fused_rms_norm.default: Rule(_norm_spec),
-    aten.group_norm.default: Rule(_group_norm_spec, extra=_whole_groups, local_op=_local_groups,
+    aten.group_norm.default: Rule(_group_norm_spec, extra=_whole_groups, local_op=_local_groups(1),
                                   strided=False, units=False),
     aten.batch_norm.default: _batch_norm_spec(training_arg=5),
     aten.native_batch_norm.default: _batch_norm_spec(training_arg=5),
