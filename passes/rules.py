@@ -326,11 +326,26 @@ def _view_of_inner_shard(node, world, actual=()):
     index of the dims before it, a rank holds one contiguous piece of the elements: in the
     view, the dim holding them is cut in that many blocks, each sharded
     (``_StridedShard(d, m)``; ``Shard(d)`` for one block). Static sizes only; the leading
-    dim of a group of merged dims is the view spec's own strategy."""
+    dim of a group of merged dims is the view spec's own strategy. Also offered, whatever
+    the input has now: a dim split into ``(k, m, ...)`` taken cut in ``k`` blocks, each
+    sharded, is ``Shard`` of the ``m`` dim (timm's fused ``qkv`` viewed as ``(3, heads,
+    head_dim)``: each rank holds its heads of each of q, k and v)."""
     src, dst = val(node.args[0]).shape, val(node).shape
+    if not all(isinstance(s, int) and s > 0 for s in (*src, *dst)):
+        return
     p, cut = _in_equal_blocks(actual)
-    if p is None or not all(isinstance(s, int) and s > 0 for s in (*src, *dst)) or \
-            src[p.dim] % (cut * world):
+    if p is not None:
+        yield from _blocks_through_view(src, dst, p, cut, world)
+    for d, k in _split_dims(src, dst):
+        fused = cut_in_blocks(d, [src[d] // k] * k)
+        if fused != p:
+            yield from _blocks_through_view(src, dst, fused, k, world)
+
+
+def _blocks_through_view(src, dst, p, cut: int, world: int):
+    """The strategy of :func:`_view_of_inner_shard` for input ``p``, cut in ``cut`` equal
+    blocks, if the view keeps each rank's pieces in one output dim."""
+    if src[p.dim] % (cut * world):
         return
     before = math.prod(src[:p.dim]) * cut  # pieces each rank holds one part of
     out_before = 1
@@ -341,6 +356,30 @@ def _view_of_inner_shard(node, world, actual=()):
                 yield (p,), (cut_in_blocks(q, [size // m] * m) if m > 1 else Shard(q),)
             return
         out_before *= size
+
+
+def _split_dims(src, dst) -> list[tuple[int, int]]:
+    """``(input dim, k)`` for each input dim the view splits into three or more dims
+    (parts, heads, head dim), the first of size ``k > 1`` (static sizes). Split in two, the
+    dims are heads and head dim, which a blocked layout would cut inside heads."""
+    found, i, j = [], 0, 0
+    while i < len(src) and j < len(dst):
+        if src[i] == dst[j]:
+            i, j = i + 1, j + 1
+            continue
+        if dst[j] == 1:
+            j += 1
+            continue
+        start, size = j, dst[j]
+        while size < src[i] and j + 1 < len(dst):
+            j += 1
+            size *= dst[j]
+        if size != src[i]:
+            return found  # a merge: no dim is split here
+        if j > start + 1 and dst[start] > 1:
+            found.append((i, dst[start]))
+        i, j = i + 1, j + 1
+    return found
 
 
 def _in_equal_blocks(actual) -> tuple:

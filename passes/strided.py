@@ -3,8 +3,9 @@
 A colwise projection whose output is split into parts along its sharded dim
 (``q, k, v = qkv(x).split(D, -1)``, ``w13(x).chunk(2, -1)``, gpt-fast's grouped-query
 ``wqkv(x).split([dim, kv, kv], -1)``, Phi-3's slices ``qkv[..., :D]``,
-``qkv[..., D:D + kv]``, ...) gives each rank a contiguous chunk of ``[q|k|v]``, which
-cannot serve the split, so propagation gathers it. Laid out in blocks, each sharded
+``qkv[..., D:D + kv]``, timm's ``qkv(x).reshape(B, N, 3, heads, head_dim)``, ...) gives
+each rank a contiguous chunk of ``[q|k|v]``, which cannot serve the split, so propagation
+gathers it. Laid out in blocks, each sharded
 (``_StridedShard(d, split_factor=k)`` for k equal parts, ``BlockShard(d, sizes)`` for
 unequal ones), each rank holds ``[q_r|k_r|v_r]`` and every part comes out ``Shard(d)``
 with no communication.

@@ -121,8 +121,9 @@ def activations(*shape, dtype):
 class FusedAttention(nn.Module):
     """Attention with one fused q/k/v projection whose output is split ``split`` ways:
     ``"split"`` (``qkv.split(D, -1)``), ``"chunk"`` (``qkv.chunk(3, -1)``), ``"sizes"``
-    (``torch.split(qkv, [D, D, D], -1)``) or ``"gqa"`` (half as many key/value heads:
-    unequal sizes ``[D, D / 2, D / 2]``)."""
+    (``torch.split(qkv, [D, D, D], -1)``), ``"gqa"`` (half as many key/value heads:
+    unequal sizes ``[D, D / 2, D / 2]``) or ``"unbind"`` (timm's ViT: viewed as ``(3,
+    heads, head_dim)``, permuted to ``(3, batch, heads, seq, head_dim)`` and unbound)."""
 
     def __init__(self, dim=DIM, n_heads=HEADS, split="split"):
         super().__init__()
@@ -134,13 +135,18 @@ class FusedAttention(nn.Module):
     def forward(self, x):
         bsz, seqlen, dim = x.shape
         qkv = self.qkv(x)
+        head_dim = dim // self.n_heads
+        if self.split == "unbind":
+            q, k, v = qkv.reshape(bsz, seqlen, 3, self.n_heads, head_dim).permute(
+                2, 0, 3, 1, 4).unbind(0)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, dim))
         if self.split == "split":
             q, k, v = qkv.split(dim, -1)
         elif self.split == "chunk":
             q, k, v = qkv.chunk(3, -1)
         else:
             q, k, v = torch.split(qkv, [dim, self.kv_dim, self.kv_dim], -1)
-        head_dim = dim // self.n_heads
         q, k, v = (t.view(bsz, seqlen, -1, head_dim).transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                              enable_gqa=self.split == "gqa")

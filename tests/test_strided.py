@@ -26,9 +26,10 @@ def fused(rank, world, dtype, split, shared=False):
 
 
 @DTYPES
-@pytest.mark.parametrize("split", ["split", "chunk", "sizes"])
+@pytest.mark.parametrize("split", ["split", "chunk", "sizes", "unbind"])
 def test_fused_qkv_and_swiglu_issue_the_megatron_minimum(ranks, dtype, split):
-    """2 all-reduces per layer forward (rowwise sums) and backward (colwise input grads)."""
+    """2 all-reduces per layer forward (rowwise sums) and backward (colwise input grads).
+    ``unbind``: q, k and v parted after a view as ``(3, heads, head_dim)`` (timm)."""
     fwd, bwd = ranks.run(fused, dtype, split)[0]
     assert fwd == {"all_reduce": 2 * L}
     assert bwd == {"all_reduce": 2 * L}
