@@ -84,20 +84,22 @@ def nll_loss_of_shard(x: torch.Tensor, target: torch.Tensor, weight, reduction: 
     return terms.sum() if reduction == 2 else terms.sum() / w.sum()
 
 
-def sharded_dropout(x: torch.Tensor, p: float, train: bool, dim: int, start: int,
+def sharded_dropout(x: torch.Tensor, p: float, train: bool, dim: int, pieces: list,
                     size: int) -> torch.Tensor:
-    """Dropout of this rank's shard (elements ``[start, start + len)`` along ``dim``, of
-    ``size``) of a tensor: the mask of the whole tensor is drawn, exactly as single-device
-    dropout draws it, and this rank's part is applied. Each shard thus gets its own part of
-    the mask, the result equals the single-device one for the same seed, and every rank's
-    generator stays in step (so dropout on replicated values still draws the same mask on
-    every rank)."""
+    """Dropout of this rank's shard of a tensor (its ``pieces``, ``(start, length)`` of the
+    elements along ``dim`` of ``size``: one for a ``Shard``, one per block for a blocked
+    dim): the mask of the whole tensor is drawn, exactly as single-device dropout draws it,
+    and this rank's part is applied. Each shard thus gets its own part of the mask, the
+    result equals the single-device one for the same seed, and every rank's generator stays
+    in step (so dropout on replicated values still draws the same mask on every rank)."""
     if not train or p == 0 or x.numel() == 0:
         return x
     shape = list(x.shape)
     shape[dim] = size
     noise = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p)
-    noise = noise.narrow(dim, start, x.shape[dim]).clone(memory_format=torch.contiguous_format)
+    noise = torch.cat([noise.narrow(dim, start, length) for start, length in pieces], dim) \
+        if len(pieces) > 1 else noise.narrow(dim, *pieces[0])
+    noise = noise.clone(memory_format=torch.contiguous_format)
     return x * noise.div_(1 - p)
 
 

@@ -984,16 +984,21 @@ def _vocab_parallel(node, inputs, output, group):
 
 
 def _dropout(node, inputs, output, group):
-    """Dropout of a shard draws the whole mask and keeps its chunk (see
-    :func:`~fxtp.passes.local_ops.sharded_dropout`); of a replicated value, the same mask on
-    every rank (all ranks' generators are in step), which also drops the same elements of
-    every rank's part of a partial sum."""
-    if not isinstance(inputs[0], (Shard, UnitShard)):
+    """Dropout of a shard draws the whole mask and keeps this rank's part of it, a chunk or
+    one per block (see :func:`~fxtp.passes.local_ops.sharded_dropout`); of a replicated
+    value, the same mask on every rank (all ranks' generators are in step), which also
+    drops the same elements of every rank's part of a partial sum."""
+    if not is_sharded(inputs[0]):
         return node.target, node.args, node.kwargs
     x, p, train = node.args[0], op_arg(node, 1, "p"), op_arg(node, 2, "train")
-    d = inputs[0].dim
-    return sharded_dropout, (x, p, train, d, _start(inputs[0], val(x), group),
-                             val(x).shape[d]), {}
+    d, size = inputs[0].dim, val(x).shape[inputs[0].dim]
+    if is_blocked(inputs[0]):
+        pieces = [(a + start, length) for a, b in block_bounds(inputs[0], size)
+                  for start, length in [local_range(inputs[0], b - a, group.rank,
+                                                    group.world)]]
+    else:
+        pieces = [local_range(inputs[0], size, group.rank, group.world)]
+    return sharded_dropout, (x, p, train, d, pieces, size), {}
 
 
 def _same_dims(node):
@@ -1226,7 +1231,7 @@ RULES.update({
     aten.type_as.default: pointwise("sum", unread=(1,)),
     aten.to.other: pointwise("sum", unread=(1,)),
     aten.dropout.default: Rule(lambda node: replace(pointwise().spec(node), partial="sum"),
-                               local_op=_dropout, strided=False),
+                               local_op=_dropout),
     aten.tril.default: Rule(_tri_spec, local_op=_shifted_diagonal, strided=False),
     aten.triu.default: Rule(_tri_spec, local_op=_shifted_diagonal, strided=False),
     # matrix products

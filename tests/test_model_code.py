@@ -28,16 +28,23 @@ def parity(rank, world, make, plan=ATTENTION, strict=True):
                         strict=strict)
 
 
-class CompositeViews(nn.Module):
-    """Heads shaped with ``view_as`` / ``reshape_as`` / ``expand_as``, which the trace keeps
-    as ops of their own (torch composes them of ``view`` and ``expand``)."""
+class Projections(nn.Module):
+    """The q, kv and o projections :data:`ATTENTION` plans; each case writes its forward."""
 
     def __init__(self):
         super().__init__()
         self.q = nn.Linear(DIM, DIM, bias=False)
         self.kv = nn.Linear(DIM, 2 * DIM, bias=False)
-        self.gate = nn.Parameter(torch.randn(1, 1, HEADS, 1))
         self.o = nn.Linear(DIM, DIM, bias=False)
+
+
+class CompositeViews(Projections):
+    """Heads shaped with ``view_as`` / ``reshape_as`` / ``expand_as``, which the trace keeps
+    as ops of their own (torch composes them of ``view`` and ``expand``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Parameter(torch.randn(1, 1, HEADS, 1))
 
     def forward(self, x):
         q = self.q(x).view(B, T, HEADS, HEAD)
@@ -53,6 +60,27 @@ def test_composite_ops_without_a_rule_are_placed_as_their_decomposition(ranks):
     model reads only on head shards, is held as this rank's heads (its gradient is this
     rank's alone, nothing to gather)."""
     assert ranks.run(parity, CompositeViews)[0] == MEGATRON
+
+
+class MergedHeadsDropout(Projections):
+    """fairseq's attention (XGLM, BART, OPT): heads merged into the batch for ``bmm``,
+    dropout on the attention probabilities in that merged layout."""
+
+    def forward(self, x):
+        def merged(t):
+            return t.view(B, T, HEADS, HEAD).transpose(1, 2).reshape(B * HEADS, T, HEAD)
+        k, v = self.kv(x).chunk(2, dim=-1)
+        scores = torch.bmm(merged(self.q(x)), merged(k).transpose(1, 2)) / HEAD ** 0.5
+        probs = F.dropout(torch.softmax(scores, -1), p=0.3, training=True)
+        out = torch.bmm(probs, merged(v)).view(B, HEADS, T, HEAD).transpose(1, 2)
+        return self.o(out.reshape(B, T, DIM))
+
+
+def test_dropout_on_heads_merged_into_the_batch_draws_each_ranks_blocks_of_the_mask(ranks):
+    """The merged dim holds each batch row's heads, so a rank's heads are one block per
+    row (``_StridedShard``): its mask is those blocks of the mask single-device dropout
+    draws (parity with dropout on), not a gather."""
+    assert ranks.run(parity, MergedHeadsDropout)[0] == MEGATRON
 
 
 class SharedGate(CompositeViews):
@@ -87,16 +115,13 @@ def test_decomposition_replaces_only_composite_ops_that_have_no_rule():
     assert all(torch.equal(a, b) for a, b in zip(gm(x, y), M()(x, y)))
 
 
-class LatentAttention(nn.Module):
+class LatentAttention(Projections):
     """DeepSeek's MLA key: a fresh ``new_empty`` tensor filled by slice assignment with the
     head-sharded per-head part and the rotary part every head shares."""
 
     def __init__(self):
         super().__init__()
-        self.q = nn.Linear(DIM, DIM, bias=False)
-        self.kv = nn.Linear(DIM, 2 * DIM, bias=False)
         self.rope = nn.Linear(DIM, HEAD, bias=False)
-        self.o = nn.Linear(DIM, DIM, bias=False)
 
     def forward(self, x):
         q = self.q(x).view(B, T, HEADS, HEAD).transpose(1, 2)
@@ -130,15 +155,9 @@ def test_the_fresh_tensor_holds_only_this_ranks_heads(ranks4):
     assert ranks4.run(made_sharded) == [[B, HEADS // 4, T, 2 * HEAD]] * 4
 
 
-class SliceIntoAReplicatedValue(nn.Module):
+class SliceIntoAReplicatedValue(Projections):
     """A slice assignment of head-sharded values into a value read whole afterwards: what
     is written must be gathered, or the write would land in this rank's part only."""
-
-    def __init__(self):
-        super().__init__()
-        self.q = nn.Linear(DIM, DIM, bias=False)
-        self.kv = nn.Linear(DIM, 2 * DIM, bias=False)
-        self.o = nn.Linear(DIM, DIM, bias=False)
 
     def forward(self, x):
         y = x.view(B, T, HEADS, HEAD).clone()
@@ -155,12 +174,9 @@ def test_a_slice_assignment_into_a_replicated_value_gathers_what_is_written(rank
 def ranks_order(rank, world):
     """Model code whose independent ops run in another order on each rank, as iterating
     a ``set`` of strings does in processes with other hash seeds."""
-    class Tables(nn.Module):
+    class Tables(Projections):
         def __init__(self):
             super().__init__()
-            self.q = nn.Linear(DIM, DIM, bias=False)
-            self.kv = nn.Linear(DIM, 2 * DIM, bias=False)
-            self.o = nn.Linear(DIM, DIM, bias=False)
             self.register_buffer("local", torch.linspace(0.5, 1.5, DIM))
             self.register_buffer("wide", torch.linspace(1.5, 0.5, DIM))
 
