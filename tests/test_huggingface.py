@@ -207,6 +207,25 @@ DEBERTA_PLAN = {
 }
 
 
+def beit():
+    """BEiT's relative position bias: each layer's table of (distances, heads), resampled
+    by ``interpolate`` (bilinear) to the image's window, indexed and added to the scores."""
+    cfg = transformers.BeitConfig(hidden_size=32, num_hidden_layers=L, num_attention_heads=4,
+                                  intermediate_size=64, image_size=8, patch_size=4,
+                                  use_relative_position_bias=True, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0, drop_path_rate=0.0)
+    return transformers.BeitModel(cfg)
+
+
+BEIT_PLAN = {
+    "layers.*.attention.[qkv]_proj": fxtp.ColwiseParallel(),
+    "layers.*.attention.o_proj": fxtp.RowwiseParallel(),
+    "layers.*.mlp.fc1": fxtp.ColwiseParallel(),
+    "layers.*.mlp.fc2": fxtp.RowwiseParallel(),
+}
+PIXELS = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+
+
 def unplanned_family(rank, world, name):
     make, plan, kwargs = {
         "bert": (bert, BERT_PLAN, {}),
@@ -214,9 +233,12 @@ def unplanned_family(rank, world, name):
         "bloom": (bloom, BLOOM_PLAN, {"use_cache": False}),
         "mamba": (mamba, MAMBA_PLAN, {"use_cache": False}),
         "deberta": (deberta, DEBERTA_PLAN, {}),
+        "beit": (beit, BEIT_PLAN, {"pixel_values": PIXELS.double()}),
     }[name]
-    return check_parity(rank, world, make, plan, [TOKENS], dtype=torch.float64, strict=True,
-                        input_grads=False, kwargs=kwargs, output=lambda out: out.logits,
+    return check_parity(rank, world, make, plan, [] if name == "beit" else [TOKENS],
+                        dtype=torch.float64, strict=True, input_grads=False, kwargs=kwargs,
+                        output=lambda out: out.last_hidden_state if name == "beit"
+                        else out.logits,
                         compare_dtype=torch.float32 if name == "mamba" else None)
 
 
@@ -261,3 +283,11 @@ def test_deberta_tiles_its_head_sharded_relative_positions_over_the_batch(ranks2
     relative embeddings every layer projects."""
     assert ranks2.run(unplanned_family, "deberta")[0] == ({"all_reduce": 2 * L},
                                                          {"all_reduce": 2 * L + 1})
+
+
+def test_beits_relative_position_bias_is_resampled_on_head_shards(ranks2):
+    """The bias table is held by head columns and resampled, indexed and added on them
+    (``interpolate`` resamples each channel's plane on its own), so no layer narrows a
+    replicated bias whose gradient would be all-gathered: Megatron's minimum."""
+    assert ranks2.run(unplanned_family, "beit")[0] == ({"all_reduce": 2 * L},
+                                                      {"all_reduce": 2 * L})
