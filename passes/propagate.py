@@ -35,8 +35,8 @@ from .errors import ShardingError
 from .graph import (FALLBACK, INPUTS, PINNED, PLACEMENT, STAMP, attr, branches, layout,
                     module_fqn, output_vals, placement_of, stamp_edge, tensor_inputs,
                     tied_attrs, val)
-from .placement import (R, describe, is_narrowing, is_replicate, is_sharded,
-                        transition_cost)
+from .placement import (R, describe, is_blocked, is_narrowing, is_replicate, is_sharded,
+                        transition_cost, with_dim)
 from .dimspec import indivisible
 from .reduce_early import reduce_early
 from .rules import (PASSTHROUGH, ZERO_FILLED, returns_alias, rule_for, writes_first_input,
@@ -99,9 +99,10 @@ def _shard_at_source(gm: fx.GraphModule, world: int) -> None:
 
 
 def _shard_wanted(node: fx.Node):
-    """The one ``Shard`` every reader of replicated ``node`` needs, if there is one and no
-    reader writes into it (not a blocked or unit-dealt shard, nor a unit several ranks
-    hold, whose gradients are not each rank's own)."""
+    """The one shard every reader of replicated ``node`` needs, if there is one and no
+    reader writes into it: ``Shard`` or blocked (``_StridedShard``, ``BlockShard``), each
+    rank's pieces its own, not dealt in units (a unit several ranks hold has gradients that
+    are not each rank's own)."""
     if node.meta.get(PLACEMENT) != R or not node.users:
         return None
     wanted = set()
@@ -113,7 +114,7 @@ def _shard_wanted(node: fx.Node):
             return None
         wanted |= {p for a, p in zip(inputs, needs) if a is node}
     want = next(iter(wanted)) if len(wanted) == 1 else None
-    return want if type(want) is Shard else None  # one piece per rank: its gradient is its own
+    return want if type(want) is Shard or is_blocked(want) else None
 
 
 def _region(gm, seeds: dict, world: int, shared: set) -> dict | None:
@@ -138,7 +139,7 @@ def _region(gm, seeds: dict, world: int, shared: set) -> dict | None:
 
 
 def _made_as(gm, node: fx.Node, want, world: int, shared: set) -> tuple | None:
-    """``(input placements, [(input, the Shard it must be made as), ...])``: the strategy
+    """``(input placements, [(input, the shard it must be made as), ...])``: the strategy
     making ``node`` as ``want`` that needs the fewest of its replicated inputs made as
     shards (the others taken as they are), or ``None``; a parameter: ``(None, [])``."""
     if node.op == "get_attr":
@@ -151,20 +152,34 @@ def _made_as(gm, node: fx.Node, want, world: int, shared: set) -> tuple | None:
     inputs = tensor_inputs(node)
     actual = [placement_of(a) for a in inputs]
     best = None
-    for ins, out in rule.strategies(node, world, actual):
-        if tuple(out) != (want,):
-            continue
+    for ins, out in _strategies_making(rule, node, want, world, actual):
         deeper = []
         for x, a, c, i in zip(inputs, actual, node.meta[INPUTS], ins):
             if i == c or i == (a if c is None else c):
                 continue  # taken as chosen
-            if a != R or type(i) is not Shard:
+            if a != R or not (type(i) is Shard or is_blocked(i)):
                 deeper = None
                 break
             deeper.append((x, i))
         if deeper is not None and (best is None or len(deeper) < len(best[1])):
             best = (tuple(ins), deeper)
     return best
+
+
+def _strategies_making(rule, node: fx.Node, want, world: int, actual: list):
+    """The strategies of ``node`` giving ``want``: those its inputs' placements now offer,
+    and, with a replicated first input, those offered were it a shard of any dim (plain,
+    or cut in ``want``'s blocks), taking it as that shard (a blocked layout, or a ``repeat``
+    tiling shards, follows its input's)."""
+    yield from ((ins, out) for ins, out in rule.strategies(node, world, actual)
+                if tuple(out) == (want,))
+    if not actual or actual[0] != R:
+        return
+    for d in range(val(tensor_inputs(node)[0]).dim()):
+        for first in {Shard(d), with_dim(want, d)}:
+            yield from ((ins, out) for ins, out in rule.strategies(node, world,
+                                                                   [first, *actual[1:]])
+                        if tuple(out) == (want,) and ins[0] == first)
 
 
 def _closed(plan: dict) -> bool:

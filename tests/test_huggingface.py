@@ -183,16 +183,18 @@ MAMBA_PLAN = {  # the inner channels sharded, as Megatron's Mamba mixer shards t
 }
 
 
-def deberta():
+def deberta(share_att_key=True):
     """DeBERTa-v3's disentangled attention: the relative position embeddings go through the
     layer's own (shared) key and query projections, and the head-sharded result is tiled
-    over the batch (``repeat``) to meet the queries' batch-and-heads dim."""
+    over the batch (``repeat``) to meet the queries' batch-and-heads dim; without
+    ``share_att_key``, through position projections of their own, which no plan names."""
     cfg = transformers.DebertaV2Config(vocab_size=64, hidden_size=32, num_hidden_layers=L,
                                        num_attention_heads=4, intermediate_size=64,
                                        max_position_embeddings=32, hidden_dropout_prob=0.0,
                                        attention_probs_dropout_prob=0.0,
                                        relative_attention=True, position_buckets=8,
-                                       pos_att_type=["p2c", "c2p"], share_att_key=True,
+                                       pos_att_type=["p2c", "c2p"],
+                                       share_att_key=share_att_key,
                                        norm_rel_ebd="layer_norm")
     return transformers.DebertaV2ForMaskedLM(cfg)
 
@@ -233,6 +235,8 @@ def unplanned_family(rank, world, name):
         "bloom": (bloom, BLOOM_PLAN, {"use_cache": False}),
         "mamba": (mamba, MAMBA_PLAN, {"use_cache": False}),
         "deberta": (deberta, DEBERTA_PLAN, {}),
+        "deberta_own_position_projections": (lambda: deberta(share_att_key=False),
+                                             DEBERTA_PLAN, {}),
         "beit": (beit, BEIT_PLAN, {"pixel_values": PIXELS.double()}),
     }[name]
     return check_parity(rank, world, make, plan, [] if name == "beit" else [TOKENS],
@@ -283,6 +287,15 @@ def test_deberta_tiles_its_head_sharded_relative_positions_over_the_batch(ranks2
     relative embeddings every layer projects."""
     assert ranks2.run(unplanned_family, "deberta")[0] == ({"all_reduce": 2 * L},
                                                          {"all_reduce": 2 * L + 1})
+
+
+def test_deberta_makes_its_unplanned_position_projections_on_head_shards(ranks2):
+    """``pos_key_proj`` and ``pos_query_proj``, left out of the plan, are held by head rows:
+    their outputs are tiled over the batch as blocks of head shards (``_StridedShard``),
+    which propagation makes back to the weights, so no gradient is gathered (it was 2
+    all-gathers per layer backward)."""
+    assert ranks2.run(unplanned_family, "deberta_own_position_projections")[0] == (
+        {"all_reduce": 2 * L}, {"all_reduce": 2 * L + 1})
 
 
 def test_beits_relative_position_bias_is_resampled_on_head_shards(ranks2):
