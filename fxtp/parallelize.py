@@ -17,6 +17,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 
+from .passes.aliases import pin_written_aliases
 from .passes.collectives import allow_in_dynamo_graphs
 from .passes.decompose import decompose_sharded_norms, decompose_unruled
 from .passes.buffers import shard_written_buffers
@@ -194,9 +195,11 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
                 # layouts that serve what would be gathered: fused projections strided,
                 # heads that do not divide by the world size dealt whole (and their
                 # consumers alike), buffers written in place (KV caches) placed as what
-                # is written into them, norms over sharded dims taken as partial sums
+                # is written into them, norms over sharded dims taken as partial sums, and
+                # values written through views that take them redistributed made whole
                 for relayout in (stride_fused_splits, deal_sources, deal_consumers,
-                                 shard_written_buffers, decompose_sharded_norms):
+                                 shard_written_buffers, decompose_sharded_norms,
+                                 pin_written_aliases):
                     if relayout(gm, group.world):
                         fallbacks = propagate(gm, group.world)
                 return fallbacks

@@ -11,9 +11,11 @@ arguments alone (no placements needed).
   reverse) -> nothing; ``reduce_scatter`` then ``all_gather`` -> one ``all_reduce``. Where
   the gather reduce-scattered a partial gradient, a ``grad_sync`` keeps that sum (one
   backward all-reduce instead of a reduce-scatter and an all-gather).
-* :func:`merge_redundant`: the same value redistributed twice in the same way -> once.
+* :func:`merge_redundant`: the same value redistributed twice in the same way -> once
+  (unless it is written in place in between).
 * :func:`bucket`: independent collectives of one kind, group and dtype whose inputs are
-  ready before the first of their results is needed -> one bucketed collective.
+  ready before the first of their results is needed -> one bucketed collective (not those
+  of values written in place, which moving them could read before or after the write).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import torch
 import torch.fx as fx
 
 from . import collectives as C
+from .aliases import alias_root, alias_set, written_roots
 from .gradients import gradient_carriers
 from .graph import COLLECTIVE, call_args, val
 from .placement import numel_hint
@@ -51,6 +54,9 @@ def collective_args(node: fx.Node) -> Optional[dict]:
 def merge_redundant(graph: fx.Graph) -> None:
     seen: dict[tuple, fx.Node] = {}
     for node in list(graph.nodes):
+        for written in written_roots(node):  # a write in place makes earlier results stale
+            stale = {written, *alias_set(written)}
+            seen = {k: v for k, v in seen.items() if collective_args(v)["x"] not in stale}
         args = collective_args(node)
         if args is None:
             continue
@@ -63,6 +69,7 @@ def merge_redundant(graph: fx.Graph) -> None:
 
 
 def cancel_round_trips(graph: fx.Graph) -> None:
+    written = {root for node in graph.nodes for root in written_roots(node)}
     for node in list(graph.nodes):
         outer = collective_args(node)
         if outer is None or not isinstance(outer["x"], fx.Node):
@@ -70,6 +77,7 @@ def cancel_round_trips(graph: fx.Graph) -> None:
         inner_node = outer["x"]
         inner = collective_args(inner_node)
         if inner is None or inner["group"] != outer["group"] or \
+                isinstance(inner["x"], fx.Node) and alias_root(inner["x"]) in written or \
                 inner.get("dim") != outer.get("dim") or \
                 inner.get("blocks", 1) != outer.get("blocks", 1):
             continue
@@ -110,11 +118,14 @@ def bucket(graph: fx.Graph) -> None:
 def _next_bucket(graph: fx.Graph) -> Optional["_Bucket"]:
     """The first group of at least two collectives that can issue as one, in graph order."""
     with_grad = gradient_carriers(graph, _may_need_grad)
+    written = {root for node in graph.nodes for root in written_roots(node)}
     open_buckets: dict[tuple, _Bucket] = {}
     for node in graph.nodes:
         args = collective_args(node)
         if args is None or node.target not in _SHARED or args.get("blocks", 1) != 1:
             continue  # the bucketed forms lay out contiguous shards only
+        if isinstance(args["x"], fx.Node) and alias_root(args["x"]) in written:
+            continue  # moved to the bucket, it could read its input before or after a write
         value = _value(args["x"])
         if value is None or (node.target in _BACKWARD_ONLY and args["x"] not in with_grad):
             continue

@@ -265,7 +265,8 @@ def _propagate_call(node: fx.Node, world: int) -> str | None:
     for ins, out in rule.strategies(node, world, actual):
         if writes and ins[0] != actual[0] or any(ins[i] not in (None, actual[i]) for i in kept):
             continue  # an in-place op writes the caller's tensors, as they are placed
-        if pinned is not None and tuple(out) != (pinned,):
+        if pinned is not None and \
+                tuple(out) != (pinned if isinstance(pinned, tuple) else (pinned,)):
             continue
         cost = inputs_cost(actual, ins, in_vals, world)
         if cost < math.inf and (best is None or cost < best[0]):
@@ -371,6 +372,8 @@ def _gathers(node, rule, actual, needed, world, where) -> str | None:
                             [getattr(v, "shape", None) for v in output_vals(node)], i, a.dim,
                             world)
         why = (f"{', '.join(sizes)} does not divide by the world size {world}" if sizes else
+               "its result is written in place through a view that takes it "
+               "redistributed, so it is made whole" if node.meta.get(PINNED) == R else
                "no strategy of its rule keeps that dim sharded")
         shape = tuple(val(tensor_inputs(node)[i]).shape)
         reasons.append(f"input {i} ({describe(a)}, shape {shape}) to {describe(n)}: {why}")

@@ -24,6 +24,7 @@ import torch.nn as nn
 from torch.distributed.tensor import Partial, Replicate
 
 from . import collectives
+from .aliases import alias_set, written_roots
 from .gradients import gradient_carriers
 from .errors import StampMismatch
 from .graph import (AUTOCAST, COLLECTIVE, INPUTS, PLACEMENT, STAMP, attr, branches, layout,
@@ -73,6 +74,10 @@ def rewrite(gm: fx.GraphModule, group: str, rank: int, world: int,
                 return redistribute(src, dst, node)
             return arg
         node.args, node.kwargs = fx.node.map_arg((node.args, node.kwargs), swap)
+        for written in written_roots(node):  # later readers redistribute what it writes
+            stale = {written, *alias_set(written)}
+            for key in [k for k in made if k[0] in stale]:
+                del made[key]
     for node in list(graph.nodes):
         if node.target is layout:
             node.replace_all_uses_with(node.args[0])

@@ -106,12 +106,14 @@ def _seed_root_inputs(gm, root: ModuleSharding, world: int) -> None:
             _deal_indivisible(node, world, f"root input '{node.name}'", uneven=False)
 
 
-def _insert_layout(graph, node, placement, users, what, owner, world):
+def _insert_layout(graph, node, placement, users, what, owner, world, at=None):
     """Feed ``users`` of ``node`` through a layout marker that sits in module ``owner``'s
-    scope (a node whose ``nn_module_stack`` stands for it)."""
+    scope (a node whose ``nn_module_stack`` stands for it), right after ``node``, or right
+    before ``at`` (a module's input is laid out where the module is called: after any
+    in-place write into it before then)."""
     if not users:
         return
-    with graph.inserting_after(node):
+    with graph.inserting_before(at) if at is not None else graph.inserting_after(node):
         marker = graph.call_function(layout, (node, normalize(placement, val(node).dim())))
     marker.meta.update(val=val(node), nn_module_stack=dict(owner.meta.get("nn_module_stack", {})))
     marker.meta[BOUNDARY] = what
@@ -139,9 +141,10 @@ def _constrain_inputs(graph, fqn, sharding, call: ModuleCall, world):
     for node, p, what in targets:
         if not _is_tensor_arg(node, p, fqn, what):
             continue
-        users = [u for u in node.users if u.op != "output" and inside(u, fqn)]
+        users = [u for u in graph.nodes if u in node.users and u.op != "output" and
+                 inside(u, fqn)]
         _insert_layout(graph, node, p, users, f"{fqn or '<root>'} {what}", users and users[0],
-                       world)
+                       world, users and users[0])
 
 
 def _constrain_outputs(graph, fqn, sharding, call: ModuleCall, world):

@@ -1,0 +1,100 @@
+"""Aliases pass: a write through a view lands in the value the view was taken of.
+
+A view op (``slice``, ``select``, ``view``, a ``split``'s parts, ...) whose input
+propagation redistributes computes on a copy, not on its input. A write into that view (or
+into a view of it) then misses the value it was taken of, and a write into the value
+misses the view: ``h[..., :k] *= 0.5`` on a feature-sharded ``h`` would scale a gathered
+copy and leave ``h`` as it was, with no error. For every value written in place, directly
+or through views, whose alias set (the value it is a view of, at the root, and every view
+taken of it, transitively) holds a view that redistributes its input, every op of the set
+is pinned to Replicate (``meta[PINNED]``): the root is made whole where it is made (a
+reported gather), the views and the writes act on it as on one device, and readers outside
+the set take their parts of it. A root that is an input, parameter or buffer cannot be
+re-made: :class:`~fxtp.passes.errors.ShardingError`.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch.fx as fx
+
+from .errors import ShardingError
+from .graph import INPUTS, PINNED, module_fqn, placement_of, val
+from .placement import R, describe
+from .rules import returns_alias, written_args
+
+
+def pin_written_aliases(gm: fx.GraphModule, world: int) -> bool:
+    """Pin to Replicate every alias set of ``gm`` written in place and holding a view that
+    redistributes its input; return whether any pin changed (propagation must then run
+    again). ``world`` is unused: the pass reads the placements propagation chose."""
+    changed, done = False, set()
+    for node in gm.graph.nodes:
+        for root in written_roots(node):
+            if root in done:
+                continue
+            done.add(root)
+            members = alias_set(root)
+            copied = [m for m in members if _redistributes(m)]
+            if not copied:
+                continue
+            if root.op != "call_function":
+                raise ShardingError(
+                    f"'{node.name}' in module '{module_fqn(node) or '<root>'}' writes in place "
+                    f"through a view of '{root.name}' (placed {describe(placement_of(root))}) "
+                    f"that '{copied[0].name}' takes redistributed, so the write would land in "
+                    f"a copy. Keep '{root.name}' replicated, or write the view's own result "
+                    f"out of place")
+            for m in [root, *members]:
+                pin = tuple(R for _ in val(m)) if isinstance(val(m), (tuple, list)) else R
+                if m.meta.get(PINNED) != pin:
+                    m.meta[PINNED] = pin
+                    changed = True
+    return changed
+
+
+def written_roots(node: fx.Node) -> list[fx.Node]:
+    """The values ``node`` writes in place, each as the value its written view (if it is
+    one) was taken of."""
+    if node.op != "call_function":
+        return []
+    return [alias_root(node.args[p]) for p in written_args(node.target)
+            if p < len(node.args) and isinstance(node.args[p], fx.Node)]
+
+
+def _aliasing(node: fx.Node) -> bool:
+    """Whether ``node``'s result shares memory with its first argument (a view, an in-place
+    op's return, a part of a ``split``)."""
+    if node.op != "call_function" or not node.args:
+        return False
+    if node.target is operator.getitem:
+        return _aliasing(node.args[0])
+    return returns_alias(node.target)
+
+
+def alias_root(node: fx.Node) -> fx.Node:
+    """The value ``node`` is a view of, through any chain of views."""
+    while _aliasing(node) and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def alias_set(root: fx.Node) -> list[fx.Node]:
+    """Every op whose result shares memory with ``root`` through views of it (``root``
+    itself not included)."""
+    found, stack = [], [root]
+    while stack:
+        for user in stack.pop().users:
+            if user not in found and _aliasing(user) and user.args[0] in (root, *found):
+                found.append(user)
+                stack.append(user)
+    return found
+
+
+def _redistributes(node: fx.Node) -> bool:
+    """Whether propagation gives view ``node`` its first input in another placement: the
+    view is then of a copy. (An in-place op writes its input as placed, unless nothing else
+    reads it: propagation sees to that.)"""
+    needed = node.meta.get(INPUTS) or ()
+    return bool(needed) and needed[0] is not None and \
+        needed[0] != placement_of(node.args[0]) and 0 not in written_args(node.target)

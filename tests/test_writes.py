@@ -1,0 +1,119 @@
+"""In-place writes into sharded values: through views, and between reads that take the
+value redistributed. A redistribution computes a copy, so a write into a view of it, or a
+copy taken before a write and read after it, would silently miss the write. Each case runs
+at parity with the single-device model (fp64: forward, every gradient, 3 AdamW steps),
+eagerly and with fxtp's post-rewrite passes (which merge, bucket and cancel collectives),
+the gathers reported as fallbacks."""
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxtp
+from tests.parity import check_parity, example
+from tests.test_optimize import optimize_whole
+
+B, T, D = 2, 6, 16
+PLAN = {"up": fxtp.ColwiseParallel(), "down": fxtp.RowwiseParallel()}  # hidden 4 D sharded
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+
+
+class ScaleAcrossShards(MLP):
+    """``h[..., :2 D] *= 0.5``: the slice spans both ranks' features, so it takes ``h``
+    gathered, and the write must land in ``h`` itself, which ``down`` reads."""
+
+    def forward(self, x):
+        h = F.gelu(self.up(x))
+        h[..., :2 * D] *= 0.5
+        return self.down(h)
+
+
+class AssignAcrossShards(MLP):
+    """One feature assigned from another rank's: ``z[..., 5] = h[..., 40]``."""
+
+    def forward(self, x):
+        h = self.up(x)
+        z = torch.zeros_like(h)
+        z[..., 5] = h[..., 40]
+        return self.down(h + z)
+
+
+class ViewBeforeWrite(MLP):
+    """A view across shards taken before ``h`` is scaled in place: it sees the write."""
+
+    def forward(self, x):
+        h = F.gelu(self.up(x))
+        v = h[..., 40:48]
+        h.mul_(2.0)
+        return self.down(h) + v.sum(-1, keepdim=True)
+
+
+class ReadWriteRead(MLP):
+    """``h`` read gathered (``flip`` has no sharded strategy), then written through a view
+    over tokens (which keeps it sharded), then read gathered again: the second read must
+    gather again, not reuse the first gather."""
+
+    def forward(self, x):
+        h = F.gelu(self.up(x))
+        a = torch.flip(h, [-1])
+        h[:, :3] *= 2.0
+        return self.down(a + torch.flip(h, [-1]))
+
+
+CASES = {"scale": ScaleAcrossShards, "assign": AssignAcrossShards,
+         "view_before_write": ViewBeforeWrite, "read_write_read": ReadWriteRead}
+
+
+def written(rank, world, name, post):
+    fallbacks = []
+
+    def keep(gm):
+        fallbacks.extend(gm.fxtp.fallbacks)
+        if post is not None:
+            post(gm)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the gathers, checked below
+        counts = check_parity(rank, world, CASES[name], PLAN, [example(B, T, D)],
+                              dtype=torch.float64, post=keep)
+    return counts, fallbacks
+
+
+@pytest.mark.parametrize("post", [None, optimize_whole], ids=["eager", "optimized"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_writes_in_place_land_as_on_one_device(ranks, name, post):
+    (fwd, _), fallbacks = ranks.run(written, name, post)[0]
+    gathers = 2 if name == "read_write_read" else 1  # each read after a write gathers anew
+    assert fwd == {"all_gather": gathers, "all_reduce": 1}
+    assert fallbacks, "the gathers are reported"
+
+
+def test_a_value_written_through_a_view_it_is_gathered_for_is_made_whole(fake_group):
+    """The write through the gathering slice pins ``h`` whole where it is made: the report
+    says why."""
+    fake_group(2)
+    with pytest.warns(UserWarning, match="written in place through a view"):
+        gm = fxtp.parallelize(ScaleAcrossShards(), PLAN, example_inputs=(example(B, T, D),))
+    assert any("aten.gelu" in m and "written in place through a view" in m
+               for m in gm.fxtp.fallbacks)
+
+
+def test_a_round_trip_around_a_write_is_kept():
+    """``all_gather(shard(x))`` reads ``x`` as it was before ``x.mul_(2)`` in between: the
+    round trip is not cancelled into a read of ``x`` after the write."""
+    from fxtp.passes import collectives as C
+    from fxtp.passes.optimize import cancel_round_trips
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    part = graph.call_function(C.shard, (x, 0, 0, 2, "0"))
+    graph.call_function(torch.ops.aten.mul_.Tensor, (x, 2.0))
+    graph.output(graph.call_function(C.all_gather, (part, 0, 0, 2, "0")))
+    cancel_round_trips(graph)
+    assert [n.target for n in graph.nodes if n.op == "call_function"] == [
+        C.shard, torch.ops.aten.mul_.Tensor, C.all_gather]
