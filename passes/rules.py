@@ -428,6 +428,32 @@ def _localize_unflatten(node, inputs, output, group):
     return node.target, (node.args[0], node.args[1], sizes) + tuple(node.args[3:]), node.kwargs
 
 
+def _unfold_spec(node):
+    """``unfold(dim, size, step)``: ``dim`` becomes the windows and a last dim of ``size``
+    is added, neither sharded (a window may span shards); the other dims map as they are."""
+    n = _rank(node.args[0])
+    d = node.args[1] % n if n else 0
+    labels = tuple(fixed_label() if j == d else f"d{j}" for j in range(n))
+    return DimSpec((labels,), (labels + (fixed_label(),),), "sum")
+
+
+def _diagonal_spec(node):
+    """``diagonal(offset, dim1, dim2)``: the two dims become one last dim, never sharded;
+    the other dims map as they are."""
+    n = _rank(node.args[0])
+    pair = {op_arg(node, 2, "dim1", 0) % n, op_arg(node, 3, "dim2", 1) % n}
+    labels = tuple(fixed_label() if j in pair else f"d{j}" for j in range(n))
+    return DimSpec((labels,), (tuple(lab for j, lab in enumerate(labels) if j not in pair)
+                               + (fixed_label(),),), "sum")
+
+
+def _dtype_view_spec(node):
+    """``view(dtype)``: the same bytes read as another dtype; the last dim's length scales
+    by the element sizes' ratio, so each element's words stay on its rank."""
+    labels = _labels(_rank(node.args[0]))
+    return DimSpec((labels,), (labels,))
+
+
 def _unsqueeze_spec(node):
     n = _rank(node.args[0])
     d = node.args[1] % (n + 1)
@@ -1181,7 +1207,8 @@ LINEAR_POINTWISE = [
     aten.positive.default, aten.mul.Scalar, aten.mul_.Scalar, aten.div.Scalar,
     aten.div_.Scalar, aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor, aten.sub_.Tensor,
     aten.zeros_like.default, aten.zero_.default, aten.real.default, aten.imag.default,
-    aten.conj.default, aten.copy_.default, aten.copy.default,
+    aten.conj.default, aten._conj.default, aten.copy_.default,
+    aten.copy.default,
 ]
 """Pointwise ops linear in all their tensor operands jointly: Partial in, Partial out."""
 
@@ -1396,6 +1423,9 @@ RULES.update({
     aten.split_with_sizes.default: Rule(_split_spec, local_op=_local_split, extra=_blocked_parts),
     aten.chunk.default: Rule(_split_spec, extra=_blocked_parts),
     aten.unbind.int: Rule(_unbind_spec),
+    aten.unfold.default: Rule(_unfold_spec),
+    aten.diagonal.default: Rule(_diagonal_spec),
+    aten.view.dtype: Rule(_dtype_view_spec),
     aten.slice.Tensor: Rule(_fixed_dim_spec(1).spec, local_op=_local_slice, extra=_sliced),
     aten.narrow.default: _fixed_dim_spec(1),
     aten.select.int: _fixed_dim_spec(1, drop=True),

@@ -210,7 +210,10 @@ PROGRAMS = {
                 lambda: (rand(4, 8, 12),)),
     # views and shape changes
     "views": (lambda x: (x.view(4, 2, 4, 12), x.reshape(32, 12), x.flatten(1),
-                         x.view(4, 8, 3, 2, 2),
+                         x.view(4, 8, 3, 2, 2), x.unfold(1, 3, 2), x.unfold(-1, 5, 1),
+                         torch.diagonal(x, 0, 1, 2), torch.diagonal(x, 1, 0, 2),
+                         x.view(torch.int64), x.view(torch.int32), x.float().view(torch.int32),
+                         torch.view_as_complex(x.view(4, 8, 6, 2))._conj(),
                          x.unflatten(1, (2, 4)), x.unflatten(2, (4, -1)),
                          x.transpose(0, 2), x.permute(2, 0, 1), x.movedim(0, 2),
                          x.movedim((0, 1), (2, 0)), x[0].t()),
