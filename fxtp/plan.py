@@ -13,6 +13,7 @@ from fnmatch import fnmatchcase
 from typing import Callable, Mapping, Optional, Union
 
 import torch.nn as nn
+from torch.nn.utils import parametrize
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle as TorchStyle
@@ -117,8 +118,22 @@ def resolve_plan(model: nn.Module, plan: Plan, strict: bool = False,
                                 f"{matched_by[fqn]!r} and {key!r}; give each module one style")
             resolved[fqn] = shard_module(style, fqn, modules[fqn])
             matched_by[fqn] = key
+            _warn_parametrized(fqn, modules[fqn], resolved[fqn])
     _follow_ties(model, resolved)
     return resolved
+
+
+def _warn_parametrized(fqn: str, module: nn.Module, sharding: ModuleSharding) -> None:
+    """A style's parameter that a parametrization computes (``weight_norm``,
+    ``spectral_norm``) has no tensor of its own to shard: say that it is computed whole on
+    every rank and sliced to the style's layout each step."""
+    for name in sharding.params:
+        if "." not in name and parametrize.is_parametrized(module, name):
+            kinds = ", ".join(type(p).__name__ for p in module.parametrizations[name])
+            warnings.warn(f"fxtp: module '{fqn}' computes its '{name}' by a parametrization "
+                          f"({kinds}): its tensors stay whole on every rank, and the computed "
+                          f"'{name}' is sliced to the {type(sharding.style).__name__} layout "
+                          f"each step (its gradient gathered back)", stacklevel=4)
 
 
 def _follow_ties(model: nn.Module, resolved: dict[str, ModuleSharding]) -> None:

@@ -22,12 +22,13 @@ import torch.utils._pytree as pytree
 
 from .passes.errors import TraceError
 from torch.amp.autocast_mode import _enter_autocast, _exit_autocast
+from torch.fx.node import has_side_effect
 
 from .autograd_functions import call_kept_functions, keeping_functions
 from .forward_state import judge_state_changes, watching_state
 from .guards import EXPORT_GUARDS
 from .hooks import call_gradient_hooks, check_model_hooks, keeping_gradient_hooks
-from .passes.graph import AUTOCAST, ModuleCall, call_key
+from .passes.graph import MODE_REGION, ModuleCall, call_key
 from .passes.recompute import REGION
 from .stamping import STAMPED, Shown, Stamper, Unstampable
 
@@ -360,34 +361,36 @@ _HOP = torch.ops.higher_order
 
 def _inline_regions(gm: fx.GraphModule) -> None:
     """Inline the regions export wraps in a higher-order op, so their ops get placements
-    like any other, keeping their meaning:
+    like any other, keeping their meaning: the region's ops run between calls entering and
+    leaving its mode (the functions dynamo's own graphs use for autocast), so each runs as
+    on a single device, and are marked ``meta[MODE_REGION]`` so no pass moves them out.
 
     * ``torch.no_grad()`` / ``enable_grad()`` (Hugging Face computes rotary tables under
-      no_grad): outputs of a no-grad region are detached, so nothing in it gets gradients,
-      except an input the region hands back as it is (a ``Tensor.to`` that changes
-      nothing returns its tensor itself, gradient and all: DeepSeek-V3.2-style indexers
-      cast the hidden states under no_grad, and export then routes every later use of
-      them through the region);
-    * ``torch.autocast(...)``: the region's ops run between ``_enter_autocast`` and
-      ``_exit_autocast`` calls (the functions dynamo's own graphs use), so each runs under
-      the same autocast state as on a single device; its nodes are marked
-      ``meta[AUTOCAST]`` so no pass moves them out of it.
+      no_grad; spectral norm's power iteration writes its vectors with ``out=``, which
+      autograd refuses outside no_grad): outputs of a no-grad region are detached, so
+      nothing in it gets gradients, except an input the region hands back as it is (a
+      ``Tensor.to`` that changes nothing returns its tensor itself, gradient and all:
+      DeepSeek-V3.2-style indexers cast the hidden states under no_grad, and export then
+      routes every later use of them through the region);
+    * ``torch.autocast(...)``: between ``_enter_autocast`` and ``_exit_autocast``.
 
     Nested regions are inlined inside out."""
     graph = gm.graph
     for node in list(graph.nodes):
         if node.target is _HOP.wrap_with_set_grad_enabled:
             (enabled, submod, *operands), state = node.args, None
+            enter_fn, exit_fn, mode = _enter_grad_mode, _exit_grad_mode, (enabled,)
         elif node.target is _HOP.wrap_with_autocast:
             state, submod, operands = node.args[:4], node.args[4], node.args[5:]
+            enter_fn, exit_fn, mode = _enter_autocast, _exit_autocast, tuple(state)
         else:
             continue
         region = getattr(gm, submod.target)
         _inline_regions(region)
         env = dict(zip([n for n in region.graph.nodes if n.op == "placeholder"], operands))
         with graph.inserting_before(node):
-            if state is not None:
-                enter = graph.call_function(_enter_autocast, tuple(state))
+            enter = graph.call_function(enter_fn, mode)
+            enter.meta["nn_module_stack"] = dict(node.meta.get("nn_module_stack", {}))
             for inner in region.graph.nodes:
                 if inner.op == "placeholder":
                     continue
@@ -395,11 +398,10 @@ def _inline_regions(gm: fx.GraphModule) -> None:
                     outs = [env[o] for o in inner.args[0]]
                     break
                 env[inner] = graph.node_copy(inner, lambda a: env[a])
-                if state is not None:
-                    env[inner].meta[AUTOCAST] = True
-            if state is not None:
-                graph.call_function(_exit_autocast, (enter,))
-            elif not enabled:
+                env[inner].meta[MODE_REGION] = True
+            leave = graph.call_function(exit_fn, (enter,))
+            leave.meta["nn_module_stack"] = enter.meta["nn_module_stack"]  # where it was entered
+            if state is None and not enabled:
                 detached = []
                 for out in outs:
                     returned = _returned_input(out, operands)
@@ -414,6 +416,19 @@ def _inline_regions(gm: fx.GraphModule) -> None:
         graph.erase_node(node)
         graph.erase_node(submod)
         delattr(gm, submod.target)
+
+
+@has_side_effect
+def _enter_grad_mode(enabled: bool) -> bool:
+    """Enter an inlined ``no_grad`` / ``enable_grad`` region; returns the mode to restore."""
+    previous = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(enabled)
+    return previous
+
+
+@has_side_effect
+def _exit_grad_mode(previous: bool) -> None:
+    torch._C._set_grad_enabled(previous)
 
 
 _RETURN_SELF = {torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout,

@@ -10,8 +10,9 @@ passes (:class:`ModuleSharding`, :class:`ModuleCall`). Imports no pass.
 ``BOUNDARY``    ``"fqn input 0"`` on a module-boundary :func:`layout` marker; seed
 ``COLLECTIVE``  the kind of collective a rewrite node issues
 ``FALLBACK``    why an op was gathered to Replicate; propagate
-``AUTOCAST``    on nodes of an inlined ``torch.autocast`` region (between its enter and
-                exit calls): they must stay there; trace
+``MODE_REGION``  on nodes of an inlined ``torch.autocast`` or ``torch.no_grad()`` region
+                (between the calls entering and leaving its mode): they must stay there;
+                trace
 ``STAMP``       on a node standing for a whole block's call that runs the program of an
                 equivalent block traced in full (:class:`Stamp`); trace
 ``PINNED``      the placement a fresh tensor (a factory's output) is made in, chosen for
@@ -41,7 +42,7 @@ INPUTS = "fxtp_input_placements"
 BOUNDARY = "fxtp_boundary"
 COLLECTIVE = "fxtp_collective"
 FALLBACK = "fxtp_fallback"
-AUTOCAST = "fxtp_autocast"
+MODE_REGION = "fxtp_mode_region"
 STAMP = "fxtp_stamp"
 PINNED = "fxtp_pinned"
 INTO_PARTIAL = "fxtp_into_partial"

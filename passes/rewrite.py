@@ -27,7 +27,7 @@ from . import collectives
 from .aliases import alias_set, written_roots
 from .gradients import gradient_carriers
 from .errors import StampMismatch
-from .graph import (AUTOCAST, COLLECTIVE, INPUTS, PLACEMENT, STAMP, attr, branches, layout,
+from .graph import (MODE_REGION, COLLECTIVE, INPUTS, PLACEMENT, STAMP, attr, branches, layout,
                     placement_of, stack_upto, tensor_inputs, val)
 from .placement import (UnitShard, blocks, describe, is_replicate, is_sharded,
                         local_range, numel_hint, transition_steps)
@@ -300,12 +300,12 @@ def _sync_partial_grads(graph: fx.Graph, group: str, scope) -> None:
 def computed_from_parameters(graph: fx.Graph) -> set:
     """Parameters, and values computed from parameters alone by deterministic ops that
     write nothing (a norm weight cast to fp32, Gemma's ``1 + weight``), outside autocast
-    regions: they can be computed before everything else."""
+    and no-grad regions: they can be computed before everything else."""
     found: set[fx.Node] = set()
     for node in graph.nodes:
         if node.op == "get_attr" or node.op == "call_function" and node.all_input_nodes and \
                 all(a in found for a in node.all_input_nodes) and _pure(node.target) and \
-                not node.meta.get(AUTOCAST):
+                not node.meta.get(MODE_REGION):
             found.add(node)
     return found
 

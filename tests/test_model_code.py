@@ -515,3 +515,33 @@ def test_a_group_norm_over_heads_runs_on_head_shards(ranks):
     the heads are: Megatron's collectives and nothing else (before, the heads were
     gathered for the norm: a fallback)."""
     assert ranks.run(parity, GroupNormedHeads)[0] == MEGATRON
+
+
+class SpectralNormed(nn.Module):
+    """A spectral-normalized colwise projection: its power iteration runs under
+    ``torch.no_grad()`` and writes its vectors (buffers) with ``out=``, which autograd
+    refuses outside no_grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.utils.parametrizations.spectral_norm(nn.Linear(DIM, DIM))
+        self.o = nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        return self.o(F.gelu(self.q(x)))
+
+
+SPECTRAL_PLAN = {"q": fxtp.ColwiseParallel(), "o": fxtp.RowwiseParallel()}
+
+
+def spectral(rank, world):
+    with pytest.warns(UserWarning, match=r"module 'q' computes its 'weight' by a "
+                                         r"parametrization \(_SpectralNorm\)"):
+        return parity(rank, world, SpectralNormed, SPECTRAL_PLAN)
+
+
+def test_a_no_grad_region_runs_without_autograd(ranks):
+    """Forward all-reduces once; backward also gathers the weight's gradient: the weight is
+    computed whole from its spectral norm (the plan is told so), and the colwise layer
+    takes its rows."""
+    assert ranks.run(spectral)[0] == ({"all_reduce": 1}, {"all_reduce": 1, "all_gather": 1})
