@@ -9,17 +9,21 @@ or through views, whose alias set (the value it is a view of, at the root, and e
 taken of it, transitively) holds a view that redistributes its input, every op of the set
 is pinned to Replicate (``meta[PINNED]``): the root is made whole where it is made (a
 reported gather), the views and the writes act on it as on one device, and readers outside
-the set take their parts of it. A root that is an input, parameter or buffer cannot be
-re-made: :class:`~fxtp.passes.errors.ShardingError`.
+the set take their parts of it. A root that is an input, parameter or buffer, or a value
+the plan lays out at a module boundary, cannot be re-made:
+:class:`~fxtp.passes.errors.ShardingError`. An in-place op whose rule cannot compute on
+the value it writes as placed is such a copying member too (propagation gathers for it).
 """
 from __future__ import annotations
 
 import operator
 
+import torch
 import torch.fx as fx
 
 from .errors import ShardingError
-from .graph import INPUTS, PINNED, module_fqn, placement_of, val
+from .graph import (BOUNDARY, INPUTS, PINNED, layout, module_fqn, placement_of, stamp_edge,
+                    val)
 from .placement import R, describe
 from .rules import returns_alias, written_args
 
@@ -38,13 +42,16 @@ def pin_written_aliases(gm: fx.GraphModule, world: int) -> bool:
             copied = [m for m in members if _redistributes(m)]
             if not copied:
                 continue
-            if root.op != "call_function":
+            if root.op != "call_function" or root.target in (layout, stamp_edge):
+                what = f"the {root.meta[BOUNDARY]} layout" if BOUNDARY in root.meta else \
+                    f"'{root.name}'"
                 raise ShardingError(
-                    f"'{node.name}' in module '{module_fqn(node) or '<root>'}' writes in place "
-                    f"through a view of '{root.name}' (placed {describe(placement_of(root))}) "
-                    f"that '{copied[0].name}' takes redistributed, so the write would land in "
-                    f"a copy. Keep '{root.name}' replicated, or write the view's own result "
-                    f"out of place")
+                    f"'{node.name}' ({node.target}) in module '{module_fqn(node) or '<root>'}' "
+                    f"writes in place into {what} (placed {describe(placement_of(root))}, "
+                    f"fixed by the plan or "
+                    f"as an input, parameter or buffer) where '{copied[0].name}' takes it "
+                    f"redistributed, so the write would land in a copy. Lay that value out "
+                    f"replicated, or compute the written value out of place")
             for m in [root, *members]:
                 pin = tuple(R for _ in val(m)) if isinstance(val(m), (tuple, list)) else R
                 if m.meta.get(PINNED) != pin:
@@ -62,9 +69,29 @@ def written_roots(node: fx.Node) -> list[fx.Node]:
             if p < len(node.args) and isinstance(node.args[p], fx.Node)]
 
 
+def observed(written: fx.Node) -> bool:
+    """Whether an in-place write into ``written`` can be seen elsewhere: it is an input, a
+    parameter or buffer, a view of another value, or read by more than the writing op.
+    Otherwise (a temporary the writing op alone reads, e.g. a matmul's output a bias is
+    added to in place) the op may write into a redistributed copy."""
+    return written.op != "call_function" or len(written.users) > 1 or _may_alias(written)
+
+
+def _may_alias(node: fx.Node) -> bool:
+    """Whether ``node``'s value may share memory with another value: the op's schema says
+    its result aliases an input (a ``getitem`` of ``split``'s results too), a marker's
+    value may be seen elsewhere, or the op is not an ATen op. (The trace's fake values do
+    not say: they are not marked as views.)"""
+    if node.target is operator.getitem:
+        return _may_alias(node.args[0])
+    if node.target in (layout, stamp_edge):  # identity marks: the value they mark
+        return observed(node.args[0])
+    return not isinstance(node.target, torch._ops.OpOverload) or returns_alias(node.target)
+
+
 def _aliasing(node: fx.Node) -> bool:
-    """Whether ``node``'s result shares memory with its first argument (a view, an in-place
-    op's return, a part of a ``split``)."""
+    """Whether ``node``'s result shares memory with its first argument, as its schema says
+    (a view, an in-place op's return, a part of a ``split``)."""
     if node.op != "call_function" or not node.args:
         return False
     if node.target is operator.getitem:
@@ -92,9 +119,11 @@ def alias_set(root: fx.Node) -> list[fx.Node]:
 
 
 def _redistributes(node: fx.Node) -> bool:
-    """Whether propagation gives view ``node`` its first input in another placement: the
-    view is then of a copy. (An in-place op writes its input as placed, unless nothing else
-    reads it: propagation sees to that.)"""
+    """Whether propagation gives ``node`` its first input in another placement while that
+    input is seen elsewhere: a view is then of a copy, an in-place op writes a copy (where
+    its rule cannot compute on the value as placed; a temporary nothing else reads may be
+    written as a copy)."""
     needed = node.meta.get(INPUTS) or ()
     return bool(needed) and needed[0] is not None and \
-        needed[0] != placement_of(node.args[0]) and 0 not in written_args(node.target)
+        needed[0] != placement_of(node.args[0]) and \
+        (0 not in written_args(node.target) or observed(node.args[0]))

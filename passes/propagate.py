@@ -15,8 +15,9 @@ world size) gathers that input. Each is reported by a message naming op, module 
 returned and kept in ``meta[FALLBACK]``, or in strict mode raised as a
 :class:`ShardingError`. An in-place op's written input keeps its placement (gathering it
 would write a copy), unless no other value can see the write (a temporary only that op
-reads); where that is impossible, :class:`ShardingError`. Propagation may run
-again after seeds change; each run starts over. A partial value entering a block others are
+reads); where that is impossible, it is gathered like any input, and
+:mod:`~fxtp.passes.aliases` then makes the written value whole where it is made.
+Propagation may run again after seeds change; each run starts over. A partial value entering a block others are
 stamped from (:class:`~fxtp.passes.graph.Stamp`) is reduced there, so that the blocks
 stamped from it can take their inputs as it does.
 """
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import math
-import operator
 
 import torch
 import torch.fx as fx
@@ -33,14 +33,14 @@ from torch.distributed.tensor import Partial, Shard
 
 from .errors import ShardingError
 from .graph import (FALLBACK, INPUTS, PINNED, PLACEMENT, STAMP, attr, branches, layout,
-                    module_fqn, output_vals, placement_of, stamp_edge, tensor_inputs,
-                    tied_attrs, val)
+                    module_fqn, output_vals, placement_of, tensor_inputs, tied_attrs, val)
 from .placement import (R, describe, is_blocked, is_narrowing, is_replicate, is_sharded,
                         transition_cost, with_dim)
 from .dimspec import indivisible
+from .aliases import observed
 from .reduce_early import reduce_early
-from .rules import (PASSTHROUGH, ZERO_FILLED, returns_alias, rule_for, writes_first_input,
-                    written_args, written_inputs)
+from .rules import (PASSTHROUGH, ZERO_FILLED, rule_for, writes_first_input, written_args,
+                    written_inputs)
 
 
 def propagate(gm: fx.GraphModule, world: int, strict: bool = False) -> list[str]:
@@ -239,19 +239,16 @@ def _propagate_call(node: fx.Node, world: int) -> str | None:
     rule = rule_for(node.target)
     where = f"node '{node.name}' in module '{module_fqn(node) or '<root>'}'"
     writes = writes_first_input(node.target) and bool(inputs) and \
-        inputs[0] is node.args[0] and _observed(inputs[0])
+        inputs[0] is node.args[0] and observed(inputs[0])
     if rule is None:
         node.meta[INPUTS] = tuple(R for _ in inputs)
         node.meta[PLACEMENT] = _pack(node, (R,) * len(outs))
         if all(map(is_replicate, actual)):
             return None
-        if writes and not is_replicate(actual[0]):
-            raise ShardingError(f"{node.target} ({where}) writes in place into a value placed "
-                                f"{describe(actual[0])} and has no sharding rule: gathering "
-                                f"would write a copy. Add a rule to fxtp.passes.rules.RULES "
-                                f"or keep that value replicated")
         return (f"no sharding rule for {node.target} ({where}) with input placements "
-                f"{describe(tuple(actual))}; gathering its inputs to Replicate")
+                f"{describe(tuple(actual))}; gathering its inputs to Replicate" +
+                ("; the value it writes in place is made whole where it is made" if writes
+                 and not is_replicate(actual[0]) else ""))
     in_vals = [val(a) for a in inputs]
     best = None
     pinned = node.meta.get(PINNED)
@@ -271,36 +268,15 @@ def _propagate_call(node: fx.Node, world: int) -> str | None:
         cost = inputs_cost(actual, ins, in_vals, world)
         if cost < math.inf and (best is None or cost < best[0]):
             best = (cost, ins, out)
-    if best is None and writes:
-        raise ShardingError(f"{node.target} ({where}) writes in place into a value placed "
-                            f"{describe(actual[0])}, which its rule cannot compute on with "
-                            f"inputs {describe(tuple(actual))}; keep that value replicated")
+    if best is None and writes:  # gathered: passes/aliases.py makes the written value whole
+        best = next(((0.0, ins, out) for ins, out in rule.strategies(node, world, actual)
+                     if all(i is None or is_replicate(i) for i in ins)), None)
     if best is None:
         raise ShardingError(f"{node.target} ({where}): no strategy of its rule takes inputs "
                             f"{describe(tuple(actual))} by a redistribution fxtp makes")
     node.meta[INPUTS] = best[1]
     node.meta[PLACEMENT] = _pack(node, best[2])
     return _gathers(node, rule, actual, best[1], world, where)
-
-
-def _observed(written: fx.Node) -> bool:
-    """Whether an in-place write into ``written`` can be seen elsewhere: it is an input, a
-    parameter or buffer, a view of another value, or read by more than the writing op.
-    Otherwise (a temporary the writing op alone reads, e.g. a matmul's output a bias is
-    added to in place) the op may write into a redistributed copy."""
-    return written.op != "call_function" or len(written.users) > 1 or _aliases(written)
-
-
-def _aliases(node: fx.Node) -> bool:
-    """Whether ``node``'s value may share memory with another value: the op's schema says
-    its result aliases an input (:func:`~.rules.returns_alias`; a ``getitem`` of
-    ``split``'s results too), a marker's value may be seen elsewhere, or the op is not an
-    ATen op. (The trace's fake values do not say: they are not marked as views.)"""
-    if node.target is operator.getitem:
-        return _aliases(node.args[0])
-    if node.target in (layout, stamp_edge):  # identity marks: the value they mark
-        return _observed(node.args[0])
-    return not isinstance(node.target, torch._ops.OpOverload) or returns_alias(node.target)
 
 
 def _propagate_cond(gm: fx.GraphModule, node: fx.Node, world: int, strict: bool) -> list[str]:

@@ -1113,9 +1113,17 @@ def _fixed(node) -> tuple:
 def _index_put_spec(node):
     """``x[indices] = values`` (``index_put`` / ``index_put_``): dims not indexed shard
     with the matching dims of ``values`` (broadcast size-1 dims fixed). Jointly linear in
-    ``x`` and ``values``. Indexed dims of ``x`` never shard (the indices are global)."""
+    ``x`` and ``values``. Indexed dims of ``x`` never shard (the indices are global), but
+    for one boolean mask over ``x``'s leading dims and a single value (``h[h > t] = t``):
+    a masked fill, sharded as ``x`` is with the mask alike."""
     n = _rank(node.args[0])
     indices = list(node.args[1])
+    values = val(node.args[2])
+    if len(indices) == 1 and indices[0] is not None and val(indices[0]).dtype == torch.bool \
+            and values.numel() == 1:  # x[mask] = v: a masked fill, elementwise
+        labels = _labels(n)
+        return DimSpec((labels, labels[:_rank(indices[0])], (fixed_label(),) * values.dim()),
+                       (labels,), "sum", (0, 2))
     labels = tuple(fixed_label() if j < len(indices) and indices[j] is not None else f"d{j}"
                    for j in range(n))
     if any(ix is not None and val(ix).dtype == torch.bool for ix in indices):
@@ -1123,7 +1131,6 @@ def _index_put_spec(node):
         target = labels
     else:
         target = _index_layout(labels, indices)
-    values = val(node.args[2])
     values_labels = _broadcast_labels(values.shape, list(target))
     ins = (labels,) + tuple(_fixed(ix) for ix in indices if ix is not None) + (values_labels,)
     return DimSpec(ins, (labels,), "sum", (0, len(ins) - 1))
@@ -1494,11 +1501,20 @@ def rule_for(target) -> Optional[Rule]:
 
 
 def is_tagged_pointwise(target) -> bool:
-    """A functional or in-place ATen op torch tags ``pointwise`` (``out=`` forms excluded;
-    random ones, such as ``rrelu``, too: a shard would draw other numbers than the whole)."""
-    return isinstance(target, torch._ops.OpOverload) and \
-        torch.Tag.pointwise in target.tags and \
-        torch.Tag.nondeterministic_seeded not in target.tags and \
+    """A functional or in-place ATen op torch tags ``pointwise``, or the in-place form of
+    one (torch leaves 25 of those untagged: ``masked_fill_.Scalar``, ``gelu_``,
+    ``threshold_``, ...); ``out=`` forms excluded, random ones too (``rrelu``: a shard
+    would draw other numbers than the whole)."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    tags = target.tags
+    if torch.Tag.pointwise not in tags and writes_first_input(target):
+        functional = getattr(aten, target._schema.name.split("::")[1].rstrip("_"), None)
+        overload = target._overloadname
+        if isinstance(functional, torch._ops.OpOverloadPacket) and \
+                overload in functional.overloads():
+            tags = getattr(functional, overload).tags
+    return torch.Tag.pointwise in tags and torch.Tag.nondeterministic_seeded not in tags and \
         not any(a.is_out for a in target._schema.arguments)
 
 

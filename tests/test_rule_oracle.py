@@ -274,6 +274,11 @@ PROGRAMS = {
                            rand(4, 8, 12), torch.tensor([0, 3, 3, 6]), rand(4, 4, 12))),
     "index_put_": (lambda x, i, v: torch.ops.aten.index_put_(x.clone(), [None, i], v),
                    lambda: (rand(4, 8, 12), torch.tensor([1, 5]), rand(4, 2, 12))),
+    # masked fills by a boolean index: the mask over all dims or the leading ones, one value
+    "index_put_mask": (lambda x, v: (aten.index_put(x, [x > 0.5], v),
+                                     aten.index_put_(x.clone(), [x[..., 0] > 0], v, True),
+                                     aten.index_put(x, [x > 0], v.reshape(1))),
+                       lambda: (rand(4, 8, 12), rand(()))),
     "index_ops": (lambda x, i, s, s2: (x.index_select(1, i), x.index_copy(1, i, s),
                                        x.clone().index_copy_(1, i, s), x.index_add(1, i, s),
                                        x.clone().index_add_(1, i, s2),

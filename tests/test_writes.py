@@ -67,8 +67,19 @@ class ReadWriteRead(MLP):
         return self.down(a + torch.flip(h, [-1]))
 
 
+class FillAcrossShards(MLP):
+    """``index_fill_`` of two features, one on each rank: no sharded strategy, so the
+    written value is made whole where it is made, and filled there."""
+
+    def forward(self, x):
+        h = F.gelu(self.up(x))
+        h.index_fill_(-1, torch.tensor([2, 50]), 0.0)
+        return self.down(h)
+
+
 CASES = {"scale": ScaleAcrossShards, "assign": AssignAcrossShards,
-         "view_before_write": ViewBeforeWrite, "read_write_read": ReadWriteRead}
+         "view_before_write": ViewBeforeWrite, "read_write_read": ReadWriteRead,
+         "fill": FillAcrossShards}
 
 
 def written(rank, world, name, post):
@@ -102,6 +113,44 @@ def test_a_value_written_through_a_view_it_is_gathered_for_is_made_whole(fake_gr
         gm = fxtp.parallelize(ScaleAcrossShards(), PLAN, example_inputs=(example(B, T, D),))
     assert any("aten.gelu" in m and "written in place through a view" in m
                for m in gm.fxtp.fallbacks)
+
+
+class ElementwiseWrites(MLP):
+    """Writes that are elementwise stay sharded: a masked assignment by a boolean mask of
+    the value's own shape (``index_put_``), and in-place forms torch leaves untagged
+    (``masked_fill_.Scalar``, ``threshold_``)."""
+
+    def forward(self, x):
+        h = self.up(x)
+        h[h > 0.5] = 0.5
+        h.masked_fill_(h < -0.5, -0.5)
+        return self.down(F.threshold(h, 0.1, 0.0, inplace=True))
+
+
+def elementwise(rank, world):
+    return check_parity(rank, world, ElementwiseWrites, PLAN, [example(B, T, D)],
+                        dtype=torch.float64, strict=True)
+
+
+def test_elementwise_writes_stay_sharded(ranks):
+    assert ranks.run(elementwise)[0] == ({"all_reduce": 1}, {"all_reduce": 1})
+
+
+class ScaleModuleOutput(MLP):
+    def forward(self, x):
+        h = self.up(x)
+        h[..., :2 * D] *= 0.5
+        return self.down(h)
+
+
+def test_a_write_a_copy_would_take_into_a_planned_layout_is_refused(fake_group):
+    """``up``'s output is laid out by the plan, so it cannot be made whole where it is
+    made: the error names the write, the layout and how to fix it."""
+    fake_group(2)
+    with pytest.raises(fxtp.ShardingError, match=r"'mul_' \(aten\.mul_\.Tensor\) in module "
+                       r"'<root>' writes in place into the up output 0 layout \(placed S\(2\).*"
+                       r"Lay that value out replicated"):
+        fxtp.parallelize(ScaleModuleOutput(), PLAN, example_inputs=(example(B, T, D),))
 
 
 def test_a_round_trip_around_a_write_is_kept():
