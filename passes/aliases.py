@@ -48,8 +48,8 @@ def pin_written_aliases(gm: fx.GraphModule, world: int) -> bool:
                 raise ShardingError(
                     f"'{node.name}' ({node.target}) in module '{module_fqn(node) or '<root>'}' "
                     f"writes in place into {what} (placed {describe(placement_of(root))}, "
-                    f"fixed by the plan or "
-                    f"as an input, parameter or buffer) where '{copied[0].name}' takes it "
+                    f"fixed by the plan or as an input, parameter or buffer) where "
+                    f"'{copied[0].name}' takes it "
                     f"redistributed, so the write would land in a copy. Lay that value out "
                     f"replicated, or compute the written value out of place")
             for m in [root, *members]:
@@ -67,6 +67,17 @@ def written_roots(node: fx.Node) -> list[fx.Node]:
         return []
     return [alias_root(node.args[p]) for p in written_args(node.target)
             if p < len(node.args) and isinstance(node.args[p], fx.Node)]
+
+
+def written_groups(node: fx.Node) -> list[set[fx.Node]]:
+    """For each value ``node`` writes in place, every node sharing its memory: the value
+    its written view was taken of, and every view of that."""
+    return [{root, *alias_set(root)} for root in written_roots(node)]
+
+
+def written_values(graph: fx.Graph) -> set[fx.Node]:
+    """The values some node of ``graph`` writes in place (as :func:`written_roots`)."""
+    return {root for node in graph.nodes for root in written_roots(node)}
 
 
 def observed(written: fx.Node) -> bool:

@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from . import collectives as C
-from .aliases import alias_root, alias_set, written_roots
+from .aliases import alias_root, written_groups, written_values
 from .gradients import gradient_carriers
 from .graph import COLLECTIVE, call_args, val
 from .placement import numel_hint
@@ -54,8 +54,7 @@ def collective_args(node: fx.Node) -> Optional[dict]:
 def merge_redundant(graph: fx.Graph) -> None:
     seen: dict[tuple, fx.Node] = {}
     for node in list(graph.nodes):
-        for written in written_roots(node):  # a write in place makes earlier results stale
-            stale = {written, *alias_set(written)}
+        for stale in written_groups(node):  # a write in place makes earlier results stale
             seen = {k: v for k, v in seen.items() if collective_args(v)["x"] not in stale}
         args = collective_args(node)
         if args is None:
@@ -69,7 +68,7 @@ def merge_redundant(graph: fx.Graph) -> None:
 
 
 def cancel_round_trips(graph: fx.Graph) -> None:
-    written = {root for node in graph.nodes for root in written_roots(node)}
+    written = written_values(graph)
     for node in list(graph.nodes):
         outer = collective_args(node)
         if outer is None or not isinstance(outer["x"], fx.Node):
@@ -118,7 +117,7 @@ def bucket(graph: fx.Graph) -> None:
 def _next_bucket(graph: fx.Graph) -> Optional["_Bucket"]:
     """The first group of at least two collectives that can issue as one, in graph order."""
     with_grad = gradient_carriers(graph, _may_need_grad)
-    written = {root for node in graph.nodes for root in written_roots(node)}
+    written = written_values(graph)
     open_buckets: dict[tuple, _Bucket] = {}
     for node in graph.nodes:
         args = collective_args(node)

@@ -24,7 +24,7 @@ import torch.nn as nn
 from torch.distributed.tensor import Partial, Replicate
 
 from . import collectives
-from .aliases import alias_set, written_roots
+from .aliases import written_groups
 from .gradients import gradient_carriers
 from .errors import StampMismatch
 from .graph import (MODE_REGION, COLLECTIVE, INPUTS, PLACEMENT, STAMP, attr, branches, layout,
@@ -74,8 +74,7 @@ def rewrite(gm: fx.GraphModule, group: str, rank: int, world: int,
                 return redistribute(src, dst, node)
             return arg
         node.args, node.kwargs = fx.node.map_arg((node.args, node.kwargs), swap)
-        for written in written_roots(node):  # later readers redistribute what it writes
-            stale = {written, *alias_set(written)}
+        for stale in written_groups(node):  # later readers redistribute what it writes
             for key in [k for k in made if k[0] in stale]:
                 del made[key]
     for node in list(graph.nodes):

@@ -141,8 +141,7 @@ def _constrain_inputs(graph, fqn, sharding, call: ModuleCall, world):
     for node, p, what in targets:
         if not _is_tensor_arg(node, p, fqn, what):
             continue
-        users = [u for u in graph.nodes if u in node.users and u.op != "output" and
-                 inside(u, fqn)]
+        users = sorted(u for u in node.users if u.op != "output" and inside(u, fqn))
         _insert_layout(graph, node, p, users, f"{fqn or '<root>'} {what}", users and users[0],
                        world, users and users[0])
 
