@@ -121,13 +121,17 @@ def _all_gather(mine: torch.Tensor, group) -> torch.Tensor:
 def structure_keys(graph: fx.Graph) -> list[str]:
     """Each node's key, in graph order: a digest of its op, target and constant arguments,
     of the keys of the nodes it reads and of how many in-place writes into each of them
-    (or the value it views) come before it. Two graphs are the same program, whatever the
+    (or the value it views) come before it; a conversion to what its input already is has
+    its input's key. Two graphs are the same program, whatever the
     order of their independent nodes and whatever their names, when their keys are the same
     multiset; nodes of equal keys compute equal values, unless they draw random numbers or
     write in place."""
     keys: dict[fx.Node, str] = {}
     writes: dict[fx.Node, int] = {}
     for node in graph.nodes:
+        if _converts_nothing(node):  # ``x.to(x.dtype)``: the value it reads
+            keys[node] = keys[node.args[0]]
+            continue
         target = node.target if isinstance(node.target, str) else \
             str(node.target) if isinstance(node.target, torch._ops.OpOverload) else \
             f"{getattr(node.target, '__module__', '')}." \
@@ -139,6 +143,18 @@ def structure_keys(graph: fx.Graph) -> list[str]:
         if writes_first_input(node.target) and isinstance(node.args[0], fx.Node):
             writes[_base(node.args[0])] = writes.get(_base(node.args[0]), 0) + 1
     return list(keys.values())
+
+
+def _converts_nothing(node: fx.Node) -> bool:
+    """A ``Tensor.to`` whose result has its input's dtype, device and layout (Hugging Face's
+    masks convert the cache position once or twice, by the order a ``set`` iterates)."""
+    if not (isinstance(node.target, torch._ops.OpOverload) and
+            node.target._schema.name == "aten::to" and node.args and
+            isinstance(node.args[0], fx.Node)):
+        return False
+    out, given = node.meta.get("val"), node.args[0].meta.get("val")
+    return isinstance(out, torch.Tensor) and isinstance(given, torch.Tensor) and \
+        (out.dtype, out.device, out.layout) == (given.dtype, given.device, given.layout)
 
 
 class _Key(str):

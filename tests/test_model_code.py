@@ -193,6 +193,26 @@ def test_ranks_whose_traces_differ_in_the_order_of_independent_ops_run_rank_0s(r
     assert ranks.run(ranks_order)[0] == MEGATRON
 
 
+def ranks_convert_in_order(rank, world):
+    """Hugging Face's masks per layer type, made in ``set`` order: each converts the shared
+    position with ``.to``, so the one made second reads a conversion of a conversion (the
+    same value), and which one that is differs per rank."""
+    class Masks(Projections):
+        def forward(self, x):
+            kinds = sorted(["full", "window"], reverse=dist.get_rank() % 2 == 1)
+            shared, masks = {"position": torch.arange(DIM)}, {}
+            for kind in kinds:
+                position = shared["position"] = shared["position"].to(torch.long)
+                masks[kind] = position < (DIM if kind == "full" else DIM // 2)
+            h = x.masked_fill(masks["window"], 0) + x.masked_fill(masks["full"], 1)
+            return self.o(self.q(h) * self.kv(h)[..., DIM:])
+    return parity(rank, world, Masks)
+
+
+def test_ranks_whose_traces_convert_a_value_more_often_on_one_path_run_rank_0s(ranks):
+    assert ranks.run(ranks_convert_in_order)[0] == MEGATRON
+
+
 def test_structure_keys_ignore_names_and_the_order_of_independent_nodes():
     def trace(first):
         def f(x, y):
