@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import warnings
+from typing import Optional
 
 import torch
 import torch.fx as fx
@@ -143,6 +144,13 @@ def _example(arg):
     return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
 
 
+def _example_shape(tensor: torch.Tensor) -> Optional[tuple]:
+    """``tensor``'s shape, a dynamic dim at the size it was traced with (``None``: a size
+    no example gave)."""
+    hints = tuple(d.node.hint if isinstance(d, torch.SymInt) else d for d in tensor.shape)
+    return None if None in hints else hints
+
+
 class _Context:
     """The ``ctx`` of a function traced by :func:`is_elementwise`."""
 
@@ -180,11 +188,13 @@ def is_elementwise(function: type[torch.autograd.Function], args: list, kwargs: 
     from torch.utils._python_dispatch import _disable_current_modes
     from .passes.rules import is_tagged_pointwise
     positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-    shapes = {tuple(args[i].shape) for i in positions}
+    shapes = {tuple(map(str, args[i].shape)) for i in positions}  # dims may be symbols
     if kwargs or len(shapes) != 1 or \
             not all(args[i].is_floating_point() for i in positions):
         return False
-    (shape,) = shapes
+    shape = _example_shape(args[positions[0]])
+    if shape is None:
+        return False
     custom_setup = function.setup_context is not torch.autograd.Function.setup_context
 
     def forward_and_backward(*tensors):

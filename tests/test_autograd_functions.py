@@ -118,6 +118,20 @@ def test_the_function_runs_its_own_backward_on_gathered_inputs(ranks, dtype):
     assert bwd == {"all_gather": 1, "all_reduce": 1}
 
 
+def quantized_dynamic(rank, world):
+    from torch.export import Dim
+    inputs = [[example(2, t, models.DIM)] for t in (6, 3, 5)]
+    return check_parity(rank, world, QuantizedMlp, PLAN, [example(2, 4, models.DIM)],
+                        dtype=torch.float64, strict=True, inputs_per_step=inputs,
+                        dynamic_shapes=({1: Dim("seq", min=2, max=16)},))
+
+
+def test_an_elementwise_function_on_a_dynamic_dim_runs_on_shards(ranks):
+    """The call is judged elementwise at the sizes traced; every length then runs at
+    parity with Megatron's two all-reduces."""
+    assert ranks.run(quantized_dynamic)[0] == ({"all_reduce": 1}, {"all_reduce": 1})
+
+
 def routed(rank, world, dtype):
     return check_parity(rank, world, RoutedMlp, PLAN, [example(2, 4, models.DIM)],
                         dtype=dtype, strict=True)
