@@ -6,9 +6,11 @@ one module for prefill and decode, and Hugging Face's generation (greedy and sam
 
 The cache is transformers' ``StaticCache`` as its export wrapper
 (``TorchExportableModuleWithStaticCache``) registers it: one key and one value buffer per
-layer, written by ``index_copy_`` at ``cache_position``. fxtp places each buffer as what is
-written into it, so each rank holds its KV heads (1/world of the cache). ``DynamicCache``
-(a Python list grown per step) and other cache classes are not traceable as module state.
+layer, written by ``index_copy_`` at ``cache_position``, each shaped as the model writes
+it (:func:`static_cache_module`). fxtp places each buffer as what is written into it, so
+each rank holds its KV heads (1/world of the cache). ``DynamicCache`` (a Python list grown
+per step) and the state of linear-attention and state-space layers (Mamba, gated delta
+nets), which branch between prefill and decoding, are not traceable as one program.
 """
 from __future__ import annotations
 
@@ -36,14 +38,7 @@ def parallelize_causal_lm(model: nn.Module, plan="auto", mesh=None, *, batch_siz
     ``gm(input_ids=(batch, T), cache_position=(T,))`` -> logits, for any ``T`` (prefill and
     decode alike), and ``gm.generate(input_ids, **options)``, which is :func:`generate`.
     ``plan`` is relative to ``model`` (``"auto"``: its own). The model is not modified."""
-    from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
-    config = model.generation_config
-    saved = config.use_cache, config.cache_implementation
-    config.use_cache, config.cache_implementation = True, "static"  # the wrapper asks
-    try:
-        wrapper = TorchExportableModuleWithStaticCache(model, batch_size, max_cache_len)
-    finally:
-        config.use_cache, config.cache_implementation = saved
+    wrapper = static_cache_module(model, batch_size, max_cache_len)
     if plan == "auto":
         plan = carried_plan(model)
     if not isinstance(plan, dict):
@@ -51,7 +46,7 @@ def parallelize_causal_lm(model: nn.Module, plan="auto", mesh=None, *, batch_siz
                         f"under the model, got {plan!r}")
     example = min(4, max_cache_len - 1)  # export specializes dims of size 0 and 1
     device = next(model.parameters()).device
-    seq = Dim("seq", min=1, max=max_cache_len)
+    seq = Dim.DYNAMIC(min=1, max=max_cache_len)  # export guards what it must assume
     gm = parallelize(
         wrapper, {f"model.{key}": style for key, style in plan.items()}, mesh,
         example_inputs=(),
@@ -63,6 +58,63 @@ def parallelize_causal_lm(model: nn.Module, plan="auto", mesh=None, *, batch_siz
     gm.generation_config = copy.deepcopy(model.generation_config)
     gm.generate = types.MethodType(generate, gm)
     return gm
+
+
+@torch.no_grad()
+def static_cache_module(model: nn.Module, batch_size: int, max_cache_len: int) -> nn.Module:
+    """transformers' export wrapper (``TorchExportableModuleWithStaticCache``) of ``model``
+    with a ``StaticCache`` whose buffers have the shapes the model writes into them: each
+    layer is allocated by one eager step of one token (as ``generate`` allocates it), not
+    from the config's head counts, which do not fit latent attention (DeepSeek's MLA) or
+    layers with heads of their own. The step's writes are then cleared. Sliding-window
+    layers keep every position (their masks still see only the window), as in the
+    wrapper."""
+    from transformers.cache_utils import (DummyLayer, StaticCache, StaticLayer,
+                                          StaticSlidingWindowLayer)
+    from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+    name = type(model).__name__
+    advice = ("serve it with its own generate, or parallelize its forward without a cache "
+              "(fxtp.parallelize(model, plan, ..., example_kwargs=dict(use_cache=False)))")
+    try:
+        cache = StaticCache(max_cache_len=max_cache_len, config=model.config.get_text_config())
+    except Exception as e:  # noqa: BLE001 - named in the error
+        raise PlanError(f"parallelize_causal_lm needs transformers' StaticCache for {name}, "
+                        f"which it does not build ({type(e).__name__}: {e}); {advice}") from e
+    for i, layer in enumerate(cache.layers):
+        if isinstance(layer, StaticSlidingWindowLayer):
+            cache.layers[i] = StaticLayer(max_cache_len)
+        elif isinstance(layer, DummyLayer):  # a layer reading another's cache: none
+            cache.layers[i] = StaticLayer(0)
+        elif not isinstance(layer, StaticLayer):
+            raise PlanError(
+                f"parallelize_causal_lm serves a cache of keys and values per layer; "
+                f"{name}'s layer {i} keeps a {type(layer).__name__}, whose state takes "
+                f"another program for prefill than for decoding; {advice}")
+    wrapper = TorchExportableModuleWithStaticCache.__new__(TorchExportableModuleWithStaticCache)
+    nn.Module.__init__(wrapper)
+    wrapper.model, wrapper.static_cache = model, cache
+    device = next(model.parameters()).device
+    first = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            wrapper(input_ids=first, cache_position=torch.zeros(1, dtype=torch.long,
+                                                                device=device))
+    except Exception as e:  # noqa: BLE001 - named in the error
+        raise PlanError(f"{name} does not run on transformers' StaticCache, which "
+                        f"parallelize_causal_lm serves it with ({type(e).__name__}: {e}); "
+                        f"{advice}") from e
+    for i, layer in enumerate(cache.layers):
+        if not layer.is_initialized:  # never written
+            nothing = torch.zeros(batch_size, 1, 1, 1, dtype=model.dtype, device=device)
+            layer.lazy_initialization(nothing, nothing)
+        layer.keys.zero_()
+        layer.values.zero_()
+        layer.cumulative_length.zero_()
+        wrapper.register_buffer(f"key_cache_{i}", layer.keys, persistent=False)
+        wrapper.register_buffer(f"value_cache_{i}", layer.values, persistent=False)
+        wrapper.register_buffer(f"cumulative_length_{i}", layer.cumulative_length,
+                                persistent=False)
+    return wrapper
 
 
 @torch.no_grad()

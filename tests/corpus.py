@@ -413,6 +413,22 @@ def hf_deepseek_v2():
                n_group=1, topk_group=1, pad_token_id=0)
 
 
+def hf_aria_text():
+    """Aria's text model: 4 experts and a shared one; its grouped matmul's sizes make
+    torch.export assume of the sequence length what its range alone does not prove."""
+    return _hf("AriaTextConfig", "AriaTextForCausalLM", moe_num_experts=4, moe_topk=2,
+               moe_num_shared_experts=1, pad_token_id=0)
+
+
+def hf_qwen3_next():
+    """Qwen3-Next: gated delta-net (linear attention) layers beside full attention."""
+    return _hf("Qwen3NextConfig", "Qwen3NextForCausalLM", num_experts=4,
+               num_experts_per_tok=2, moe_intermediate_size=32,
+               shared_expert_intermediate_size=32, linear_num_key_heads=4,
+               linear_num_value_heads=8, linear_key_head_dim=4, linear_value_head_dim=4,
+               pad_token_id=0)
+
+
 def hf_gpt_oss():
     """gpt-oss: experts with biases and gate and up interleaved (``gate_up[..., ::2]``,
     ``[..., 1::2]``) added to in place, attention sinks per head, sliding-window layers;

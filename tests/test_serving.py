@@ -12,6 +12,7 @@ from torch.export import Dim
 
 import fxtp
 from fxtp.gpt_fast import KVCache, ServeConfig, Transformer, generate, tp_plan
+from fxtp.causal_lm import static_cache_module
 from fxtp.passes.placement import local_part
 from fxtp.styles import ColwiseParallel, RowwiseParallel
 from tests.conftest import pool_of
@@ -199,6 +200,8 @@ def hf_generation_parity(rank, world, options, make="hf_llama", dtype=torch.floa
     warnings.filterwarnings("ignore", message=".*attention mask.*")
     torch.manual_seed(0)
     model = getattr(corpus, make)().to(dtype)
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("batched_mm")  # the one with an fp64 kernel
     with torch.no_grad():  # away from near-uniform logits (argmax ties)
         for p in model.parameters():
             p.normal_(0, 0.3)
@@ -210,8 +213,8 @@ def hf_generation_parity(rank, world, options, make="hf_llama", dtype=torch.floa
     expected = model.generate(ids, max_new_tokens=NEW, **options)
     assert torch.equal(tokens, expected), (tokens, expected)
     held = sum(b.numel() for n, b in gm.named_buffers() if "_cache_" in n)
-    whole = sum(2 * BATCH * model.config.num_key_value_heads * 32 * model.config.head_dim
-                for _ in range(model.config.num_hidden_layers))
+    whole = sum(b.numel() for n, b in static_cache_module(model, BATCH, 32).named_buffers()
+                if "_cache_" in n)
     with fxtp.count_collectives() as decode:
         gm(input_ids=tokens[:, -1:], cache_position=torch.tensor([tokens.shape[1]]))
     return dict(decode.counts), held, whole, model.config.num_hidden_layers
@@ -236,6 +239,38 @@ def test_a_mixture_of_experts_generates_as_its_own_generate_does(ranks2):
                                              "hf_qwen3_moe", torch.float32)[0]
     assert decode == {"all_reduce": 2 * layers + 1, "all_gather": 1}
     assert held * 2 == whole
+
+
+def test_latent_attention_generates_as_its_own_generate_does(ranks2):
+    """DeepSeek-V2's cache holds, per layer, the compressed latent (16) and the rotary key
+    (4) that every head reads, one "head" each, which the config's head counts do not
+    give: the cache is shaped by what the model writes. Every head reads it, so every
+    rank holds all of it (as DeepSeek's own inference does under TP); decoding costs the
+    attention's and the MLPs' all-reduces, the embedding's and the logits' gather."""
+    decode, held, whole, layers = ranks2.run(hf_generation_parity, dict(do_sample=False),
+                                             "hf_deepseek_v2")[0]
+    assert decode == {"all_reduce": 2 * layers + 1, "all_gather": 1}
+    assert held == whole
+
+
+def test_a_length_export_guards_rather_than_proves_still_serves_every_length(ranks2):
+    """Aria's experts make export assume ``T * min(32, 32 * T) == 32 * T``, true for every
+    length but not proven from the range: the length is traced ``Dim.DYNAMIC`` and the
+    assumption checked per call, so prefill and decoding run at parity."""
+    decode, held, whole, layers = ranks2.run(hf_generation_parity, dict(do_sample=False),
+                                             "hf_aria_text")[0]
+    assert decode == {"all_reduce": 2 * layers + 1, "all_gather": 1}
+    assert held * 2 == whole
+
+
+def test_a_model_whose_cache_is_not_keys_and_values_is_refused_by_name(fake_group):
+    """Qwen3-Next's gated delta-net layers keep recurrent state, which branches between
+    prefill and decoding: not one program, refused before tracing."""
+    from tests import corpus
+    fake_group(2)
+    with pytest.raises(fxtp.PlanError, match=r"Qwen3NextForCausalLM's layer 0 keeps a "
+                                             r"LinearAttentionLayer.*use_cache=False"):
+        fxtp.parallelize_causal_lm(corpus.hf_qwen3_next(), batch_size=1, max_cache_len=16)
 
 
 def test_generation_options_it_does_not_follow_are_an_error(fake_group):
