@@ -23,6 +23,7 @@ _ON_FIRST_USE = {
     "state_dict": ".checkpoint", "load_state_dict": ".checkpoint",
     "full_state_dict": ".checkpoint", "load_full_state_dict": ".checkpoint",
     "clip_grad_norm_": ".clip", "init_weights": ".materialize",
+    "fsdp_shard_placement": ".dtensor_params",
     "parallelize_causal_lm": ".causal_lm", "generate": ".causal_lm",
     "compile": ".regional", "compile_blocks": ".regional",
 }
@@ -34,7 +35,8 @@ __all__ = [
     "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "ParallelStyle",
     "Shard", "Replicate", "Partial", "count_collectives", "cross_entropy", "Report",
     "state_dict", "load_state_dict", "full_state_dict", "load_full_state_dict",
-    "clip_grad_norm_", "init_weights", "parallelize_causal_lm", "generate",
+    "clip_grad_norm_", "init_weights", "fsdp_shard_placement", "parallelize_causal_lm",
+    "generate",
     "compile", "compile_blocks", "FxtpError",
     "InputError", "PlanError", "ShardingError", "TraceError",
 ]

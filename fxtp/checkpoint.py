@@ -21,23 +21,18 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from .passes.errors import PlanError
 from .passes.placement import local_part
-from .dtensor_params import checkpoint_view, full_tensor, local_shard
+from .dtensor_params import (checkpoint_view, full_tensor, local_shard, tp_shard,
+                             write_tp_shard)
 from .names import named_tensors
 from .parallelize import info_of
 
 
-def _tensors(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer of ``gm`` under all its model FQNs (compiled or
-    checkpoint-wrapped blocks too), as this rank's local tensor (sharing memory with a ``DTensor`` parameter; ties stay one tensor)."""
-    named = dict(named_tensors(gm))
-    local = {id(t): t._local_tensor if isinstance(t, DTensor) else t for t in named.values()}
-    return {name: local[id(t)] for name, t in named.items()}
-
-
 def _entries(gm: fx.GraphModule):
-    """``(key, this rank's tensor, placement, global shape)`` for each state-dict key (a
-    tied tensor has its placement under every name)."""
-    info, tensors = info_of(gm), _tensors(gm)
+    """``(key, tensor, placement, global shape)`` for each state-dict key: every parameter
+    and buffer of ``gm`` under all its model FQNs (compiled or checkpoint-wrapped blocks
+    too; a tied tensor under each name, one object), as the module holds it (a
+    ``DTensor`` parameter, FSDP2's where data parallelism sharded it further)."""
+    info, tensors = info_of(gm), dict(named_tensors(gm))
     placed = {id(tensors[fqn]): (p, info.param_shapes[fqn])
               for fqn, p in info.param_placements.items() if p}
     for key in info.state_keys:
@@ -51,7 +46,8 @@ def state_dict(gm: fx.GraphModule) -> dict[str, DTensor]:
     info, out, made = info_of(gm), {}, {}
     for key, t, placement, shape in _entries(gm):
         if id(t) not in made:  # tied names share one DTensor
-            made[id(t)] = checkpoint_view(t.detach(), placement, info.mesh, shape)
+            made[id(t)] = checkpoint_view(tp_shard(t.detach(), info.mesh), placement,
+                                          info.mesh, shape)
         out[key] = made[id(t)]
     return out
 
@@ -77,7 +73,8 @@ def full_state_dict(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
     info, out, made = info_of(gm), {}, {}
     for key, t, placement, shape in _entries(gm):
         if id(t) not in made:
-            made[id(t)] = full_tensor(t.detach(), placement, info.mesh, shape)
+            made[id(t)] = full_tensor(tp_shard(t.detach(), info.mesh), placement, info.mesh,
+                                      shape)
         out[key] = made[id(t)]
     return out
 
@@ -100,10 +97,11 @@ def _load(gm, sd: Mapping, local_of) -> None:
     if missing or unexpected:
         raise PlanError(f"state dict keys differ from the model's: missing {missing}, "
                         f"unexpected {unexpected}")
-    for key, t, placement, _ in _entries(gm):
+    for key, t, placement, shape in _entries(gm):
         value = local_of(key, sd[key], placement)
-        if value.shape != t.shape:
+        mine = local_part(torch.empty(shape, device="meta"), placement, info.rank,
+                          info.world_size).shape
+        if value.shape != mine:
             raise PlanError(f"state_dict['{key}'] gives this rank a {tuple(value.shape)} "
-                            f"tensor; its shard is {tuple(t.shape)} (placement {placement})")
-        if value.data_ptr() != t.data_ptr():  # DCP may have loaded it in place already
-            t.copy_(value)
+                            f"tensor; its shard is {tuple(mine)} (placement {placement})")
+        write_tp_shard(t, info.mesh, value)

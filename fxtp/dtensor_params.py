@@ -96,12 +96,16 @@ def as_dtensors(gm: fx.GraphModule, placements: dict, shapes: dict, mesh, world:
         if module._parameters or module._buffers:
             module._fxtp_plain = {name: plain[id(p)] for name, p in module._parameters.items()
                                   if id(p) in plain}
+            module._fxtp_strided = {name: (p.placements[0], p.shape, mesh)
+                                    for name, p in module._parameters.items()
+                                    if isinstance(p, DTensor) and
+                                    isinstance(p.placements[0], _StridedShard)}
             prefix = owner_fqn + "." if owner_fqn else ""
             module._fxtp_buffers = {name: sharded_buffers[prefix + name]
                                     for name in module._buffers
                                     if prefix + name in sharded_buffers}
             if isinstance(module, fx.GraphModule):
-                for name in ("_fxtp_plain", "_fxtp_buffers"):
+                for name in ("_fxtp_plain", "_fxtp_strided", "_fxtp_buffers"):
                     keep_on_copy(module, name)
             module._register_state_dict_hook(_relay_for_checkpoint)
             module._register_load_state_dict_pre_hook(_lay_back, with_module=True)
@@ -203,6 +207,117 @@ def _on_tp_mesh(p) -> bool:
     return isinstance(p, DTensor) and p.device_mesh.ndim == 1
 
 
+def fsdp_shard_placement(param: nn.Parameter):
+    """FSDP2's ``shard_placement_fn`` for fxtp's parameters:
+    ``fully_shard(block, mesh=mesh["dp"], shard_placement_fn=fxtp.fsdp_shard_placement)``.
+    FSDP2 cuts every parameter along dim 0 by default; a fused projection's weight is laid
+    out in blocks along its dim 0 on "tp" (``_StridedShard``), and rows of those blocks cut
+    again have no DTensor placement, so FSDP2's own view of it (``full_tensor()``, the
+    gradient's, the optimizer state's) would scramble rows. This cuts such a weight along
+    its largest other dim instead, where the views are right; ``None`` (dim 0) for every
+    other parameter, and for a 1-D fused bias, which has no other dim. The model's state
+    dict is whole either way (fxtp's state-dict hooks go by what FSDP2 holds)."""
+    if isinstance(param, DTensor):
+        blocked = {p.dim for p in param.placements if isinstance(p, _StridedShard)}
+        free = [d for d in range(param.ndim) if d not in blocked]
+        if blocked and free:
+            return Shard(max(free, key=lambda d: param.shape[d]))
+    return None
+
+
+def sharded_further(p, mesh) -> bool:
+    """Has data parallelism (FSDP2, HSDP) sharded ``p`` further than fxtp laid it out on
+    its tensor-parallel ``mesh``? FSDP2 cuts this rank's TP shard in ``torch.chunk`` parts
+    along one dim across its shard group, and describes the result as a ``DTensor`` on a
+    mesh around ``mesh``: right for ``Shard`` and ``Replicate``; for a fused
+    projection's ``_StridedShard`` cut along its own dim, or a layout DTensor has no
+    placement for, not (its ``full_tensor`` and DCP's chunks would scramble or overlap
+    rows). :func:`tp_shard` and the state-dict hooks go by what FSDP2 holds instead."""
+    return isinstance(p, DTensor) and p.device_mesh != mesh
+
+
+def _tp_index(full_mesh, mesh):
+    """The dim of ``full_mesh`` (FSDP2's, around the TP ``mesh``) that is TP's: by name, the
+    last where the meshes carry none; ``None`` where it has none (a parameter fxtp left
+    plain, which FSDP2 shards on the data-parallel mesh alone)."""
+    names, tp_name = full_mesh.mesh_dim_names, (mesh.mesh_dim_names or (None,))[0]
+    if names:
+        return names.index(tp_name) if tp_name in names else None
+    return full_mesh.ndim - 1 if full_mesh.ndim > 1 else None
+
+
+def _dp_cut(p: DTensor, mesh):
+    """``(mesh dim, tensor dim)`` along which data parallelism cut ``p``'s TP shard, or
+    ``None``: the dim of ``p``'s mesh that is not TP's and shards."""
+    tp_index = _tp_index(p.device_mesh, mesh)
+    for i, placement in enumerate(p.placements):
+        if i != tp_index and isinstance(placement, (Shard, _StridedShard)):
+            return i, placement.dim
+    return None
+
+
+def tp_shard(p: torch.Tensor, mesh) -> torch.Tensor:
+    """This rank's tensor-parallel shard of parameter ``p`` as fxtp laid it out on
+    ``mesh``: its local tensor, gathered across the data-parallel shard group where
+    FSDP2 / HSDP cut it further (:func:`sharded_further`)."""
+    if not isinstance(p, DTensor):
+        return p
+    if not sharded_further(p, mesh):
+        return p._local_tensor
+    local, cut = p._local_tensor, _dp_cut(p, mesh)
+    if cut is None:
+        return local
+    index, dim = cut
+    group, n = p.device_mesh.get_group(index), p.device_mesh.size(index)
+    length = torch.tensor([local.shape[dim]], device=local.device)
+    every = [torch.empty_like(length) for _ in range(n)]
+    torch.distributed.all_gather(every, length, group=group)
+    lengths = [int(t) for t in every]
+    padded = torch.zeros((*local.shape[:dim], max(lengths), *local.shape[dim + 1:]),
+                         dtype=local.dtype, device=local.device)
+    padded.narrow(dim, 0, local.shape[dim]).copy_(local)
+    parts = [torch.empty_like(padded) for _ in range(n)]
+    torch.distributed.all_gather(parts, padded, group=group)
+    return torch.cat([part.narrow(dim, 0, length) for part, length in zip(parts, lengths)],
+                     dim)
+
+
+def write_tp_shard(p: torch.Tensor, mesh, shard: torch.Tensor) -> None:
+    """Copy this rank's TP ``shard`` into parameter or buffer ``p``: into its local tensor,
+    or the part of it FSDP2 / HSDP keeps where it sharded ``p`` further."""
+    local = p._local_tensor if isinstance(p, DTensor) else p
+    if isinstance(p, DTensor) and sharded_further(p, mesh):
+        shard = _further_part(shard, p, mesh)
+    if shard.data_ptr() != local.data_ptr():  # DCP may have loaded it in place already
+        local.copy_(shard)
+
+
+def _further_part(shard: torch.Tensor, p: DTensor, mesh) -> torch.Tensor:
+    """The part of this rank's TP ``shard`` that FSDP2 / HSDP keeps in ``p``: its
+    ``torch.chunk`` part along the data-parallel cut (an empty one past the last)."""
+    cut = _dp_cut(p, mesh)
+    if cut is None:
+        return shard
+    index, dim = cut
+    chunks = torch.chunk(shard, p.device_mesh.size(index), dim)
+    rank = p.device_mesh.get_local_rank(index)
+    return chunks[rank] if rank < len(chunks) else shard.narrow(dim, 0, 0)
+
+
+def _checkpoint_view_further(p: DTensor, placement, shape, mesh) -> DTensor:
+    """:func:`checkpoint_view` of a parameter FSDP2 / HSDP sharded further: the whole
+    tensor, gathered, handed out on ``p``'s mesh as one chunk per TP rank (``Shard`` of
+    the strided dim; ``Replicate`` where DTensor has no placement), the same across the
+    data-parallel ranks."""
+    whole = full_tensor(tp_shard(p, mesh), placement, mesh, shape)
+    full_mesh, tp_index = p.device_mesh, _tp_index(p.device_mesh, mesh)
+    target = [Replicate()] * full_mesh.ndim
+    if isinstance(placement, _StridedShard) and tp_index is not None:
+        target[tp_index] = Shard(placement.dim)
+    return DTensor.from_local(whole, full_mesh, [Replicate()] * full_mesh.ndim,
+                              run_check=False).redistribute(full_mesh, target)
+
+
 def _relay_for_checkpoint(module, state_dict, prefix, local_metadata):
     """Parameters and sharded buffers (a KV cache) as :func:`checkpoint_view` lays them
     out."""
@@ -212,14 +327,15 @@ def _relay_for_checkpoint(module, state_dict, prefix, local_metadata):
                                                         placement, mesh, shape)
     for name, p in module._parameters.items():
         key = prefix + name
-        if key not in state_dict:
+        layout = module._fxtp_plain.get(name) or module._fxtp_strided.get(name)
+        if key not in state_dict or layout is None:
             continue
-        if name in module._fxtp_plain:
-            placement, shape, mesh = module._fxtp_plain[name]
-            state_dict[key] = checkpoint_view(p.detach(), placement, mesh, shape)
-        elif _on_tp_mesh(p) and isinstance(p.placements[0], _StridedShard):
-            state_dict[key] = checkpoint_view(p.detach().to_local(), p.placements[0],
-                                              p.device_mesh, p.shape)
+        placement, shape, mesh = layout
+        if sharded_further(p, mesh):
+            state_dict[key] = _checkpoint_view_further(p.detach(), placement, shape, mesh)
+        else:
+            state_dict[key] = checkpoint_view(tp_shard(p.detach(), mesh), placement, mesh,
+                                              shape)
     return state_dict
 
 
@@ -236,6 +352,16 @@ def _lay_back(module, state_dict, prefix, local_metadata, strict, missing, unexp
         key = prefix + name
         value = state_dict.get(key)
         if value is None:
+            continue
+        layout = module._fxtp_plain.get(name) or module._fxtp_strided.get(name)
+        if layout is not None and sharded_further(p, layout[2]):
+            placement, _, mesh = layout
+            whole = value.full_tensor() if isinstance(value, DTensor) else value
+            shard = local_part(whole, placement, mesh.get_local_rank(), mesh.size())
+            part = _further_part(shard, p, mesh)
+            state_dict[key] = DTensor.from_local(part.to(p.dtype).contiguous(), p.device_mesh,
+                                                 p.placements, run_check=False, shape=p.shape,
+                                                 stride=p.stride())
             continue
         if name in module._fxtp_plain:
             placement, _, mesh = module._fxtp_plain[name]

@@ -10,13 +10,16 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict,
+                                                     set_model_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 import fxtp
 from fxtp.llama import TransformerBlock
+from tests import models
 from tests import transformer_models as tm
 from tests.parity import LR, TIGHT, tolerance
 
@@ -242,6 +245,93 @@ def test_dcp_saved_at_dp2_tp2_loads_at_tp4_dp4_and_single_device(ranks4, tmp_pat
             assert list(loaded) == list(saved)
             assert all(torch.equal(loaded[k], saved[k]) for k in saved), (dp, tp)
     model = llama(seed=2).double()
+    sd = model.state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
+        dcp.load(sd, checkpoint_id=path)
+    assert all(torch.equal(sd[k], saved[k]) for k in saved)
+
+
+FUSED_X = torch.randn(4, 8, models.DIM, generator=torch.Generator().manual_seed(0),
+                      dtype=torch.float64)
+
+
+def fused(seed):
+    torch.manual_seed(seed)
+    return models.FusedStack(2).double()
+
+
+def fused_2d(dp, tp, seed, placement_fn=None):
+    """The fused stack (q / k / v and gate / up in one weight each: ``_StridedShard`` on
+    "tp") on a (dp, tp) mesh, ``fully_shard`` per block and on the root where dp > 1."""
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    x = FUSED_X.chunk(dp)[mesh["dp"].get_local_rank()]
+    gm = fxtp.parallelize(fused(seed), models.FUSED_PLAN, mesh["tp"], example_inputs=(x,))
+    if dp > 1:
+        for block in gm.layers:
+            fully_shard(block, mesh=mesh["dp"], shard_placement_fn=placement_fn)
+        fully_shard(gm, mesh=mesh["dp"], shard_placement_fn=placement_fn)
+    return gm, x, mesh
+
+
+def fused_round_trip(rank, world, path, placement_fn):
+    gm, x, mesh = fused_2d(2, 2, seed=0, placement_fn=placement_fn)
+    ref = fused(0)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=LR) for m in (gm, ref))
+    for _ in range(2):  # FSDP2 keeps this rank's rows of its TP shard of each fused weight
+        gm(x).square().mean().backward()
+        ref(FUSED_X).square().mean().backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    trained = ref.state_dict()
+    if placement_fn is not None:  # cut along dim 1, FSDP2's own views of 2-D weights hold
+        state = get_optimizer_state_dict(gm, opt, options=StateDictOptions(
+            full_state_dict=True))["state"]
+        ref_state = get_optimizer_state_dict(ref, ref_opt)["state"]
+        for name, p in gm.named_parameters():
+            if p.ndim == 2:
+                torch.testing.assert_close(p.full_tensor(), trained[name],
+                                           **tolerance(torch.float64, steps=2))
+                for moment in ("exp_avg", "exp_avg_sq"):
+                    torch.testing.assert_close(state[name][moment], ref_state[name][moment],
+                                               **tolerance(torch.float64, steps=2))
+    for got in (fxtp.full_state_dict(gm),
+                get_model_state_dict(gm, options=StateDictOptions(full_state_dict=True))):
+        for key, value in trained.items():
+            torch.testing.assert_close(got[key], value, **tolerance(torch.float64, steps=2),
+                                       msg=lambda m: f"{key}: {m}")
+    dcp.save(gm.state_dict(), checkpoint_id=path)
+    saved = fxtp.full_state_dict(gm)
+    for dp, tp in [(2, 2), (1, 4)]:  # into fresh modules, FSDP2's and TP's alone
+        fresh, _, _ = fused_2d(dp, tp, seed=1, placement_fn=placement_fn)
+        sd = fresh.state_dict()
+        dcp.load(sd, checkpoint_id=path)
+        fresh.load_state_dict(sd)
+        loaded = fxtp.full_state_dict(fresh)
+        assert all(torch.equal(loaded[k], saved[k]) for k in saved), (dp, tp)
+    fresh, x, _ = fused_2d(2, 2, seed=1, placement_fn=placement_fn)
+    fxtp.load_full_state_dict(fresh, saved)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(x), gm(x), rtol=0, atol=0)
+    return saved
+
+
+@pytest.mark.parametrize("placement_fn", [None, fxtp.fsdp_shard_placement],
+                         ids=["fsdp_default", "fxtp_shard_placement"])
+def test_fused_weights_under_fsdp2_checkpoint_and_load_whole(ranks4, tmp_path, placement_fn):
+    """FSDP2 cuts the TP shard of a fused weight (``_StridedShard``) along the same dim by
+    default and describes the result with a placement that scrambles its rows (its own
+    ``full_tensor`` is wrong, DCP refuses overlapping chunks): fxtp's state-dict hooks and
+    ``fxtp.state_dict`` go by what FSDP2 holds. After 2 AdamW steps the full state is the
+    single-device model's (``fxtp.full_state_dict``, torch's ``get_model_state_dict``);
+    ``dcp.save(gm.state_dict())`` loads into fresh modules at (2, 2) and (1, 4) and into
+    the single-device model bit-exact; ``fxtp.load_full_state_dict`` restores the same
+    outputs. With ``fxtp.fsdp_shard_placement`` FSDP2 cuts 2-D fused weights along dim 1,
+    and its own views (``full_tensor``, the optimizer's full state) are right too."""
+    path = str(tmp_path / "fused")
+    saved = ranks4.run(fused_round_trip, path, placement_fn)[0]
+    model = fused(2)
     sd = model.state_dict()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
