@@ -303,9 +303,20 @@ def _view_spec(node):
             out_labels.append(fixed_label())
             j += 1
             continue
+        if i == len(src) or j == len(dst):  # symbolic sizes of 1 left on one side
+            in_labels += [fixed_label() for _ in src[i:]]
+            out_labels += [fixed_label() for _ in dst[j:]]
+            break
         gi, gj, pi, pj = [i], [j], src[i], dst[j]
         while not _same(pi, pj):
-            if _lt(pi, pj):
+            grow_in = _lt(pi, pj)
+            if (i if grow_in else j) + 1 == len(src if grow_in else dst):
+                # sizes no product is proven equal to (a length padded to a multiple,
+                # cut into chunks): the dims left on each side are one group, of equal
+                # products since the view keeps every element
+                gi, gj = list(range(gi[0], len(src))), list(range(gj[0], len(dst)))
+                break
+            if grow_in:
                 i += 1
                 gi.append(i)
                 pi = pi * src[i]
@@ -698,12 +709,18 @@ def _diff_spec(node):
 
 
 def _pad_spec(node):
-    """``constant_pad_nd(x, pad, value)``: padded (trailing) dims never shard; a nonzero fill
-    would be added once per rank to a Partial value, so only zero padding passes it."""
+    """``constant_pad_nd(x, pad, value)`` / ``pad(x, pad, mode, value)``: padded (trailing)
+    dims never shard (a pad of symbolic size counts as one); a nonzero constant fill would
+    be added once per rank to a Partial value, so only zero padding and the modes that
+    copy elements (reflect, replicate, circular) pass it."""
     n, pads = _rank(node.args[0]), list(node.args[1])
-    padded = {n - 1 - k // 2 for k, p in enumerate(pads) if p != 0}
+    padded = {n - 1 - k // 2 for k, p in enumerate(pads) if not (isinstance(p, int) and p == 0)}
     labels = tuple(f"d{j}!" if j in padded else f"d{j}" for j in range(n))
-    return DimSpec((labels,), (labels,), "sum" if op_arg(node, 2, "value", 0) == 0 else "none")
+    if node.target is aten.pad.default:
+        mode, fill = op_arg(node, 2, "mode", "constant"), op_arg(node, 3, "value", None)
+    else:
+        mode, fill = "constant", op_arg(node, 2, "value", 0)
+    return DimSpec((labels,), (labels,), "sum" if mode != "constant" or not fill else "none")
 
 
 def _shifted_diagonal(node, inputs, output, group):
@@ -1439,6 +1456,7 @@ RULES.update({
     aten.flip.default: _fixed_dim_spec(1, default=None),
     aten.roll.default: _fixed_dim_spec(2, default=None),
     aten.constant_pad_nd.default: Rule(_pad_spec),
+    aten.pad.default: Rule(_pad_spec),
     # indexing and scatter
     aten.index.Tensor: Rule(_index_spec),
     aten.index_put.default: Rule(_index_put_spec),

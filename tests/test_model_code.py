@@ -171,6 +171,34 @@ def test_a_slice_assignment_into_a_replicated_value_gathers_what_is_written(rank
         ({"all_reduce": 1, "all_gather": 1}, {"all_reduce": 1})
 
 
+class ChunkedHeads(Projections):
+    """A gated delta-net's chunked form (Qwen3-Next's prefill): the sequence padded to a
+    multiple of the chunk and cut into chunks, on head shards. With a dynamic length the
+    padded length is ``t + Mod(-t, 4)``, which no product of the chunk dims is proven
+    equal to."""
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, HEADS, HEAD).transpose(1, 2)
+        q = F.pad(q, (0, 0, 0, (4 - t % 4) % 4))
+        chunks = q.reshape(b, HEADS, -1, 4, HEAD).cumsum(3)
+        h = chunks.reshape(b, HEADS, -1, HEAD)[:, :, :t] * self.kv(x)[..., DIM:].view(
+            b, t, HEADS, HEAD).transpose(1, 2)
+        return self.o(h.transpose(1, 2).reshape(b, t, DIM))
+
+
+def chunked_heads(rank, world):
+    from torch.export import Dim
+    return check_parity(rank, world, ChunkedHeads, ATTENTION, [example(B, 6, DIM)],
+                        dtype=torch.float64, strict=True,
+                        inputs_per_step=[[example(B, t, DIM)] for t in (6, 5, 7)],
+                        dynamic_shapes=({1: Dim.DYNAMIC(min=2, max=16)},))
+
+
+def test_a_dynamic_length_cut_into_chunks_keeps_the_heads_sharded(ranks):
+    assert ranks.run(chunked_heads)[0] == MEGATRON
+
+
 def ranks_order(rank, world):
     """Model code whose independent ops run in another order on each rank, as iterating
     a ``set`` of strings does in processes with other hash seeds."""
