@@ -67,9 +67,9 @@ def families() -> list[str]:
             getattr(getattr(transformers, name, None), "base_model_tp_plan", None)]
 
 
-def make(kind: str, experts: str | None = None):
+def make(kind: str, experts: str | None = None, **overrides):
     """The small model of ``kind``; ``experts`` names transformers' experts implementation
-    (``None``: the family's default)."""
+    (``None``: the family's default); ``overrides``: config values beyond its own."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -77,7 +77,7 @@ def make(kind: str, experts: str | None = None):
     if kind in MLA:  # head dims of their own; every head has its key
         sizes.pop("head_dim")
         sizes["num_key_value_heads"] = sizes["num_attention_heads"]
-    sizes.update(OWN.get(kind, {}))
+    sizes.update(OWN.get(kind, {}), **overrides)
     config = CONFIG_MAPPING[kind](**sizes)
     config._attn_implementation = "sdpa"
     cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[kind])
@@ -164,15 +164,20 @@ def main():
             print(kind, json.dumps(found), flush=True)
     finally:
         pool.close()
-    path = RESULTS / "hf_families.json"
-    if args.kinds and path.exists():  # a re-run of some families updates theirs
+    write_report(report, RESULTS / "hf_families.json", partial=bool(args.kinds))
+
+
+def write_report(report: dict, path: pathlib.Path, partial: bool) -> None:
+    """Write ``report`` (its ``"families"``) to ``path`` with a summary of the results; a
+    ``partial`` re-run of some families updates their entries of the report there."""
+    if partial and path.exists():
         rerun, report["families"] = report["families"], json.loads(path.read_text())[
             "families"]
         report["families"].update(rerun)
     results = [f["result"] for f in report["families"].values()]
     report["summary"] = {r: results.count(r) for r in sorted(set(results))}
     print(report["summary"])
-    RESULTS.mkdir(exist_ok=True)
+    path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(report, indent=1))
 
 

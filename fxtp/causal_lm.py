@@ -4,17 +4,20 @@ one module for prefill and decode, and Hugging Face's generation (greedy and sam
     gm = fxtp.parallelize_causal_lm(model, "auto", batch_size=1, max_cache_len=256)
     tokens = gm.generate(input_ids, max_new_tokens=64, do_sample=True, top_k=50)
 
-The cache is transformers' ``StaticCache`` as its export wrapper
+The cache is transformers' ``StaticCache``, registered as its export wrapper
 (``TorchExportableModuleWithStaticCache``) registers it: one key and one value buffer per
 layer, written by ``index_copy_`` at ``cache_position``, each shaped as the model writes
-it (:func:`static_cache_module`). fxtp places each buffer as what is written into it, so
-each rank holds its KV heads (1/world of the cache). ``DynamicCache`` (a Python list grown
-per step) and the state of linear-attention and state-space layers (Mamba, gated delta
-nets), which branch between prefill and decoding, are not traceable as one program.
+it (:func:`static_cache_module`); linear-attention and state-space layers (Mamba, gated
+delta nets, short convolutions) keep their conv and recurrent states as buffers too, and
+take a program for decoding beside the one for prefill. fxtp places each buffer as what
+is written into it, so each rank holds its KV heads (1/world of the cache) and its
+channels of each state. ``DynamicCache`` (a Python list grown per step) is not module
+state.
 """
 from __future__ import annotations
 
 import copy
+import inspect
 import types
 
 import torch
@@ -37,62 +40,130 @@ def parallelize_causal_lm(model: nn.Module, plan="auto", mesh=None, *, batch_siz
     for ``batch_size`` sequences of up to ``max_cache_len`` tokens:
     ``gm(input_ids=(batch, T), cache_position=(T,))`` -> logits, for any ``T`` (prefill and
     decode alike), and ``gm.generate(input_ids, **options)``, which is :func:`generate`.
-    ``plan`` is relative to ``model`` (``"auto"``: its own). The model is not modified."""
+    ``plan`` is relative to ``model`` (``"auto"``: its own). The model is not modified.
+
+    A model with linear-attention or state-space layers (their conv and recurrent state
+    is module state too) takes one program for decoding (``T == 1``: the model's one-step
+    recurrence) and one for prefill (``T >= 2``: its chunked form); they share every
+    tensor, and ``gm`` calls the one a call's length takes."""
     wrapper = static_cache_module(model, batch_size, max_cache_len)
     if plan == "auto":
         plan = carried_plan(model)
     if not isinstance(plan, dict):
         raise PlanError("parallelize_causal_lm takes plan='auto' or a dict of FQN patterns "
                         f"under the model, got {plan!r}")
-    example = min(4, max_cache_len - 1)  # export specializes dims of size 0 and 1
     device = next(model.parameters()).device
-    seq = Dim.DYNAMIC(min=1, max=max_cache_len)  # export guards what it must assume
-    gm = parallelize(
-        wrapper, {f"model.{key}": style for key, style in plan.items()}, mesh,
-        example_inputs=(),
-        example_kwargs=dict(input_ids=torch.zeros(batch_size, example, dtype=torch.long,
-                                                  device=device),
-                            cache_position=torch.arange(example, device=device)),
-        dynamic_shapes={"input_ids": {1: seq}, "cache_position": {0: seq}},
-        **parallelize_kwargs)
+
+    def program(example: int, shortest: int):
+        seq = Dim.DYNAMIC(min=shortest, max=max_cache_len)  # export guards what it assumes
+        return parallelize(
+            wrapper, {f"model.{key}": style for key, style in plan.items()}, mesh,
+            example_inputs=(),
+            example_kwargs=dict(input_ids=torch.zeros(batch_size, example, dtype=torch.long,
+                                                      device=device),
+                                cache_position=torch.arange(example, device=device)),
+            dynamic_shapes={"input_ids": {1: seq}, "cache_position": {0: seq}} if
+            example > 1 else None,
+            **parallelize_kwargs)
+    example = min(4, max_cache_len - 1)  # export specializes dims of size 0 and 1
+    if not wrapper.recurrent:
+        gm = program(example, 1)
+    else:
+        gm, decode = program(example, 2), program(1, 1)
+        _share_tensors(gm, decode)
+        gm.forward = types.MethodType(_prefill_or_decode(type(gm).forward, decode), gm)
     gm.generation_config = copy.deepcopy(model.generation_config)
     gm.generate = types.MethodType(generate, gm)
     return gm
 
 
+def _prefill_or_decode(prefill, decode: nn.Module):
+    """A forward that runs ``decode`` for one token, ``prefill`` (the module's own) for
+    more; ``decode`` is held by the function, not as a submodule (it shares every tensor
+    of the module, under the same names)."""
+    def forward(self, input_ids, cache_position):
+        if input_ids.shape[1] == 1:
+            return decode(input_ids=input_ids, cache_position=cache_position)
+        return prefill(self, input_ids=input_ids, cache_position=cache_position)
+    return forward
+
+
+def _share_tensors(source: nn.Module, target: nn.Module) -> None:
+    """Make every parameter and buffer of ``target`` the one ``source`` holds under the
+    same name (two programs of one model: the same shards, the same placements)."""
+    mine, theirs = source.fxtp.param_placements, target.fxtp.param_placements
+    differ = sorted(n for n in mine.keys() | theirs.keys() if mine.get(n) != theirs.get(n))
+    if differ:
+        raise PlanError(f"parallelize_causal_lm traced the prefill and the decoding program "
+                        f"with other layouts for {differ[:4]}: they cannot share them")
+    tensors = {**dict(source.named_parameters(remove_duplicate=False)),
+               **dict(source.named_buffers(remove_duplicate=False))}
+    for fqn, t in [*target.named_parameters(remove_duplicate=False),
+                   *target.named_buffers(remove_duplicate=False)]:
+        owner, _, name = fqn.rpartition(".")
+        held = target.get_submodule(owner)
+        table = held._parameters if name in held._parameters else held._buffers
+        table[name] = tensors[fqn]
+
+
+class StaticCacheLM(nn.Module):
+    """``model`` serving from a transformers ``StaticCache``, as its export wrapper
+    (``TorchExportableModuleWithStaticCache``) does: ``forward(input_ids,
+    cache_position)`` -> logits, the cache's tensors registered as buffers
+    (``key_cache_i``, ``value_cache_i``, ``cumulative_length_i``; ``conv_state_i_j``,
+    ``recurrent_state_i_j`` of linear-attention and state-space layers). A call at
+    position 0 starts a sequence: the recurrent states are cleared (attention layers
+    are overwritten from there and masked past it)."""
+
+    def __init__(self, model: nn.Module, cache, recurrent: bool):
+        super().__init__()
+        self.model, self.static_cache, self.recurrent = model, cache, recurrent
+        parameters = inspect.signature(type(model).forward).parameters
+        self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
+
+    def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        for name, state in self.named_buffers(recurse=False):
+            if name.startswith("cumulative_length_"):
+                state.copy_(cache_position[0])
+            elif name.startswith(("conv_state_", "recurrent_state_")):
+                state.mul_(cache_position[0] > 0)
+        out = self.model(input_ids=input_ids, attention_mask=None, use_cache=True,
+                         **{self._cache_argument: self.static_cache})
+        return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
 @torch.no_grad()
-def static_cache_module(model: nn.Module, batch_size: int, max_cache_len: int) -> nn.Module:
-    """transformers' export wrapper (``TorchExportableModuleWithStaticCache``) of ``model``
-    with a ``StaticCache`` whose buffers have the shapes the model writes into them: each
-    layer is allocated by one eager step of one token (as ``generate`` allocates it), not
-    from the config's head counts, which do not fit latent attention (DeepSeek's MLA) or
-    layers with heads of their own. The step's writes are then cleared. Sliding-window
-    layers keep every position (their masks still see only the window), as in the
-    wrapper."""
-    from transformers.cache_utils import (DummyLayer, StaticCache, StaticLayer,
-                                          StaticSlidingWindowLayer)
-    from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+def static_cache_module(model: nn.Module, batch_size: int, max_cache_len: int
+                        ) -> StaticCacheLM:
+    """:class:`StaticCacheLM` of ``model`` with a ``StaticCache`` whose tensors have the
+    shapes the model writes into them: each layer is allocated by one eager step of one
+    token (as ``generate`` allocates it), not from the config's head counts, which do not
+    fit latent attention (DeepSeek's MLA) or layers with heads of their own. The step's
+    writes are then cleared. Sliding-window layers keep every position (their masks still
+    see only the window), as in transformers' export wrapper."""
+    from transformers import cache_utils
     name = type(model).__name__
     advice = ("serve it with its own generate, or parallelize its forward without a cache "
               "(fxtp.parallelize(model, plan, ..., example_kwargs=dict(use_cache=False)))")
     try:
-        cache = StaticCache(max_cache_len=max_cache_len, config=model.config.get_text_config())
+        cache = cache_utils.StaticCache(max_cache_len=max_cache_len,
+                                        config=model.config.get_text_config())
     except Exception as e:  # noqa: BLE001 - named in the error
         raise PlanError(f"parallelize_causal_lm needs transformers' StaticCache for {name}, "
                         f"which it does not build ({type(e).__name__}: {e}); {advice}") from e
+    recurrent = getattr(cache_utils, "LinearAttentionLayer", ())
     for i, layer in enumerate(cache.layers):
-        if isinstance(layer, StaticSlidingWindowLayer):
-            cache.layers[i] = StaticLayer(max_cache_len)
-        elif isinstance(layer, DummyLayer):  # a layer reading another's cache: none
-            cache.layers[i] = StaticLayer(0)
-        elif not isinstance(layer, StaticLayer):
-            raise PlanError(
-                f"parallelize_causal_lm serves a cache of keys and values per layer; "
-                f"{name}'s layer {i} keeps a {type(layer).__name__}, whose state takes "
-                f"another program for prefill than for decoding; {advice}")
-    wrapper = TorchExportableModuleWithStaticCache.__new__(TorchExportableModuleWithStaticCache)
-    nn.Module.__init__(wrapper)
-    wrapper.model, wrapper.static_cache = model, cache
+        if isinstance(layer, cache_utils.StaticSlidingWindowLayer):
+            cache.layers[i] = cache_utils.StaticLayer(max_cache_len)
+        elif isinstance(layer, cache_utils.DummyLayer):  # reads another layer's cache
+            cache.layers[i] = cache_utils.StaticLayer(0)
+        elif not isinstance(layer, (cache_utils.StaticLayer, recurrent)) or \
+                isinstance(layer, cache_utils.DynamicLayer):
+            raise PlanError(f"parallelize_causal_lm serves a cache of keys and values, and of "
+                            f"linear-attention states, per layer; {name}'s layer {i} keeps a "
+                            f"{type(layer).__name__}; {advice}")
+    wrapper = StaticCacheLM(model, cache, any(isinstance(layer, recurrent)
+                                              for layer in cache.layers))
     device = next(model.parameters()).device
     first = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
     try:
@@ -104,16 +175,19 @@ def static_cache_module(model: nn.Module, batch_size: int, max_cache_len: int) -
                         f"parallelize_causal_lm serves it with ({type(e).__name__}: {e}); "
                         f"{advice}") from e
     for i, layer in enumerate(cache.layers):
+        if isinstance(layer, recurrent):
+            for kind in ("conv", "recurrent"):
+                for j, state in getattr(layer, f"{kind}_states").items():
+                    if state is not None:
+                        wrapper.register_buffer(f"{kind}_state_{i}_{j}", state.zero_(),
+                                                persistent=False)
+            continue
         if not layer.is_initialized:  # never written
             nothing = torch.zeros(batch_size, 1, 1, 1, dtype=model.dtype, device=device)
             layer.lazy_initialization(nothing, nothing)
-        layer.keys.zero_()
-        layer.values.zero_()
-        layer.cumulative_length.zero_()
-        wrapper.register_buffer(f"key_cache_{i}", layer.keys, persistent=False)
-        wrapper.register_buffer(f"value_cache_{i}", layer.values, persistent=False)
-        wrapper.register_buffer(f"cumulative_length_{i}", layer.cumulative_length,
-                                persistent=False)
+        for kind, tensor in (("key_cache", layer.keys), ("value_cache", layer.values),
+                             ("cumulative_length", layer.cumulative_length)):
+            wrapper.register_buffer(f"{kind}_{i}", tensor.zero_(), persistent=False)
     return wrapper
 
 

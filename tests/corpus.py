@@ -421,8 +421,10 @@ def hf_aria_text():
 
 
 def hf_qwen3_next():
-    """Qwen3-Next: gated delta-net (linear attention) layers beside full attention."""
+    """Qwen3-Next: a gated delta-net (linear attention: a short convolution and a
+    recurrent state per head) layer, then a full-attention one; 4 experts."""
     return _hf("Qwen3NextConfig", "Qwen3NextForCausalLM", num_experts=4,
+               layer_types=["linear_attention", "full_attention"],
                num_experts_per_tok=2, moe_intermediate_size=32,
                shared_expert_intermediate_size=32, linear_num_key_heads=4,
                linear_num_value_heads=8, linear_key_head_dim=4, linear_value_head_dim=4,

@@ -263,14 +263,18 @@ def test_a_length_export_guards_rather_than_proves_still_serves_every_length(ran
     assert held * 2 == whole
 
 
-def test_a_model_whose_cache_is_not_keys_and_values_is_refused_by_name(fake_group):
-    """Qwen3-Next's gated delta-net layers keep recurrent state, which branches between
-    prefill and decoding: not one program, refused before tracing."""
-    from tests import corpus
-    fake_group(2)
-    with pytest.raises(fxtp.PlanError, match=r"Qwen3NextForCausalLM's layer 0 keeps a "
-                                             r"LinearAttentionLayer.*use_cache=False"):
-        fxtp.parallelize_causal_lm(corpus.hf_qwen3_next(), batch_size=1, max_cache_len=16)
+def test_a_hybrid_of_linear_and_full_attention_generates_as_its_own_generate_does(ranks2):
+    """Qwen3-Next: its gated delta-net keeps a conv and a recurrent state, which take the
+    one-step recurrence for a token and the chunked form for more: one program each,
+    sharing every tensor, each state cleared where a sequence starts. Under its own plan
+    the delta-net's projections gather their outputs (``colwise_gather_output``): a
+    decoding step costs their 3 all-gathers and the logits' one, and all-reduces for the
+    attention's output, the experts of each layer and the embedding; the full-attention
+    layer's cache is sharded by heads, the linear layer's states are whole."""
+    decode, held, whole, layers = ranks2.run(hf_generation_parity, dict(do_sample=False),
+                                             "hf_qwen3_next")[0]
+    assert decode == {"all_reduce": 1 + layers + 1, "all_gather": 3 + 1}
+    assert held * 2 == whole
 
 
 def test_generation_options_it_does_not_follow_are_an_error(fake_group):
