@@ -71,7 +71,9 @@ def parallelize_causal_lm(model: nn.Module, plan="auto", mesh=None, *, batch_siz
     else:
         gm, decode = program(example, 2), program(1, 1)
         _share_tensors(gm, decode)
+        object.__setattr__(gm, "decode_program", decode)  # not a submodule: no keys of its own
         gm.forward = types.MethodType(_prefill_or_decode(type(gm).forward, decode), gm)
+        gm._apply = types.MethodType(_applied_to_both(decode), gm)
     gm.generation_config = copy.deepcopy(model.generation_config)
     gm.generate = types.MethodType(generate, gm)
     return gm
@@ -86,6 +88,17 @@ def _prefill_or_decode(prefill, decode: nn.Module):
             return decode(input_ids=input_ids, cache_position=cache_position)
         return prefill(self, input_ids=input_ids, cache_position=cache_position)
     return forward
+
+
+def _applied_to_both(decode: nn.Module):
+    """``Module._apply`` (``to``, ``cuda``, ...) that shares the module's new tensors with
+    ``decode`` again: it replaces buffers (and parameters, where their kinds change) by
+    new tensors in the module it is applied to only."""
+    def _apply(self, fn, recurse=True):
+        type(self)._apply(self, fn, recurse)
+        _share_tensors(self, decode)
+        return self
+    return _apply
 
 
 def _share_tensors(source: nn.Module, target: nn.Module) -> None:

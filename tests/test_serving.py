@@ -277,6 +277,19 @@ def test_a_hybrid_of_linear_and_full_attention_generates_as_its_own_generate_doe
     assert held * 2 == whole
 
 
+def test_the_decoding_program_keeps_sharing_the_tensors_the_module_is_given(fake_group):
+    """``to`` / ``cuda`` replace a module's buffers by new tensors: the decoding program
+    of a hybrid model takes them too (one cache, one set of states)."""
+    from tests import corpus
+    fake_group(2)
+    gm = fxtp.parallelize_causal_lm(corpus.hf_qwen3_next(), batch_size=1, max_cache_len=16)
+    decode = gm.decode_program
+    shared = lambda: all(decode.get_buffer(n) is b for n, b in gm.named_buffers())  # noqa: E731
+    assert shared()
+    gm._apply(lambda t: t.clone())
+    assert shared() and all(decode.get_parameter(n) is p for n, p in gm.named_parameters())
+
+
 def test_generation_options_it_does_not_follow_are_an_error(fake_group):
     from tests import corpus
     fake_group(1)
