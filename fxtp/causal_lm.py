@@ -19,13 +19,14 @@ from __future__ import annotations
 import copy
 import inspect
 import types
+import warnings
 
 import torch
 import torch.nn as nn
 from torch.export import Dim
 
 from .parallelize import parallelize
-from .passes.errors import PlanError
+from .passes.errors import PlanError, TraceError
 from .plan import carried_plan
 
 SAMPLING_OPTIONS = ("do_sample", "temperature", "top_k", "top_p", "max_new_tokens",
@@ -66,17 +67,37 @@ def parallelize_causal_lm(model: nn.Module, plan="auto", mesh=None, *, batch_siz
             example > 1 else None,
             **parallelize_kwargs)
     example = min(4, max_cache_len - 1)  # export specializes dims of size 0 and 1
-    if not wrapper.recurrent:
-        gm = program(example, 1)
+    try:
+        gm = program(example, 2 if wrapper.recurrent else 1)
+    except TraceError as e:
+        if "Constraints violated" not in str(e):
+            raise
+        warnings.warn(f"fxtp.parallelize_causal_lm: {type(model).__name__}'s forward takes "
+                      f"the sequence length as a constant (a Python loop over it, such as "
+                      f"a Mamba scan without its kernels), so no program serves every "
+                      f"length: prefill runs the one-token program once per token")
+        gm = program(1, 1)
+        gm.forward = types.MethodType(_token_by_token(type(gm).forward), gm)
     else:
-        gm, decode = program(example, 2), program(1, 1)
-        _share_tensors(gm, decode)
-        object.__setattr__(gm, "decode_program", decode)  # not a submodule: no keys of its own
-        gm.forward = types.MethodType(_prefill_or_decode(type(gm).forward, decode), gm)
-        gm._apply = types.MethodType(_applied_to_both(decode), gm)
+        if wrapper.recurrent:
+            decode = program(1, 1)
+            _share_tensors(gm, decode)
+            object.__setattr__(gm, "decode_program", decode)  # not a submodule: no keys
+            gm.forward = types.MethodType(_prefill_or_decode(type(gm).forward, decode), gm)
+            gm._apply = types.MethodType(_applied_to_both(decode), gm)
     gm.generation_config = copy.deepcopy(model.generation_config)
     gm.generate = types.MethodType(generate, gm)
     return gm
+
+
+def _token_by_token(one_token):
+    """A forward that runs ``one_token`` (the module's own, traced for one token) on each
+    token of a call in turn, and gives the logits of all."""
+    def forward(self, input_ids, cache_position):
+        return torch.cat([one_token(self, input_ids=input_ids[:, i:i + 1],
+                                    cache_position=cache_position[i:i + 1])
+                          for i in range(input_ids.shape[1])], 1)
+    return forward
 
 
 def _prefill_or_decode(prefill, decode: nn.Module):

@@ -413,6 +413,13 @@ def hf_deepseek_v2():
                n_group=1, topk_group=1, pad_token_id=0)
 
 
+def hf_jamba():
+    """Jamba: a Mamba layer, then an attention layer; 4 experts. Without its CUDA kernels
+    the Mamba scan loops over the sequence in Python."""
+    return _hf("JambaConfig", "JambaForCausalLM", attn_layer_period=2, attn_layer_offset=1,
+               num_experts=4, num_experts_per_tok=2, pad_token_id=0)
+
+
 def hf_aria_text():
     """Aria's text model: 4 experts and a shared one; its grouped matmul's sizes make
     torch.export assume of the sequence length what its range alone does not prove."""

@@ -277,6 +277,27 @@ def test_a_hybrid_of_linear_and_full_attention_generates_as_its_own_generate_doe
     assert held * 2 == whole
 
 
+def test_a_model_whose_forward_fixes_the_length_prefills_token_by_token(ranks2):
+    """Jamba's Mamba scan (torch's, without kernels) loops over the sequence in Python, so
+    export takes the length as a constant: prefill runs the one-token program per token,
+    with a warning saying why, and generates as the model's own ``generate()``."""
+    (decode, held, whole, layers), said = ranks2.run(parity_and_warnings, "hf_jamba")[0]
+    assert any("JambaForCausalLM's forward takes the sequence length as a constant" in m
+               for m in said), said
+    # its own plan shards the experts alone: attention (and its cache) is whole; a decode
+    # step costs the experts' and the embedding's all-reduces and the logits' gather
+    assert decode == {"all_reduce": 2, "all_gather": 1}
+    assert held == whole
+
+
+def parity_and_warnings(rank, world, make):
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        found = hf_generation_parity(rank, world, dict(do_sample=False), make)
+    return found, [str(w.message) for w in caught]
+
+
 def test_the_decoding_program_keeps_sharing_the_tensors_the_module_is_given(fake_group):
     """``to`` / ``cuda`` replace a module's buffers by new tensors: the decoding program
     of a hybrid model takes them too (one cache, one set of states)."""
