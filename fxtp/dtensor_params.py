@@ -164,8 +164,11 @@ def checkpoint_view(local: torch.Tensor, placement, mesh, shape) -> DTensor:
 def local_shard(value: torch.Tensor, placement, mesh) -> torch.Tensor:
     """This rank's part, laid out as ``placement``, of ``value``: a full tensor, or a
     ``DTensor`` of any placement on ``mesh`` (redistributed, gathered whole only where
-    DTensor cannot describe ``placement``)."""
+    DTensor cannot describe ``placement``) or on another mesh (FSDP2's around it: gathered
+    whole)."""
     rank, world = mesh.get_local_rank(), mesh.size()
+    if isinstance(value, DTensor) and value.device_mesh != mesh:
+        value = value.full_tensor()
     if isinstance(value, DTensor):
         as_dtensor = (dtensor_placement(placement, value.shape[placement.dim], world)
                       if is_sharded(placement) else placement)
@@ -356,9 +359,7 @@ def _lay_back(module, state_dict, prefix, local_metadata, strict, missing, unexp
         layout = module._fxtp_plain.get(name) or module._fxtp_strided.get(name)
         if layout is not None and sharded_further(p, layout[2]):
             placement, _, mesh = layout
-            whole = value.full_tensor() if isinstance(value, DTensor) else value
-            shard = local_part(whole, placement, mesh.get_local_rank(), mesh.size())
-            part = _further_part(shard, p, mesh)
+            part = _further_part(local_shard(value, placement, mesh), p, mesh)
             state_dict[key] = DTensor.from_local(part.to(p.dtype).contiguous(), p.device_mesh,
                                                  p.placements, run_check=False, shape=p.shape,
                                                  stride=p.stride())
