@@ -19,7 +19,8 @@ from torch.distributed.tensor import Replicate
 
 from .passes.aliases import pin_written_aliases
 from .passes.collectives import allow_in_dynamo_graphs
-from .passes.decompose import decompose_sharded_norms, decompose_unruled
+from .passes.decompose import (decompose_sharded_norms, decompose_sharded_unruled,
+                               decompose_unruled)
 from .passes.buffers import shard_written_buffers
 from .passes.localize import localize
 from .passes.modules import generate_code, outline_modules, scope_of, stamp_modules
@@ -192,14 +193,15 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
             seed(gm, outside, calls, group.world, tied)
             def place() -> list:
                 fallbacks = propagate(gm, group.world)
-                # layouts that serve what would be gathered: fused projections strided,
-                # heads that do not divide by the world size dealt whole (and their
-                # consumers alike), buffers written in place (KV caches) placed as what
-                # is written into them, norms over sharded dims taken as partial sums, and
-                # values written through views that take them redistributed made whole
-                for relayout in (stride_fused_splits, deal_sources, deal_consumers,
-                                 shard_written_buffers, decompose_sharded_norms,
-                                 pin_written_aliases):
+                # layouts that serve what would be gathered: ops without a rule as torch
+                # decomposes them, fused projections strided, heads that do not divide by
+                # the world size dealt whole (and their consumers alike), buffers written
+                # in place (KV caches) placed as what is written into them, norms over
+                # sharded dims taken as partial sums, and values written through views
+                # that take them redistributed made whole
+                for relayout in (decompose_sharded_unruled, stride_fused_splits,
+                                 deal_sources, deal_consumers, shard_written_buffers,
+                                 decompose_sharded_norms, pin_written_aliases):
                     if relayout(gm, group.world):
                         fallbacks = propagate(gm, group.world)
                 return fallbacks

@@ -1,5 +1,7 @@
 """Decomposition passes: an op torch composes of other ops, where fxtp states no rule for it,
-becomes the ops it is composed of; a norm over dims that arrive sharded becomes the
+becomes the ops it is composed of; an op with a kernel of its own but no rule, reached by a
+sharded or partial value, becomes the ops of torch's decomposition of it
+(:func:`decompose_sharded_unruled`); a norm over dims that arrive sharded becomes the
 reductions it is made of (:func:`decompose_sharded_norms`).
 
 ``torch.export``'s training IR keeps the ops model code calls, the
@@ -11,12 +13,15 @@ values), whose rules then place it. The new nodes keep the replaced node's metad
 """
 from __future__ import annotations
 
+import functools
 import math
 import operator
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch._decomp import decomposition_table
+from torch.distributed.tensor import Replicate
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .graph import op_arg, placement_of
@@ -41,6 +46,57 @@ def decompose_unruled(gm: fx.GraphModule) -> list[str]:
             module.graph.lint()
             module.recompile()
     return done
+
+
+def decompose_sharded_unruled(gm: fx.GraphModule, world: int) -> bool:
+    """Replace each call of an ATen op without a rule that a sharded or partial value
+    reaches (``hardswish``, ``rsub.Tensor``, ``floor_divide``, ``mse_loss``,
+    ``binary_cross_entropy_with_logits``, ``polar``, ...: kernels of their own, which
+    torch tags no ``pointwise``) by torch's decomposition of it (``torch._decomp``), where
+    every op of that decomposition has a rule; random ops are left as they are (a shard
+    would draw other numbers). Their rules then place it instead of gathering its inputs.
+    Run between propagations: ``True`` where the graph changed."""
+    replaced = [n for n in list(gm.graph.nodes) if n.op == "call_function" and
+                _decomposable(n.target) and rule_for(n.target) is None and
+                any(not isinstance(placement_of(a), (Replicate, type(None)))
+                    for a in n.all_input_nodes) and
+                _inline_decomposition(gm.graph, n, _plain(decomposition_table[n.target]),
+                                      accept=_all_ruled, table=_unruled_decompositions())]
+    for node in replaced:
+        gm.graph.erase_node(node)
+    if replaced:
+        gm.graph.lint()
+        gm.recompile()
+    return bool(replaced)
+
+
+def _decomposable(target) -> bool:
+    return isinstance(target, torch._ops.OpOverload) and target in decomposition_table and \
+        torch.Tag.nondeterministic_seeded not in target.tags
+
+
+def _plain(function):
+    """``function`` returning a plain tuple where it returns a named one (torch's
+    decompositions build ``return_types``, which a graph cannot hold)."""
+    def call(*args, **kwargs):
+        out = function(*args, **kwargs)
+        return tuple(out) if isinstance(out, tuple) else out
+    return call
+
+
+@functools.cache
+def _unruled_decompositions() -> dict:
+    """torch's decompositions of the ops without a rule: applied inside a decomposition too
+    (``binary_cross_entropy_with_logits`` calls ``log_sigmoid_forward``)."""
+    return {op: fn for op, fn in decomposition_table.items()
+            if _decomposable(op) and rule_for(op) is None}
+
+
+def _all_ruled(sub: fx.GraphModule) -> bool:
+    """Whether every op of a traced decomposition has a rule (random factories have none:
+    ``bernoulli``'s ``rand`` keeps it whole)."""
+    return all(n.target is operator.getitem or rule_for(n.target) is not None
+               for n in sub.graph.nodes if n.op == "call_function")
 
 
 def decompose_sharded_norms(gm: fx.GraphModule, world: int) -> bool:
@@ -161,10 +217,12 @@ def is_composite(target) -> bool:
                                                        "CompositeImplicitAutograd")
 
 
-def _inline_decomposition(graph: fx.Graph, node: fx.Node, function=None) -> bool:
+def _inline_decomposition(graph: fx.Graph, node: fx.Node, function=None, accept=None,
+                          table=None) -> bool:
     """Insert ``node``'s decomposition (the ATen ops of ``function``, default its own
-    target, on its arguments) before it and move its users onto the result; ``False`` (the
-    graph unchanged) where it cannot be traced or would add constants."""
+    target, on its arguments; ops in ``table`` decomposed by it in turn) before it and move
+    its users onto the result; ``False`` (the graph unchanged) where it cannot be traced,
+    would add constants or ``accept`` (of the traced graph module) refuses it."""
     function = function or node.target
     leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
     where = [i for i, a in enumerate(leaves) if isinstance(a, fx.Node)]
@@ -181,10 +239,12 @@ def _inline_decomposition(graph: fx.Graph, node: fx.Node, function=None) -> bool
         return function(*args, **kwargs)
 
     try:
-        sub = make_fx(call, tracing_mode="real")(*[leaves[i].meta["val"] for i in where])
+        sub = make_fx(call, tracing_mode="real", decomposition_table=table)(
+            *[leaves[i].meta["val"] for i in where])
     except Exception:  # noqa: BLE001 - left as is: propagation reports it
         return False
-    if any(n.op == "get_attr" for n in sub.graph.nodes):
+    sub.graph.eliminate_dead_code()
+    if any(n.op == "get_attr" for n in sub.graph.nodes) or accept and not accept(sub):
         return False
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
     env = {p: leaves[i] for p, i in zip(placeholders, where)}

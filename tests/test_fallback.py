@@ -6,7 +6,6 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import fxtp
 from tests import models
@@ -15,17 +14,20 @@ from tests.parity import check_parity, example
 PLAN = {"up": fxtp.ColwiseParallel(), "down": fxtp.RowwiseParallel()}
 
 
-class GluMix(nn.Module):
+class FourierMix(nn.Module):
+    """FNet's token mixing, a Fourier transform, here over the sharded features: no rule
+    in fxtp, and torch has no decomposition of it into ops with one."""
+
     def forward(self, h):
-        return F.glu(h, dim=-1)  # halves the sharded features: no rule in fxtp
+        return torch.fft.fft(h, dim=-1).real
 
 
 class Unruled(nn.Module):
     def __init__(self):
         super().__init__()
         self.up = nn.Linear(models.DIM, 32)
-        self.mix = GluMix()
-        self.down = nn.Linear(16, models.DIM)
+        self.mix = FourierMix()
+        self.down = nn.Linear(32, models.DIM)
 
     def forward(self, x):
         return self.down(self.mix(self.up(x)))
@@ -43,7 +45,7 @@ def unruled(rank, world, dtype):
 def test_op_without_rule_is_gathered_correctly_and_reported(ranks, dtype):
     (fwd, bwd), messages = ranks.run(unruled, dtype)[0]
     assert len(messages) == 1
-    assert "no sharding rule for aten.glu.default" in messages[0] and "module 'mix'" in messages[0]
+    assert "no sharding rule for aten._fft_r2c.default" in messages[0] and "module 'mix'" in messages[0]
     assert fwd == {"all_gather": 1, "all_reduce": 1}  # the gather is the fallback's cost
     # backward: the shard before `down` all-gathers its gradient; the colwise input
     # gradient is all-reduced
@@ -52,7 +54,7 @@ def test_op_without_rule_is_gathered_correctly_and_reported(ranks, dtype):
 
 def test_strict_mode_turns_the_fallback_into_an_error(fake_group):
     fake_group(2)
-    with pytest.raises(fxtp.ShardingError, match=r"aten\.glu\.default.*module 'mix'.*strict"):
+    with pytest.raises(fxtp.ShardingError, match=r"aten\._fft_r2c\.default.*module 'mix'.*strict"):
         fxtp.parallelize(Unruled(), PLAN, example_inputs=(torch.randn(2, 4, models.DIM),),
                          strict=True)
 
