@@ -49,8 +49,9 @@ from .passes.modules import inline_program
 
 from .passes.cross_entropy import forward_all_reduce_bytes, loss_parallel_cross_entropy
 from .passes.sharded_norm import layer_norm_bytes, layer_norm_of_shards, norm_of_shards
-from .passes.sharded_softmax import (arg_of_shards, collective_bytes, extremum_of_shards,
-                                     logsumexp_of_shards, pick_of_shards, softmax_of_shards)
+from .passes.sharded_softmax import (any_of_shards, arg_of_shards, collective_bytes,
+                                     cumsum_of_shards, extremum_of_shards, logsumexp_of_shards,
+                                     pick_of_shards, softmax_of_shards)
 from .names import model_fqn
 from .report import Comm, Fallback, Layer, NodeInfo, Report, Summary, Totals
 
@@ -121,7 +122,8 @@ def node_info(node: fx.Node, rank: int, world: int, hints: dict,
 _COMMUNICATING = {loss_parallel_cross_entropy: "loss_parallel", norm_of_shards: "sharded_norm",
                   layer_norm_of_shards: "sharded_norm",
                   **dict.fromkeys([logsumexp_of_shards, softmax_of_shards, extremum_of_shards,
-                                   pick_of_shards, arg_of_shards], "sharded_softmax")}
+                                   pick_of_shards, arg_of_shards, any_of_shards,
+                                   cumsum_of_shards], "sharded_softmax")}
 
 
 def collective_of(node: fx.Node) -> Optional[str]:

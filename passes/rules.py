@@ -38,7 +38,8 @@ from .local_ops import (add_replicated_once, gather_of_shard, mean_of_shard, sha
                         vocab_parallel_embedding)
 from .loss_parallel import class_sharded, cross_entropy_spec, loss_parallel, nll_on_classes
 from .sharded_norm import layer_norm_rule_parts, norm_rule_parts
-from .sharded_softmax import pick_rule_parts, reduction_rule_parts, softmax_rule_parts
+from .sharded_softmax import (pick_rule_parts, reduction_rule_parts, scan_rule_parts,
+                              softmax_rule_parts)
 from .placement import (P, R, UnitShard, block_bounds, blocks, cut_in_blocks, is_blocked,
                         is_sharded, is_whole, local_range, shardings_over)
 
@@ -232,9 +233,17 @@ def softmax():
 
 
 def extremum(largest: bool):
-    """``amax`` / ``amin``: over sharded dims too, replicated by one all-reduce."""
+    """``amax`` / ``amin`` (``max`` / ``min`` of every element): over sharded dims too,
+    replicated by one all-reduce."""
     return replace(reduction(dims_arg(1, omitted="all")),
-                   **_parts(reduction_rule_parts(largest)))
+                   **_parts(reduction_rule_parts("amax" if largest else "amin")))
+
+
+def logical(dims_of: Callable[[fx.Node], list[int]], every: bool, keepdim_arg=2):
+    """``any`` (``every``: ``all``) over ``dims_of(node)``: over sharded dims too,
+    replicated by one all-reduce."""
+    return replace(reduction(dims_of, keepdim_arg=keepdim_arg),
+                   **_parts(reduction_rule_parts("all" if every else "any")))
 
 
 def pick(largest: bool, values: bool):
@@ -1371,7 +1380,7 @@ RULES.update({
     aten._safe_softmax.default: softmax(),
     aten.log_softmax.int: softmax(),
     aten._log_softmax.default: softmax(),
-    aten.cumsum.default: along(dims_arg(1), partial="sum"),
+    aten.cumsum.default: replace(along(dims_arg(1), partial="sum"), **_parts(scan_rule_parts())),
     aten.cumsum_.default: along(dims_arg(1), partial="sum"),
     aten.cumprod.default: along(dims_arg(1)),
     aten.logcumsumexp.default: along(dims_arg(1)),
@@ -1396,19 +1405,20 @@ RULES.update({
     aten.prod.dim_int: reduction(dims_arg(1)),
     aten.amax.default: extremum(largest=True),
     aten.amin.default: extremum(largest=False),
-    aten.max.default: reduction(ALL_DIMS, keepdim_arg=None),
-    aten.min.default: reduction(ALL_DIMS, keepdim_arg=None),
+    aten.max.default: extremum(largest=True),
+    aten.min.default: extremum(largest=False),
     aten.max.dim: pick(largest=True, values=True),
     aten.min.dim: pick(largest=False, values=True),
     aten.argmax.default: pick(largest=True, values=False),
     aten.argmin.default: pick(largest=False, values=False),
-    aten.any.default: reduction(ALL_DIMS, keepdim_arg=None),
-    aten.any.dim: reduction(dims_arg(1)),
-    aten.any.dims: reduction(dims_arg(1, omitted="all")),
-    aten.all.default: reduction(ALL_DIMS, keepdim_arg=None),
-    aten.all.dim: reduction(dims_arg(1)),
-    aten.all.dims: reduction(dims_arg(1, omitted="all")),
-    aten.logsumexp.default: replace(reduction(dims_arg(1)), **_parts(reduction_rule_parts())),
+    aten.any.default: logical(ALL_DIMS, every=False, keepdim_arg=None),
+    aten.any.dim: logical(dims_arg(1), every=False),
+    aten.any.dims: logical(dims_arg(1, omitted="all"), every=False),
+    aten.all.default: logical(ALL_DIMS, every=True, keepdim_arg=None),
+    aten.all.dim: logical(dims_arg(1), every=True),
+    aten.all.dims: logical(dims_arg(1, omitted="all"), every=True),
+    aten.logsumexp.default: replace(reduction(dims_arg(1)),
+                                    **_parts(reduction_rule_parts("logsumexp"))),
     aten.var.correction: reduction(dims_arg(1, omitted="all"), keepdim_arg=3),
     aten.std.correction: reduction(dims_arg(1, omitted="all"), keepdim_arg=3),
     aten.var_mean.correction: reduction(dims_arg(1, omitted="all"), keepdim_arg=3),

@@ -17,6 +17,9 @@ op                              forward                        backward
                                                                count of ties
 ``max`` / ``min`` along a dim,  an all-gather of each rank's   none (the rank holding the
 ``argmax``, ``argmin``          (value, index) per row         pick takes the gradient)
+``any``, ``all``                an all-reduce (max or min)     none (not differentiable)
+``cumsum``                      an all-gather of each rank's   an all-gather of each
+                                total per row                  rank's gradient sum per row
 ==============================  =============================  ==========================
 
 Each collective carries a tensor of the reduced shape (a value per row, per token for
@@ -26,7 +29,9 @@ logits). The max keeps the exponentials finite, as torch's kernels do; a row tha
 input's placement; ``logsumexp``, ``amax`` and ``amin`` are replicated, and so are the
 values and global indices of ``max`` / ``min`` along a dim and ``argmax`` / ``argmin``: the
 first extreme, ``nan`` first, as torch picks it (the first rank's among equal candidates,
-and within it the first index).
+and within it the first index). ``any`` / ``all`` are replicated; ``cumsum`` keeps its
+input's placement, each rank adding the totals of the ranks before it (its parts in order
+along the dim, each on one rank).
 """
 from __future__ import annotations
 
@@ -80,6 +85,51 @@ def arg_of_shards(x: torch.Tensor, dim: int, keepdim: bool, largest: bool, offse
     return pick_of_shards(x, dim, keepdim, largest, offset, rank, world, group)[1]
 
 
+def any_of_shards(x: torch.Tensor, dims: list[int], keepdim: bool, every: bool, group: str
+                  ) -> torch.Tensor:
+    """``torch.any`` (``every``: ``torch.all``) of the whole tensor over ``dims``:
+    replicated."""
+    dims = sorted(d % x.dim() for d in dims)
+    # an empty part of an uneven split gives any's False and all's True, which change nothing
+    mine = x.all(dims, keepdim=True) if every else x.any(dims, keepdim=True)
+    out = _all_reduce(mine.to(torch.uint8), group, "min" if every else "max").to(mine.dtype)
+    return out if keepdim else out.squeeze(dims)
+
+
+def cumsum_of_shards(x: torch.Tensor, dim: int, dtype, before: list[bool], after: list[bool],
+                     world: int, group: str) -> torch.Tensor:
+    """This rank's part of ``torch.cumsum(whole, dim, dtype=dtype)``, where ``before[r]``
+    (``after[r]``) says whether rank ``r`` of ``world`` holds elements before (after) this
+    rank's along ``dim``, each element on one rank."""
+    return _Cumsum.apply(x, dim % x.dim(), dtype, before, after, world, group)
+
+
+def _totals_of(parts: torch.Tensor, dim: int, ranks: list[bool], world: int, group: str
+               ) -> torch.Tensor:
+    """The sum over ``dim`` of the ranks' ``parts`` flagged in ``ranks``, kept as size 1
+    (one all-gather of each rank's sum)."""
+    totals = _all_gather(parts.sum(dim, keepdim=True), dim, world, group)
+    shape = [1] * totals.dim()
+    shape[dim] = world
+    flags = torch.tensor(ranks, dtype=totals.dtype, device=totals.device).view(shape)
+    return (totals * flags).sum(dim, keepdim=True)
+
+
+class _Cumsum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, dtype, before, after, world, group):
+        ctx.dim, ctx.after, ctx.world, ctx.group = dim, after, world, group
+        ctx.x_dtype = x.dtype
+        x = x.to(dtype) if dtype is not None else x
+        return torch.cumsum(x, dim) + _totals_of(x, dim, before, world, group)
+
+    @staticmethod
+    def backward(ctx, grad):  # each element's gradient: the output gradient summed after it
+        within = grad.flip(ctx.dim).cumsum(ctx.dim).flip(ctx.dim)
+        later = _totals_of(grad, ctx.dim, ctx.after, ctx.world, ctx.group)
+        return (within + later).to(ctx.x_dtype), None, None, None, None, None, None
+
+
 def collective_bytes(kernel, rows: int, dtype: torch.dtype) -> tuple[list, list]:
     """``(kind, bytes per rank)`` of the collectives one of this module's kernels issues,
     forward and backward, on ``rows`` rows (the reduced shape's size) of a ``dtype`` input
@@ -88,6 +138,10 @@ def collective_bytes(kernel, rows: int, dtype: torch.dtype) -> tuple[list, list]
         return [("all_gather", 2 * rows * 8)], []
     if kernel is extremum_of_shards:
         return [("all_reduce", rows * dtype.itemsize)], [("all_reduce", rows * dtype.itemsize)]
+    if kernel is any_of_shards:  # a byte per row
+        return [("all_reduce", rows)], []
+    if kernel is cumsum_of_shards:
+        return [("all_gather", rows * dtype.itemsize)], [("all_gather", rows * dtype.itemsize)]
     item = compute_dtype(dtype).itemsize
     return [("all_reduce", rows * item)] * 2, \
         [] if kernel is logsumexp_of_shards else [("all_reduce", rows * item)]
@@ -226,10 +280,11 @@ def _along(node: fx.Node) -> set:
 
 
 def _reduced(node: fx.Node) -> set:
-    """The dims an ``amax`` / ``amin`` / ``logsumexp`` reduces (``[]``: all)."""
+    """The dims an ``amax`` / ``amin`` / ``logsumexp`` / ``any`` / ``all`` / ``max``
+    reduces (``[]``, ``None`` or none given: all)."""
     n = val(node.args[0]).dim()
-    dims = op_arg(node, 1, "dim", [])
-    dims = [dims] if isinstance(dims, int) else list(dims)
+    dims = op_arg(node, 1, "dim", None)
+    dims = [dims] if isinstance(dims, int) else list(dims or [])
     return {d % n for d in dims} if dims else set(range(n))
 
 
@@ -294,9 +349,19 @@ def pick_rule_parts(largest: bool, values: bool):
     return extra, local_op
 
 
-def reduction_rule_parts(largest=None):
-    """``(extra, local_op)`` for ``logsumexp`` (``largest`` None) or ``amax`` / ``amin``:
-    an input sharded on a reduced dim gives a replicated output."""
+_REDUCTIONS = {  # kind -> (kernel, its flag)
+    "logsumexp": (logsumexp_of_shards,), "amax": (extremum_of_shards, True),
+    "amin": (extremum_of_shards, False), "any": (any_of_shards, False),
+    "all": (any_of_shards, True),
+}
+
+
+def reduction_rule_parts(kind: str):
+    """``(extra, local_op)`` for a reduction of a kind of :data:`_REDUCTIONS` (``amax``:
+    ``max`` of every element too): an input sharded on a reduced dim gives a replicated
+    output."""
+    kernel, *flag = _REDUCTIONS[kind]
+
     def extra(node: fx.Node, world: int, actual=()):
         if val(node.args[0]).dim():
             for p in _offered(node, _reduced(node), world, actual):
@@ -306,10 +371,33 @@ def reduction_rule_parts(largest=None):
         dims = _reduced(node)
         if not (is_sharded(inputs[0]) and inputs[0].dim in dims):
             return node.target, node.args, node.kwargs
-        keepdim = op_arg(node, 2, "keepdim", False)
-        if largest is None:
-            return logsumexp_of_shards, (node.args[0], sorted(dims), keepdim, group.name), {}
-        return extremum_of_shards, (node.args[0], sorted(dims), keepdim, largest,
-                                    group.name), {}
+        return kernel, (node.args[0], sorted(dims), op_arg(node, 2, "keepdim", False), *flag,
+                        group.name), {}
+
+    return extra, local_op
+
+
+def scan_rule_parts():
+    """``(extra, local_op)`` for ``cumsum`` along a dim that arrives sharded, each element
+    on one rank and the ranks' parts in order (no blocks): the output placed as the
+    input."""
+    def extra(node: fx.Node, world: int, actual=()):
+        x = val(node.args[0])
+        if x.dim() and all(isinstance(x.shape[d], int) for d in _along(node)):
+            for p in _offered(node, _along(node), world, actual):
+                if not is_blocked(p):  # each rank's offset into the dim is a number
+                    yield (p,), (p,)
+
+    def local_op(node: fx.Node, inputs, output, group):
+        if not (is_sharded(inputs[0]) and inputs[0].dim in _along(node)):
+            return node.target, node.args, node.kwargs
+        d = inputs[0].dim
+        size = val(node.args[0]).shape[d]
+        parts = [local_range(inputs[0], size, r, group.world) for r in range(group.world)]
+        start, length = parts[group.rank]
+        before = [n > 0 and s + n <= start for s, n in parts]
+        after = [n > 0 and s >= start + length for s, n in parts]
+        return cumsum_of_shards, (node.args[0], d, op_arg(node, 2, "dtype"), before, after,
+                                  group.world, group.name), {}
 
     return extra, local_op

@@ -68,32 +68,28 @@ def test_replicated_inputs_need_no_rule_and_raise_no_warning(fake_group):
     assert gm.fxtp.fallbacks == []
 
 
-class CumsumMix(Unruled):
-    """A cumulative sum over the sharded feature dim has a rule, whose only strategy for
-    that dim is Replicate: the gather is reported like a missing rule, naming op, module
-    and reason."""
-
-    def __init__(self):
-        super().__init__()
-        self.down = nn.Linear(32, models.DIM)
+class SortMix(Unruled):
+    """A sort over the sharded feature dim has a rule, whose only strategy for that dim is
+    Replicate: the gather is reported like a missing rule, naming op, module and
+    reason."""
 
     def forward(self, x):
-        return self.down(torch.cumsum(self.up(x), dim=-1))
+        return self.down(torch.sort(self.up(x), dim=-1).values)
 
 
-def cumsum_mix(rank, world):
+def sort_mix(rank, world):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        counts = check_parity(rank, world, CumsumMix, PLAN, [example(2, 4, models.DIM)],
+        counts = check_parity(rank, world, SortMix, PLAN, [example(2, 4, models.DIM)],
                               dtype=torch.float64)
     return counts, [str(w.message) for w in caught if "fxtp" in str(w.message)]
 
 
 def test_an_op_that_cannot_shard_its_dim_gathers_it_correctly_and_says_so(ranks):
-    (fwd, bwd), messages = ranks.run(cumsum_mix)[0]
+    (fwd, bwd), messages = ranks.run(sort_mix)[0]
     assert fwd == {"all_gather": 1, "all_reduce": 1}
     assert bwd == {"all_gather": 1, "all_reduce": 1}
-    assert messages == ["fxtp: aten.cumsum.default (node 'cumsum' in module '<root>') gathers "
+    assert messages == ["fxtp: aten.sort.default (node 'sort' in module '<root>') gathers "
                         "input 0 (S(2), shape (2, 4, 32)) to R: no strategy of its rule keeps "
                         "that dim sharded"]
 

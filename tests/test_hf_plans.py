@@ -235,8 +235,8 @@ def test_auto_needs_a_plan_for_the_layers_not_only_the_ends(fake_group, base_pla
 class GatherThenSplit(torch.nn.Module):
     """A block planned as Hugging Face plans GLM's MLP: ``up`` gathered
     (``colwise_gather_output``), then ``down`` split again (``rowwise_split_input``). In
-    between, ``glu`` (GLM's chunk) computes on shards; a cumulative sum over the features
-    needs them whole."""
+    between, ``glu`` (GLM's chunk) computes on shards; a sort over the features needs them
+    whole."""
 
     def __init__(self, between):
         super().__init__()
@@ -251,7 +251,7 @@ class GatherThenSplit(torch.nn.Module):
             gate, up = h.chunk(2, -1)
             h = torch.nn.functional.silu(gate) * up
         else:
-            h = h[..., :32].cumsum(-1)
+            h = h[..., :32].sort(-1).values
         return layer["down"](h)
 
 
@@ -266,11 +266,11 @@ def gather_split_parity(rank, world, between):
 
 @pytest.mark.parametrize("between,counts", [
     ("glu", ({"all_reduce": 1}, {"all_reduce": 1})),
-    ("cumsum", ({"all_gather": 1, "all_reduce": 1}, {"all_reduce": 1, "all_gather": 1})),
+    ("sort", ({"all_gather": 1, "all_reduce": 1}, {"all_reduce": 1, "all_gather": 1})),
 ], ids=["computes_on_shards", "needs_them_whole"])
 def test_a_gather_split_again_is_left_out_only_where_that_costs_less(ranks2, between, counts):
     """Where the values between can stay sharded (the chunk strided), neither the gather
     nor the split is made: Megatron's collectives. Where they cannot, the plan's gather
     and split stay (leaving them out would gather for the softmax anyway: a fallback),
-    and nothing is reported (a cumulative sum; a softmax would compute on shards)."""
+    and nothing is reported (a sort; a softmax would compute on shards)."""
     assert ranks2.run(gather_split_parity, between)[0] == counts

@@ -1,5 +1,5 @@
-"""Softmax, log-softmax, log-sum-exp, max and min over a sharded dim: per-row all-reduces,
-never a gather of the tensor.
+"""Softmax, log-softmax, log-sum-exp, max and min, any and all, and cumulative sums over a
+sharded dim: per-row collectives, never a gather of the tensor.
 
 The kernels against torch's ops on the whole tensor (even, uneven, strided and empty
 shards, several reduced dims, ``keepdim``, ``dtype`` arguments, ``-inf`` entries and
@@ -18,9 +18,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 import fxtp
 from fxtp.passes.placement import UnitShard
 from fxtp.passes.placement import local_range
-from fxtp.passes.sharded_softmax import (arg_of_shards, extremum_of_shards,
-                                         logsumexp_of_shards, pick_of_shards,
-                                         softmax_of_shards)
+from fxtp.passes.sharded_softmax import (any_of_shards, arg_of_shards, cumsum_of_shards,
+                                         extremum_of_shards, logsumexp_of_shards,
+                                         pick_of_shards, softmax_of_shards)
 from tests import models, transformer_models as tm
 from tests.compiled import check_compiled
 from tests.parity import TIGHT, check_parity, local_part
@@ -186,6 +186,141 @@ def test_max_and_argmax_along_a_sharded_dim_match_torchs(ranks, name, dtype):
     gradient on the holding rank: one all-gather of each rank's (value, index) pair per
     row forward, none backward."""
     assert ranks.run(pick_vs_full, name, dtype)[0] == ({"all_gather": 1}, {})
+
+
+# name: (shape, placement, dim, dtype argument); "bool": a mask counted (int64 result)
+SCANS = {
+    "cumsum": ((6, 16), Shard(1), -1, None),
+    "cumsum_dim0": ((16, 3, 2), Shard(0), 0, None),
+    "cumsum_uneven_empty": ((4, 5), UnitShard(1, 5), 1, None),
+    "cumsum_dtype": ((6, 16), Shard(1), 1, torch.float64),
+    "cumsum_bool": ((6, 16), Shard(1), 1, None),
+}
+
+
+def scan_vs_full(rank, world, name, dtype):
+    """``cumsum`` along a sharded dim against torch's on the whole tensor, forward and the
+    local gradient."""
+    shape, placement, dim, out_dtype = SCANS[name]
+    full = _whole(name, shape, dtype)
+    if "bool" in name:
+        full = (full > 0).detach()
+    ref = torch.cumsum(full, dim, dtype=out_dtype)
+    parts = [local_range(placement, shape[dim], r, world) for r in range(world)]
+    start, length = parts[rank]
+    before = [n > 0 and s + n <= start for s, n in parts]
+    after = [n > 0 and s >= start + length for s, n in parts]
+    x = local_part(full.detach(), placement, rank, world).clone()
+    x.requires_grad_(x.is_floating_point())
+    with fxtp.count_collectives() as fwd:
+        out = cumsum_of_shards(x, dim, out_dtype, before, after, world,
+                               dist.group.WORLD.group_name)
+    assert out.dtype == ref.dtype
+    torch.testing.assert_close(out, local_part(ref.detach(), placement, rank, world),
+                               **(TIGHT if dtype == torch.float64 else {}))
+    if not x.requires_grad:
+        return dict(fwd.counts), {}
+    upstream = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1),
+                           dtype=torch.float64).to(ref.dtype)
+    (ref * upstream).sum().backward()
+    with fxtp.count_collectives() as bwd:
+        (out * local_part(upstream, placement, rank, world)).sum().backward()
+    assert x.grad.dtype == x.dtype
+    torch.testing.assert_close(x.grad, local_part(full.grad, placement, rank, world),
+                               **(TIGHT if dtype == torch.float64 else {}))
+    return dict(fwd.counts), dict(bwd.counts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("name", list(SCANS))
+def test_cumsum_along_a_sharded_dim_matches_torchs(ranks, name, dtype):
+    """One all-gather of each rank's total per row forward (the offsets of the ranks after
+    it), one of its gradient's sums backward; a mask's count has no gradient."""
+    assert ranks.run(scan_vs_full, name, dtype)[0] == \
+        ({"all_gather": 1}, {} if "bool" in name else {"all_gather": 1})
+
+
+# name: (shape, placement, dims, keepdim); each row true somewhere on one rank only, true
+# everywhere, or nowhere, so that any and all differ from each rank's own
+LOGICAL = {
+    "one_dim": ((6, 16), Shard(1), [1], False),
+    "two_dims_keepdim": ((3, 8, 4), Shard(1), [0, 1], True),
+    "uneven_empty": ((6, 5), UnitShard(1, 5), [1], False),
+}
+
+
+def logical_vs_full(rank, world, name):
+    shape, placement, dims, keepdim = LOGICAL[name]
+    full = torch.zeros(shape, dtype=torch.bool)
+    full[0] = True  # all
+    full[1, ..., -1] = True  # any, on the last rank's part only
+    full.view(-1)[7::11] = True
+    counts = []
+    for every in (False, True):
+        with fxtp.count_collectives() as fwd:
+            got = any_of_shards(local_part(full, placement, rank, world), dims, keepdim, every,
+                                dist.group.WORLD.group_name)
+        want = (torch.all if every else torch.any)(full, dims, keepdim=keepdim)
+        assert got.dtype == want.dtype and torch.equal(got, want)
+        counts.append(dict(fwd.counts))
+    return counts
+
+
+@pytest.mark.parametrize("name", list(LOGICAL))
+def test_any_and_all_over_a_sharded_dim_match_torchs(ranks, name):
+    """One all-reduce each (max for any, min for all) of a byte per row."""
+    assert ranks.run(logical_vs_full, name)[0] == [{"all_reduce": 1}] * 2
+
+
+class FeatureStatistics(nn.Module):
+    """Model code over a colwise shard's features: a running sum, a scale by the largest
+    magnitude of the whole activation (as float8 recipes take it), and rows flagged by
+    ``any`` / ``all``."""
+
+    def __init__(self, dim=16, hidden=32):
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        h = self.up(x).cumsum(-1)
+        keep = (h > 0).any(-1, keepdim=True) & (h < 3).all(-1, keepdim=True)
+        return self.down(h / h.abs().max() * keep + h.min())
+
+
+def statistics_parity(rank, world, dtype):
+    return check_parity(rank, world, FeatureStatistics,
+                        {"up": fxtp.ColwiseParallel(), "down": fxtp.RowwiseParallel()},
+                        [torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0))],
+                        dtype=dtype, strict=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_scans_and_whole_reductions_of_a_colwise_shard_match_single_device(ranks, dtype):
+    """Forward the cumulative sum's all-gather, one all-reduce each for ``max``, ``min``,
+    ``any`` and ``all``, and the rowwise output's; backward the cumulative sum's
+    all-gather, for ``max`` and ``min`` each the sum of their replicated result's gradient
+    (read by every shard) and the ties' count, and the colwise input's gradient. Before,
+    the features were gathered (strict mode: an error)."""
+    assert ranks.run(statistics_parity, dtype)[0] == \
+        ({"all_gather": 1, "all_reduce": 5}, {"all_gather": 1, "all_reduce": 5})
+
+
+def test_explain_reports_the_scans_and_logical_reductions(fake_group):
+    """Per row of 2 x 8 fp32 tokens: the cumulative sum gathers a total each way, ``any``
+    and ``all`` reduce a byte, the whole ``max`` and ``min`` one value each way."""
+    fake_group(2)
+    gm = fxtp.parallelize(FeatureStatistics(), {"up": fxtp.ColwiseParallel(),
+                                                "down": fxtp.RowwiseParallel()},
+                          example_inputs=(torch.randn(2, 8, 16),), strict=True)
+    kernels = [(n.op, [(c.kind, c.bytes) for c in n.forward],
+                [(c.kind, c.bytes) for c in n.backward])
+               for n in fxtp.explain(gm).nodes if n.collective == "sharded_softmax"]
+    rows = 2 * 8
+    assert kernels == [("fxtp.cumsum_of_shards", [("all_gather", rows * 4)],
+                        [("all_gather", rows * 4)]),
+                       *[("fxtp.any_of_shards", [("all_reduce", rows)], [])] * 2,
+                       *[("fxtp.extremum_of_shards", [("all_reduce", 4)],
+                          [("all_reduce", 4)])] * 2]
 
 
 # --- losses on loss parallel's class-sharded logits ---------------------------------------
