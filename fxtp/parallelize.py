@@ -38,7 +38,7 @@ from .passes.unused import drop_unused
 from .dump import Dumper
 from .dtensor_outputs import dtensor_positions, hand_out_dtensors
 from .dtensor_params import as_dtensors
-from .passes.errors import PlanError, StampMismatch
+from .passes.errors import InputError, PlanError, StampMismatch
 from .guards import (check_fresh, check_same_on_every_rank, guard_arguments, guard_casts,
                      guard_inputs)
 from .materialize import fake_tensors, materialize, meta_tensors, swapped
@@ -79,7 +79,7 @@ def info_of(gm: nn.Module) -> ParallelInfo:
     return info
 
 
-def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequence,
+def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequence = (),
                 example_kwargs: Optional[dict] = None, dynamic_shapes=None,
                 strict: bool = False, init_fn: Optional[Callable[[nn.Module], None]] = None,
                 device: Union[str, torch.device, None] = None,
@@ -92,7 +92,8 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
     (a Hugging Face model's own plan, :mod:`fxtp.hf_plans`).
 
     ``example_inputs`` / ``example_kwargs`` are full (single-device) inputs used for
-    tracing. At run time every rank passes the same full inputs, except root inputs whose
+    tracing, positional and by keyword as the model is called (either may be left out,
+    not both). At run time every rank passes the same full inputs, except root inputs whose
     plan layout is ``Shard``: those are passed as local shards. Outputs come back
     replicated, or as local shards where the plan leaves them sharded. Parameters keep
     their FQNs and hold local shards. ``model`` is not modified.
@@ -148,6 +149,10 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
     still give global results; torch's own tools would see one rank's shard): whole-program
     ``torch.compile`` of a graph with checkpointed regions needs it in torch 2.13.
     """
+    if not example_inputs and not example_kwargs:
+        raise InputError(f"parallelize({type(model).__name__}) traces the model on example "
+                         "inputs: pass example_inputs=(...) and / or example_kwargs={...} "
+                         "as the model is called")
     allow_in_dynamo_graphs()  # the result may be compiled: its collectives stay calls
     check_fresh(model)
     shardings = resolve_plan(model, plan, strict, lambda: resolve_group(mesh).device_mesh())

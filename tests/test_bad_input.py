@@ -19,6 +19,21 @@ def test_parallelize_without_a_process_group_says_how_to_start_one():
         fxtp.parallelize(models.MLP(), models.MLP_PLAN, example_inputs=(torch.randn(2, 16),))
 
 
+def test_parallelize_without_example_inputs_says_what_to_pass(fake_group):
+    fake_group(2)
+    with pytest.raises(fxtp.InputError, match=r"parallelize\(MLP\) traces the model on "
+                                              r"example inputs: pass example_inputs="):
+        fxtp.parallelize(models.MLP(), models.MLP_PLAN)
+
+
+def test_inputs_by_keyword_alone_are_enough(fake_group):
+    """A Hugging Face model is called by keyword: ``example_kwargs`` alone traces it."""
+    fake_group(2)
+    x = torch.randn(B, D)
+    gm = fxtp.parallelize(models.MLP(), models.MLP_PLAN, example_kwargs={"x": x})
+    assert gm(x=x).shape == (B, D)
+
+
 def test_a_2d_mesh_is_rejected_with_the_slice_to_pass(fake_group):
     fake_group(4)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
