@@ -51,7 +51,7 @@ from .passes.cross_entropy import forward_all_reduce_bytes, loss_parallel_cross_
 from .passes.sharded_norm import layer_norm_bytes, layer_norm_of_shards, norm_of_shards
 from .passes.sharded_softmax import (any_of_shards, arg_of_shards, collective_bytes,
                                      cumsum_of_shards, extremum_of_shards, logsumexp_of_shards,
-                                     pick_of_shards, softmax_of_shards)
+                                     pick_of_shards, softmax_of_shards, topk_of_shards)
 from .names import model_fqn
 from .report import Comm, Fallback, Layer, NodeInfo, Report, Summary, Totals
 
@@ -123,7 +123,7 @@ _COMMUNICATING = {loss_parallel_cross_entropy: "loss_parallel", norm_of_shards: 
                   layer_norm_of_shards: "sharded_norm",
                   **dict.fromkeys([logsumexp_of_shards, softmax_of_shards, extremum_of_shards,
                                    pick_of_shards, arg_of_shards, any_of_shards,
-                                   cumsum_of_shards], "sharded_softmax")}
+                                   cumsum_of_shards, topk_of_shards], "sharded_softmax")}
 
 
 def collective_of(node: fx.Node) -> Optional[str]:
@@ -209,7 +209,8 @@ def _comms(node: fx.Node, kind: str, rank: int, world: int, grads) -> tuple[list
         x = val(args["x"])
         dims = range(x.dim() - args["k"], x.dim()) if norm else \
             args["dims"] if "dims" in args else [args["dim"]]
-        rows = _numel_hint(x) // math.prod(_hint(x.shape[d]) for d in dims)
+        rows = _numel_hint(x) // math.prod(_hint(x.shape[d]) for d in dims) * \
+            args.get("k", 1)  # topk: k pairs per row
         forward, backward = layer_norm_bytes(rows, x.dtype) if norm else \
             collective_bytes(node.target, rows, args.get("dtype") or x.dtype)
         return [Comm(*c) for c in forward], [Comm(*c) for c in backward if args["x"] in grads]

@@ -39,7 +39,7 @@ from .local_ops import (add_replicated_once, gather_of_shard, mean_of_shard, sha
 from .loss_parallel import class_sharded, cross_entropy_spec, loss_parallel, nll_on_classes
 from .sharded_norm import layer_norm_rule_parts, norm_rule_parts
 from .sharded_softmax import (pick_rule_parts, reduction_rule_parts, scan_rule_parts,
-                              softmax_rule_parts)
+                              softmax_rule_parts, topk_rule_parts)
 from .placement import (P, R, UnitShard, block_bounds, blocks, cut_in_blocks, is_blocked,
                         is_sharded, is_whole, local_range, shardings_over)
 
@@ -1390,7 +1390,7 @@ RULES.update({
     aten.sort.stable: along(dims_arg(2, omitted="last")),
     aten.argsort.default: along(dims_arg(1, omitted="last")),
     aten.argsort.stable: along(dims_arg(2, omitted="last")),
-    aten.topk.default: along(dims_arg(2, omitted="last")),
+    aten.topk.default: replace(along(dims_arg(2, omitted="last")), **_parts(topk_rule_parts())),
     aten.diff.default: Rule(_diff_spec),
     # reductions
     aten.sum.default: reduction(ALL_DIMS, summed=True, partial="sum",

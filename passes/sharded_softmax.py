@@ -17,6 +17,7 @@ op                              forward                        backward
                                                                count of ties
 ``max`` / ``min`` along a dim,  an all-gather of each rank's   none (the rank holding the
 ``argmax``, ``argmin``          (value, index) per row         pick takes the gradient)
+``topk``                        the same, k pairs per row      none (the same)
 ``any``, ``all``                an all-reduce (max or min)     none (not differentiable)
 ``cumsum``                      an all-gather of each rank's   an all-gather of each
                                 total per row                  rank's gradient sum per row
@@ -29,7 +30,8 @@ logits). The max keeps the exponentials finite, as torch's kernels do; a row tha
 input's placement; ``logsumexp``, ``amax`` and ``amin`` are replicated, and so are the
 values and global indices of ``max`` / ``min`` along a dim and ``argmax`` / ``argmin``: the
 first extreme, ``nan`` first, as torch picks it (the first rank's among equal candidates,
-and within it the first index). ``any`` / ``all`` are replicated; ``cumsum`` keeps its
+and within it the first index). ``topk`` gives replicated values and global indices
+too. ``any`` / ``all`` are replicated; ``cumsum`` keeps its
 input's placement, each rank adding the totals of the ranks before it (its parts in order
 along the dim, each on one rank).
 """
@@ -85,6 +87,15 @@ def arg_of_shards(x: torch.Tensor, dim: int, keepdim: bool, largest: bool, offse
     return pick_of_shards(x, dim, keepdim, largest, offset, rank, world, group)[1]
 
 
+def topk_of_shards(x: torch.Tensor, k: int, dim: int, largest: bool, offset: int, size: int,
+                   world: int, group: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.topk(whole, k, dim, largest)`` of the tensor of ``size`` along ``dim`` whose
+    elements ``[offset, offset + len)`` this rank's ``x`` holds: the values and global
+    indices, sorted, the same on every rank of ``group`` (the lowest index first among
+    equal values; torch's own order of ties is unspecified)."""
+    return _TopK.apply(x, k, dim % x.dim(), largest, offset, size, world, group)
+
+
 def any_of_shards(x: torch.Tensor, dims: list[int], keepdim: bool, every: bool, group: str
                   ) -> torch.Tensor:
     """``torch.any`` (``every``: ``torch.all``) of the whole tensor over ``dims``:
@@ -134,7 +145,7 @@ def collective_bytes(kernel, rows: int, dtype: torch.dtype) -> tuple[list, list]
     """``(kind, bytes per rank)`` of the collectives one of this module's kernels issues,
     forward and backward, on ``rows`` rows (the reduced shape's size) of a ``dtype`` input
     (softmax: of its ``dtype`` argument where given)."""
-    if kernel in (pick_of_shards, arg_of_shards):  # a (value, index) pair per row
+    if kernel in (pick_of_shards, arg_of_shards, topk_of_shards):  # (value, index) pairs
         return [("all_gather", 2 * rows * 8)], []
     if kernel is extremum_of_shards:
         return [("all_reduce", rows * dtype.itemsize)], [("all_reduce", rows * dtype.itemsize)]
@@ -233,6 +244,44 @@ class _Extremum(torch.autograd.Function):
         count = _all_reduce(ties.sum(ctx.dims, keepdim=True).to(x.dtype), ctx.group)
         grad = _unsqueezed(grad, ctx.dims, ctx.keepdim)
         return grad / count * ties, None, None, None, None
+
+
+class _TopK(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, k, dim, largest, offset, size, world, group):
+        mine = min(k, x.shape[dim])
+        values, index = x.topk(mine, dim, largest)
+        if mine < k:  # short of candidates: ones that sort after every element
+            shape = list(values.shape)
+            shape[dim] = k - mine
+            if x.is_floating_point():
+                last = -torch.inf if largest else torch.inf
+            else:
+                last = torch.iinfo(x.dtype).min if largest else torch.iinfo(x.dtype).max
+            values = torch.cat([values, values.new_full(shape, last)], dim)
+            index = torch.cat([index, index.new_full(shape, size - offset)], dim)  # after all
+        wide = torch.float64 if x.is_floating_point() else torch.long  # holds both exactly
+        pair = torch.stack([values.to(wide), (index + offset).to(wide)])
+        pairs = _all_gather(pair, 0, world, group).unflatten(0, (world, 2))
+        values, index = (torch.cat(pairs[:, i].unbind(0), dim) for i in (0, 1))
+        by_index = index.argsort(stable=True, dim=dim)  # ties: the lowest index first
+        values, index = values.gather(dim, by_index), index.gather(dim, by_index)
+        top = values.argsort(stable=True, dim=dim, descending=largest).narrow(dim, 0, k)
+        values, index = values.gather(dim, top).to(x.dtype), index.gather(dim, top).long()
+        ctx.save_for_backward(index)
+        ctx.dim, ctx.offset, ctx.shape = dim, offset, x.shape
+        ctx.mark_non_differentiable(index)
+        return values, index
+
+    @staticmethod
+    def backward(ctx, grad, _):  # the rank holding each pick takes its gradient
+        index, = ctx.saved_tensors
+        local = index - ctx.offset
+        held = (local >= 0) & (local < ctx.shape[ctx.dim])
+        out = grad.new_zeros(ctx.shape)
+        if ctx.shape[ctx.dim]:
+            out.scatter_add_(ctx.dim, local.clamp(0, ctx.shape[ctx.dim] - 1), grad * held)
+        return out, None, None, None, None, None, None, None
 
 
 class _Pick(torch.autograd.Function):
@@ -401,3 +450,32 @@ def scan_rule_parts():
                                   group.world, group.name), {}
 
     return extra, local_op
+
+
+def topk_rule_parts():
+    """``(extra, local_op)`` for ``topk`` along a dim that arrives sharded (no blocks):
+    replicated values and indices."""
+    def extra(node: fx.Node, world: int, actual=()):
+        x = val(node.args[0])
+        d = _topk_dim(node)
+        if d is None or not isinstance(x.shape[d], int) or not isinstance(node.args[1], int):
+            return
+        for p in _offered(node, {d}, world, actual):
+            if not is_blocked(p):  # the indices count from one offset per rank
+                yield (p,), (Replicate(), Replicate())
+
+    def local_op(node: fx.Node, inputs, output, group):
+        d = _topk_dim(node)
+        if d is None or not (is_sharded(inputs[0]) and inputs[0].dim == d):
+            return node.target, node.args, node.kwargs
+        size = val(node.args[0]).shape[d]
+        offset = local_range(inputs[0], size, group.rank, group.world)[0]
+        return topk_of_shards, (node.args[0], node.args[1], d, op_arg(node, 3, "largest", True),
+                                offset, size, group.world, group.name), {}
+
+    return extra, local_op
+
+
+def _topk_dim(node: fx.Node):
+    n = val(node.args[0]).dim()
+    return op_arg(node, 2, "dim", -1) % n if n else None

@@ -1,5 +1,5 @@
-"""Softmax, log-softmax, log-sum-exp, max and min, any and all, and cumulative sums over a
-sharded dim: per-row collectives, never a gather of the tensor.
+"""Softmax, log-softmax, log-sum-exp, max and min, top-k, any and all, and cumulative sums
+over a sharded dim: per-row collectives, never a gather of the tensor.
 
 The kernels against torch's ops on the whole tensor (even, uneven, strided and empty
 shards, several reduced dims, ``keepdim``, ``dtype`` arguments, ``-inf`` entries and
@@ -20,7 +20,7 @@ from fxtp.passes.placement import UnitShard
 from fxtp.passes.placement import local_range
 from fxtp.passes.sharded_softmax import (any_of_shards, arg_of_shards, cumsum_of_shards,
                                          extremum_of_shards, logsumexp_of_shards,
-                                         pick_of_shards, softmax_of_shards)
+                                         pick_of_shards, softmax_of_shards, topk_of_shards)
 from tests import models, transformer_models as tm
 from tests.compiled import check_compiled
 from tests.parity import TIGHT, check_parity, local_part
@@ -186,6 +186,63 @@ def test_max_and_argmax_along_a_sharded_dim_match_torchs(ranks, name, dtype):
     gradient on the holding rank: one all-gather of each rank's (value, index) pair per
     row forward, none backward."""
     assert ranks.run(pick_vs_full, name, dtype)[0] == ({"all_gather": 1}, {})
+
+
+# name: (shape, placement, k, dim, largest); "ties", "nan" as above; "beyond": k exceeds
+# some ranks' parts, which then offer fewer candidates
+TOPKS = {
+    "topk": ((6, 16), Shard(1), 3, -1, True),
+    "topk_smallest_dim0": ((16, 3, 2), Shard(0), 5, 0, False),
+    "topk_beyond": ((4, 16), Shard(1), 10, 1, True),
+    "topk_uneven_empty_beyond": ((4, 5), UnitShard(1, 5), 3, 1, False),
+    "topk_nan": ((6, 16), Shard(1), 4, 1, True),
+    "topk_ties": ((6, 16), Shard(1), 6, 1, True),
+}
+
+
+def topk_vs_full(rank, world, name, dtype):
+    """``topk`` along a sharded dim against torch's on the whole tensor: values, indices
+    and the values' gradient (with ties, at the indices returned: torch's order of ties
+    is unspecified)."""
+    shape, placement, k, dim, largest = TOPKS[name]
+    full = _whole(name, shape, dtype)
+    if "nan" in name:
+        with torch.no_grad():
+            full[1, 3] = full[2, -2] = torch.nan
+    ref_values, ref_index = torch.topk(full, k, dim, largest)
+    x = local_part(full.detach(), placement, rank, world).clone().requires_grad_()
+    offset = local_range(placement, shape[dim], rank, world)[0]
+    args = (k, dim, largest, offset, shape[dim], world, dist.group.WORLD.group_name)
+    with fxtp.count_collectives() as fwd:
+        values, index = topk_of_shards(x, *args)
+    torch.testing.assert_close(values, ref_values.detach(), equal_nan=True, rtol=0, atol=0)
+    assert index.dtype == torch.long and \
+        torch.equal(index.sort(dim).values.diff(dim=dim) > 0,
+                    torch.ones_like(index.narrow(dim, 1, k - 1), dtype=torch.bool)) and \
+        torch.equal(full.detach().gather(dim, index).nan_to_num(7), values.nan_to_num(7))
+    if "ties" not in name and dtype != torch.bfloat16:  # bf16's rounding ties values too
+        assert torch.equal(index, ref_index)
+    upstream = torch.randn(values.shape, generator=torch.Generator().manual_seed(1),
+                           dtype=torch.float64).to(dtype)
+    with fxtp.count_collectives() as bwd:
+        (values.nan_to_num(0, 0, 0) * upstream).sum().backward()
+    want = torch.zeros(shape, dtype=dtype).scatter(dim, index, upstream * ~values.isnan())
+    torch.testing.assert_close(x.grad, local_part(want, placement, rank, world), rtol=0, atol=0)
+    if dtype == torch.float64:  # integers: the candidates pack exactly too
+        ints = (full.detach().nan_to_num(0, 0, 0) * 4).long()
+        got = topk_of_shards(local_part(ints, placement, rank, world), *args)
+        assert torch.equal(got[0], torch.topk(ints, k, dim, largest).values)
+    return dict(fwd.counts), dict(bwd.counts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16],
+                         ids=["fp64", "fp32", "bf16"])
+@pytest.mark.parametrize("name", list(TOPKS))
+def test_topk_along_a_sharded_dim_matches_torchs(ranks, name, dtype):
+    """Exactly torch's values (and indices, but among ties) and the values' gradient on
+    the rank holding each: one all-gather of each rank's k candidates per row forward, none
+    backward."""
+    assert ranks.run(topk_vs_full, name, dtype)[0] == ({"all_gather": 1}, {})
 
 
 # name: (shape, placement, dim, dtype argument); "bool": a mask counted (int64 result)
@@ -408,8 +465,26 @@ class SelfTrained(nn.Module):
             1e-2 * logits.max(-1).values.square().mean()
 
 
+class TopKDistilled(nn.Module):
+    """Distillation on the teacher's top-k classes only, as logit-caching distillation
+    stores them (``topk`` of the teacher's logits, the student's log-probabilities
+    gathered at those classes; the teacher here the detached logits, to stay one
+    model)."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = tm.Llama(tm.LlamaConfig(n_heads=8, n_kv_heads=4))
+
+    def forward(self, tokens, targets):
+        logits = self.model(tokens)
+        teacher, classes = (logits.detach() * 1.5).topk(4, -1)
+        student = logits.log_softmax(-1).gather(-1, classes)
+        return -(teacher.softmax(-1) * student).sum(-1).mean()
+
+
 LOSSES = {"z_loss": ZLossLM, "distillation": DistilledLM, "nll": HandWrittenNLL,
-          "policy_gradient": PolicyGradient, "self_trained": SelfTrained}
+          "policy_gradient": PolicyGradient, "self_trained": SelfTrained,
+          "top_k_distilled": TopKDistilled}
 
 
 def loss_parity(rank, world, loss, dtype):
@@ -455,6 +530,15 @@ def test_argmax_and_max_of_class_sharded_logits_match_single_device(ranks, dtype
         ({"all_reduce": 2 * L + 1 + 3, "all_gather": 2}, {"all_reduce": 2 * L + 1})
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_top_k_distillation_on_class_sharded_logits_matches_single_device(ranks, dtype):
+    """The teacher's top-k all-gathers k (value, index) pairs per token; the student's
+    log-softmax 2 all-reduces and the gathered classes' partial sum 1 forward, the
+    log-softmax's 1 backward. Before, the logits were gathered for the top-k."""
+    assert ranks.run(loss_parity, "top_k_distilled", dtype)[0] == \
+        ({"all_reduce": 2 * L + 1 + 2 + 1, "all_gather": 1}, {"all_reduce": 2 * L + 1 + 1})
+
+
 def test_explain_reports_the_kernels_collectives(fake_group):
     """Per-token values in the sums' dtype (fp32): 2 forward each, 1 backward for the
     student's log-softmax, none for the detached teacher's."""
@@ -468,13 +552,19 @@ def test_explain_reports_the_kernels_collectives(fake_group):
 
 
 def test_explain_reports_the_picks_all_gathers(fake_group):
-    """A (value, index) pair per token, each 8 bytes, from every rank; nothing backward."""
+    """A (value, index) pair per token, each 8 bytes, from every rank (k pairs for a
+    top-k); nothing backward."""
     fake_group(4)
     gm = fxtp.parallelize(SelfTrained(), PLAN, example_inputs=(TOKENS, TARGETS), strict=True)
     kernels = [n for n in fxtp.explain(gm).nodes if n.collective == "sharded_softmax"]
     pair = ("all_gather", 2 * TOKENS.numel() * 8)
     assert [([(c.kind, c.bytes) for c in n.forward], n.backward) for n in kernels] == \
         [([pair], []), ([pair], [])]
+    gm = fxtp.parallelize(TopKDistilled(), PLAN, example_inputs=(TOKENS, TARGETS),
+                          strict=True)
+    (topk,) = [n for n in fxtp.explain(gm).nodes if n.op == "fxtp.topk_of_shards"]
+    assert [(c.kind, c.bytes) for c in topk.forward] == [("all_gather", 4 * 2 * TOKENS.numel()
+                                                          * 8)] and topk.backward == []
 
 
 class Probabilities(nn.Module):
