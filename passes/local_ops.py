@@ -60,10 +60,45 @@ def gather_of_shard(x: torch.Tensor, dim: int, index: torch.Tensor, offset: int
     (``log_softmax(logits).gather(-1, targets)``) so never gather the vocabulary."""
     size = x.shape[dim]
     if size == 0:  # an empty part of an uneven split holds nothing
-        return x.new_zeros(index.shape)
+        return _zeros_from(x, dim, index.shape)
     local = index - offset
     inside = (local >= 0) & (local < size)
     return torch.where(inside, x.gather(dim, local.clamp(0, size - 1)), 0)
+
+
+def select_of_shard(x: torch.Tensor, dim: int, index: int, offset: int) -> torch.Tensor:
+    """This rank's Partial contribution to ``whole.select(dim, index)`` (``index`` global
+    and non-negative), where ``x`` holds the whole tensor's elements ``[offset, offset +
+    len)`` along ``dim``: the slice on the rank holding it, 0 on the others (BERT's pooler
+    reading the first token of a sequence-sharded output)."""
+    if offset <= index < offset + x.shape[dim]:
+        return x.select(dim, index - offset)
+    return _zeros_from(x, dim, x.shape[:dim] + x.shape[dim + 1:])
+
+
+def index_select_of_shard(x: torch.Tensor, dim: int, index: torch.Tensor, offset: int
+                          ) -> torch.Tensor:
+    """This rank's Partial contribution to ``torch.index_select(whole, dim, index)``, ``x``
+    holding the elements ``[offset, offset + len)`` along ``dim`` and ``index`` global: the
+    slices this rank holds, 0 for the others."""
+    size = x.shape[dim]
+    shape = list(x.shape)
+    shape[dim] = index.numel()
+    if size == 0:  # an empty part of an uneven split holds nothing
+        return _zeros_from(x, dim, shape)
+    local = index.reshape(-1) - offset
+    inside = [1] * x.dim()
+    inside[dim] = -1
+    return torch.where(((local >= 0) & (local < size)).view(inside),
+                       x.index_select(dim, local.clamp(0, size - 1)), 0)
+
+
+def _zeros_from(x: torch.Tensor, dim: int, shape) -> torch.Tensor:
+    """Zeros of ``shape`` that autograd reaches ``x`` from (a zero gradient): a rank that
+    picks nothing still runs the backward of what computed ``x``, whose collectives the
+    other ranks wait for."""
+    first = x.narrow(dim, 0, min(x.shape[dim], 1)).sum().to(x.dtype)  # nothing if empty
+    return x.new_zeros(shape) + torch.where(x.new_zeros((), dtype=torch.bool), first, 0)
 
 
 def nll_loss_of_shard(x: torch.Tensor, target: torch.Tensor, weight, reduction: int,

@@ -34,7 +34,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from .dimspec import DimSpec, fixed_label, parse, strategies
 from .graph import (INTO_PARTIAL, is_tensor_node, op_arg, output_vals, stamp_edge,
                     tensor_inputs, val)
-from .local_ops import (add_replicated_once, gather_of_shard, mean_of_shard, sharded_dropout,
+from .local_ops import (add_replicated_once, gather_of_shard, index_select_of_shard,
+                        mean_of_shard, select_of_shard, sharded_dropout,
                         vocab_parallel_embedding)
 from .loss_parallel import class_sharded, cross_entropy_spec, loss_parallel, nll_on_classes
 from .sharded_norm import layer_norm_rule_parts, norm_rule_parts
@@ -1206,26 +1207,34 @@ def _gather_scatter_spec(linear: str, source: bool):
     return Rule(spec)
 
 
-def _gathered_from_shards(node: fx.Node, world: int, actual=()):
-    """``gather`` from ``x`` sharded along the gathered dim, the index whole: each rank
-    picks the elements it holds, a ``Partial`` result (per-token log-probabilities of the
-    targets from vocab-sharded logits, as RL and preference-tuning code computes them)."""
+def _picked_from_shards(node: fx.Node, world: int, actual=()):
+    """``gather``, ``select`` (a static index) or ``index_select`` along a dim ``x``
+    arrives sharded on, the index whole: each rank picks the elements it holds, a
+    ``Partial`` result (per-token log-probabilities of the targets from vocab-sharded
+    logits, as RL and preference-tuning code computes them; the first token of a
+    sequence-sharded output, as BERT's pooler reads it)."""
     x = val(node.args[0])
     d = node.args[1] % x.dim() if x.dim() else 0
-    if not x.dim() or not isinstance(x.shape[d], int):
-        return  # each rank's offset into the dim is a number
+    if not x.dim() or not isinstance(x.shape[d], int) or \
+            node.target is aten.select.int and not isinstance(node.args[2], int):
+        return  # each rank's offset into the dim, and the index, are numbers
+    rest = (R,) * (len(tensor_inputs(node)) - 1)
     for p in shardings_over({d}, x.shape, world, actual[0] if actual else None):
         if not is_blocked(p):  # one offset per rank
-            yield (p, R), (P,)
+            yield (p, *rest), (P,)
 
 
-def _gather_of_shard(node, inputs, output, group):
+def _pick_of_shard(node, inputs, output, group):
     x = node.args[0]
     d = node.args[1] % val(x).dim() if val(x).dim() else 0
     if not (isinstance(inputs[0], (Shard, UnitShard)) and not is_blocked(inputs[0]) and
             inputs[0].dim == d):
         return node.target, node.args, node.kwargs
-    return gather_of_shard, (x, d, node.args[2], _start(inputs[0], val(x), group)), {}
+    start = _start(inputs[0], val(x), group)
+    if node.target is aten.select.int:
+        return select_of_shard, (x, d, node.args[2] % val(x).shape[d], start), {}
+    pick = gather_of_shard if node.target is aten.gather.default else index_select_of_shard
+    return pick, (x, d, node.args[2], start), {}
 
 
 # --- the table ----------------------------------------------------------------------------
@@ -1462,7 +1471,8 @@ RULES.update({
     aten.view.dtype: Rule(_dtype_view_spec),
     aten.slice.Tensor: Rule(_fixed_dim_spec(1).spec, local_op=_local_slice, extra=_sliced),
     aten.narrow.default: _fixed_dim_spec(1),
-    aten.select.int: _fixed_dim_spec(1, drop=True),
+    aten.select.int: replace(_fixed_dim_spec(1, drop=True), extra=_picked_from_shards,
+                             local_op=_pick_of_shard),
     aten.flip.default: _fixed_dim_spec(1, default=None),
     aten.roll.default: _fixed_dim_spec(2, default=None),
     aten.constant_pad_nd.default: Rule(_pad_spec),
@@ -1471,7 +1481,8 @@ RULES.update({
     aten.index.Tensor: Rule(_index_spec),
     aten.index_put.default: Rule(_index_put_spec),
     aten.index_put_.default: Rule(_index_put_spec),
-    aten.index_select.default: Rule(_index_select_spec),
+    aten.index_select.default: Rule(_index_select_spec, extra=_picked_from_shards,
+                                    local_op=_pick_of_shard),
     aten.index_copy.default: _index_update_spec("sum"),
     aten.index_copy_.default: _index_update_spec("sum"),
     aten.index_add.default: _index_update_spec("sum"),
@@ -1479,7 +1490,7 @@ RULES.update({
     aten.index_fill.int_Scalar: _index_update_spec("none"),
     aten.index_fill_.int_Scalar: _index_update_spec("none"),
     aten.gather.default: replace(_gather_scatter_spec("product", source=False),
-                                 extra=_gathered_from_shards, local_op=_gather_of_shard),
+                                 extra=_picked_from_shards, local_op=_pick_of_shard),
     aten.scatter.src: _gather_scatter_spec("sum", source=True),
     aten.scatter_.src: _gather_scatter_spec("sum", source=True),
     aten.scatter.value: _gather_scatter_spec("none", source=False),

@@ -260,3 +260,49 @@ def test_hugging_face_sequence_parallel_with_loss_parallel(ranks, name):
     assert fwd == {"all_gather": 2 * L + 1, "reduce_scatter": 2 * L + 1, "all_reduce": 3}
     wpe = 1 if name == "gpt2" else 0
     assert bwd == {"all_gather": 2 * L + 1 + wpe, "reduce_scatter": 2 * L + 1, "all_reduce": L + 1}
+
+
+class PooledEncoder(nn.Module):
+    """A sequence-parallel block, then a pooler reading tokens of its sequence-sharded
+    output: BERT's first token, a reward model's last, or some by ``index_select``."""
+
+    def __init__(self, pick, dim=16):
+        super().__init__()
+        self.norm, self.out_norm = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.up, self.down = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+        self.pooler, self.pick = nn.Linear(dim, dim), pick
+
+    def forward(self, x):
+        h = self.out_norm(x + self.down(torch.relu(self.up(self.norm(x)))))
+        if self.pick == "first":
+            h = h[:, 0]
+        elif self.pick == "last":
+            h = h[:, -1]
+        else:
+            h = h.index_select(1, torch.tensor([0, 5, 13, 6]))
+        return torch.tanh(self.pooler(h))
+
+
+POOLED_PLAN = {"norm": fxtp.SequenceParallel(), "out_norm": fxtp.SequenceParallel(),
+               "up": fxtp.ColwiseParallel(input_layouts=Shard(1)),
+               "down": fxtp.RowwiseParallel(output_layouts=Shard(1))}
+
+
+def pooled(rank, world, dtype, pick):
+    x = torch.randn(2, 16, 16, generator=torch.Generator().manual_seed(0))
+    return check_parity(rank, world, lambda: PooledEncoder(pick), POOLED_PLAN, [x],
+                        dtype=dtype, strict=True)
+
+
+@DTYPES
+@pytest.mark.parametrize("pick", ["first", "last", "index_select"])
+def test_a_pooler_reads_tokens_of_a_sequence_sharded_output(ranks, dtype, pick):
+    """Each rank picks the tokens it holds (zeros for the others): the picked rows'
+    partial sums are all-reduced, not the sequence gathered; a rank holding none of them
+    still runs the block's backward. Forward the block's all-gather and reduce-scatter and
+    that all-reduce; backward their conjugates, the input's gradient gathered from the
+    sequence shards it was cut into, and one bucketed all-reduce of the norms' and the
+    rowwise bias's gradients."""
+    assert ranks.run(pooled, dtype, pick)[0] == \
+        ({"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1},
+         {"all_gather": 2, "reduce_scatter": 1, "all_reduce": 1})

@@ -617,3 +617,32 @@ def test_the_kernels_compile_whole(ranks2):
     counts = ranks2.run(compiled_probabilities)[0]
     assert counts["eager"] == ({"all_reduce": 6, "all_gather": 1}, {"all_reduce": 4})
     assert counts["compiled"] == ({"all_reduce": 7, "all_gather": 1}, {"all_reduce": 3})
+
+
+class FiveClasses(nn.Module):
+    """Five classes on four ranks (2, 2, 1 and none, as ``torch.chunk`` deals them): the
+    targets' log-probabilities gathered, ``select`` and ``index_select`` of classes."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.classes = nn.Linear(16, 16), nn.Linear(16, 5)
+
+    def forward(self, x, targets):
+        logp = self.classes(torch.relu(self.body(x))).log_softmax(-1)
+        picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        return picked + logp.select(-1, 4) + logp.index_select(-1, torch.tensor([4, 0])).sum(-1)
+
+
+def five_classes(rank, world):
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+    targets = torch.tensor([4, 0, 2, 4])
+    return check_parity(rank, world, FiveClasses, {"classes": fxtp.ColwiseParallel()},
+                        [x, targets], dtype=torch.float64, input_grads=False, strict=True)
+
+
+def test_a_rank_holding_no_class_still_runs_the_backward(ranks4):
+    """The last rank holds none of the classes: it picks zeros that autograd still reaches
+    from its (empty) logits, so it joins the backward's collectives (before, the other
+    ranks waited for it until gloo timed out)."""
+    fwd, bwd = ranks4.run(five_classes)[0]  # the picks' partial sums are added, reduced once
+    assert fwd == {"all_reduce": 2 + 1} and bwd == {"all_reduce": 2}
