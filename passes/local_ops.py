@@ -145,7 +145,9 @@ def mean_of_shard(x: torch.Tensor, length: int, size: int, dim=None, keepdim: bo
     ``length / size`` (``1 / world`` for equal shards)."""
     mean = torch.mean(x, dtype=dtype) if dim is None else torch.mean(x, dim, keepdim,
                                                                      dtype=dtype)
-    return mean * length / size if length else torch.zeros_like(mean)  # an empty shard
+    if not length:  # an empty shard: 0 (its mean is nan), still reached by autograd
+        return torch.where(mean.new_zeros((), dtype=torch.bool), mean, 0)
+    return mean * length / size
 
 
 def add_replicated_once(a: torch.Tensor, b: torch.Tensor, alpha, subtract: bool,

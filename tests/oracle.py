@@ -15,7 +15,10 @@ rank holds the full gradient; ``Replicate``: every rank equal when the whole str
 replicated, else summed over ranks, as fxtp's rewrite all-reduces the gradient of a
 replicated value read by ops on sharded or partial values). A unit held by a group of ranks
 has its output gradient on the group's first rank (zero on the others) and its input
-gradient summed over the group. No process group is needed.
+gradient summed over the group. Every input the single-device gradient reaches must be
+reached on every rank: a rank whose local op cuts the graph (fresh zeros where it holds
+nothing) would skip the backward of what computed that input, and the collectives there
+the other ranks wait for. No process group is needed.
 """
 from __future__ import annotations
 
@@ -261,6 +264,11 @@ def _check_one(node, values, world, inputs, ins, outs, reference, gen, tol):
     for i, (p, exp) in enumerate(zip(ins, reference.grads)):
         if exp is None:
             continue
+        # a rank whose outputs do not reach an input would skip the backward of what
+        # computed it, and the collectives there that the other ranks wait for
+        unreached = [r for r, run in enumerate(ranks) if run.grads[i] is None]
+        assert i not in reference.reached or not unreached, \
+            f"{name}: input {i} unreached by autograd on ranks {unreached}"
         got = [r.grads[i] if r.grads[i] is not None else torch.zeros_like(r.leaves[i])
                for r in ranks]
         msg = f"{name}: gradient of input {i}"
@@ -299,6 +307,7 @@ class _Reference:
 
     def __init__(self, node, values, inputs, gen, backward):
         self.grads = self.grads_out = None
+        self.reached = set()
         self.with_grad = {i for i, a in enumerate(inputs) if _differentiable(values[a])} \
             if backward else set()
         try:
@@ -327,6 +336,7 @@ class _Reference:
             return
         self.grads_out = grads_out
         self.grads = [None] * len(leaves)
+        self.reached = {i for i, g in zip(wanted, grads) if g is not None}
         for i, g in zip(wanted, grads):
             self.grads[i] = g if g is not None else torch.zeros_like(leaves[i])
 

@@ -621,28 +621,35 @@ def test_the_kernels_compile_whole(ranks2):
 
 class FiveClasses(nn.Module):
     """Five classes on four ranks (2, 2, 1 and none, as ``torch.chunk`` deals them): the
-    targets' log-probabilities gathered, ``select`` and ``index_select`` of classes."""
+    targets' log-probabilities gathered, ``select`` and ``index_select`` of classes, and
+    their mean."""
 
-    def __init__(self):
+    def __init__(self, only_mean=False):
         super().__init__()
         self.body, self.classes = nn.Linear(16, 16), nn.Linear(16, 5)
+        self.only_mean = only_mean
 
     def forward(self, x, targets):
         logp = self.classes(torch.relu(self.body(x))).log_softmax(-1)
         picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        return picked + logp.select(-1, 4) + logp.index_select(-1, torch.tensor([4, 0])).sum(-1)
+        if self.only_mean:  # no other pick keeps the empty rank's graph connected
+            return logp.mean(-1)
+        return picked + logp.select(-1, 4) + \
+            logp.index_select(-1, torch.tensor([4, 0])).sum(-1) + logp.mean(-1)
 
 
-def five_classes(rank, world):
+def five_classes(rank, world, only_mean):
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
     targets = torch.tensor([4, 0, 2, 4])
-    return check_parity(rank, world, FiveClasses, {"classes": fxtp.ColwiseParallel()},
-                        [x, targets], dtype=torch.float64, input_grads=False, strict=True)
+    return check_parity(rank, world, lambda: FiveClasses(only_mean),
+                        {"classes": fxtp.ColwiseParallel()}, [x, targets],
+                        dtype=torch.float64, input_grads=False, strict=True)
 
 
 def test_a_rank_holding_no_class_still_runs_the_backward(ranks4):
     """The last rank holds none of the classes: it picks zeros that autograd still reaches
     from its (empty) logits, so it joins the backward's collectives (before, the other
     ranks waited for it until gloo timed out)."""
-    fwd, bwd = ranks4.run(five_classes)[0]  # the picks' partial sums are added, reduced once
+    fwd, bwd = ranks4.run(five_classes, False)[0]  # the partial sums added, reduced once
     assert fwd == {"all_reduce": 2 + 1} and bwd == {"all_reduce": 2}
+    assert ranks4.run(five_classes, True)[0] == ({"all_reduce": 2 + 1}, {"all_reduce": 2})
