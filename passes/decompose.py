@@ -261,4 +261,7 @@ def _inline_decomposition(graph: fx.Graph, node: fx.Node, function=None, accept=
             graph.erase_node(user)
     else:
         node.replace_all_uses_with(result)
+    for n in reversed([env[n] for n in sub.graph.nodes if n.op == "call_function"]):
+        if not n.users and not n.is_impure():  # computes an output nobody reads
+            graph.erase_node(n)
     return True
