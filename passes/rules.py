@@ -1265,6 +1265,35 @@ Python operator aliases of the bitwise ops; Hugging Face's mask code uses them).
 
 RULES: dict = {op: pointwise("sum") for op in LINEAR_POINTWISE}
 RULES.update({op: pointwise() for op in NONLINEAR_POINTWISE})
+
+_LINEAR_POINTWISE = pointwise("sum")
+_LIKE = {aten.zeros_like.default: aten.new_zeros.default,
+         aten.ones_like.default: aten.new_ones.default,
+         aten.full_like.default: aten.new_full.default,
+         aten.empty_like.default: aten.new_empty.default}
+"""``*_like`` ops -> the factory that makes their result from a shape."""
+
+
+def _whole_like(node: fx.Node, world: int, actual=()):
+    """A ``*_like`` op of a sharded or partial tensor of static shape may give its result
+    whole: only the input's metadata is read, not its values."""
+    if not actual or isinstance(actual[0], Replicate) or \
+            not all(isinstance(n, int) for n in val(node).shape):
+        return
+    if any(ins[0] == actual[0] for ins, _ in _LINEAR_POINTWISE.strategies(node, world, actual)):
+        yield (actual[0],), (R,)  # a layout the input can have
+
+
+def _like_of_whole(node, inputs, output, group):
+    """The whole result from the factory, at the global shape (the shard is not read)."""
+    if isinstance(inputs[0], Replicate) or not isinstance(output, Replicate):
+        return node.target, node.args, node.kwargs
+    kwargs = {k: v for k, v in node.kwargs.items() if k != "memory_format"}
+    return _LIKE[node.target], (node.args[0], list(val(node).shape), *node.args[1:]), kwargs
+
+
+RULES.update({op: replace(RULES[op], extra=_whole_like, local_op=_like_of_whole)
+              for op in _LIKE})
 _ADDS = {aten.add.Tensor: False, aten.add_.Tensor: False, aten.sub.Tensor: True,
          aten.sub_.Tensor: True}
 """Adds and subtractions -> whether they subtract."""

@@ -136,6 +136,29 @@ def test_elementwise_writes_stay_sharded(ranks):
     assert ranks.run(elementwise)[0] == ({"all_reduce": 1}, {"all_reduce": 1})
 
 
+class PaddedMask(MLP):
+    """A mask made like the shard (``zeros_like`` / ``full_like``), then written whole
+    through a slice across the ranks' features: only the shard's metadata is read, so the
+    mask is made whole where it is created, not gathered from the shard."""
+
+    def forward(self, x):
+        h = self.up(x)
+        keep, scale = torch.zeros_like(h), torch.full_like(h, 2.0)
+        keep[..., :D + 4] = 1.0
+        scale[..., 3:5] = 0.5
+        return self.down(h * keep * scale)
+
+
+def padded_mask(rank, world):
+    return check_parity(rank, world, PaddedMask, PLAN, [example(B, T, D)],
+                        dtype=torch.float64, strict=True)
+
+
+def test_a_tensor_made_like_a_shard_and_written_whole_gathers_nothing(ranks):
+    """Megatron's all-reduce each way; before, each mask gathered ``h`` (a fallback)."""
+    assert ranks.run(padded_mask)[0] == ({"all_reduce": 1}, {"all_reduce": 1})
+
+
 class ScaleModuleOutput(MLP):
     def forward(self, x):
         h = self.up(x)
