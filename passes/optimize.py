@@ -15,7 +15,9 @@ arguments alone (no placements needed).
   (unless it is written in place in between).
 * :func:`bucket`: independent collectives of one kind, group and dtype whose inputs are
   ready before the first of their results is needed -> one bucketed collective (not those
-  of values written in place, which moving them could read before or after the write).
+  of values written in place, which moving them could read before or after the write, nor
+  those whose results are written in place before the bucket would issue: moving the write
+  after the bucket would move it past reads of what it writes).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from . import collectives as C
-from .aliases import alias_root, written_groups, written_values
+from .aliases import alias_root, written_groups, written_roots, written_values
 from .gradients import gradient_carriers
 from .graph import COLLECTIVE, call_args, val
 from .placement import numel_hint
@@ -118,6 +120,7 @@ def _next_bucket(graph: fx.Graph) -> Optional["_Bucket"]:
     """The first group of at least two collectives that can issue as one, in graph order."""
     with_grad = gradient_carriers(graph, _may_need_grad)
     written = written_values(graph)
+    position = {n: i for i, n in enumerate(graph.nodes)}
     open_buckets: dict[tuple, _Bucket] = {}
     for node in graph.nodes:
         args = collective_args(node)
@@ -131,13 +134,14 @@ def _next_bucket(graph: fx.Graph) -> Optional["_Bucket"]:
         key = (node.target, value.dtype, *(args[k] for k in _SHARED[node.target]))
         nbytes = numel_hint(value) * value.element_size()
         b = open_buckets.get(key)
-        if b is not None and not b.admits(args["x"], nbytes):
+        reach = _downstream(node)
+        if b is not None and not b.admits(args["x"], nbytes, reach, position):
             if len(b.members) > 1:
                 return b
             b = None
         if b is None:
             b = open_buckets[key] = _Bucket()
-        b.add(node, nbytes)
+        b.add(node, nbytes, reach, position)
     ready = [b for b in open_buckets.values() if len(b.members) > 1]
     return ready[0] if ready else None
 
@@ -150,19 +154,23 @@ class _Bucket:
         self.members: list[fx.Node] = []
         self.downstream: set[fx.Node] = set()  # everything computed from the members
         self.nbytes = 0
+        self.anchor = -1  # the position of the last member's input: where it issues
+        self.first_write = float("inf")  # of an in-place write computed from a member
 
-    def admits(self, x: fx.Node, nbytes: int) -> bool:
-        return x not in self.downstream and self.nbytes + nbytes <= BUCKET_CAP_BYTES
+    def admits(self, x: fx.Node, nbytes: int, reach: set, position: dict) -> bool:
+        """Whether a collective of input ``x`` and downstream ``reach`` may join: it reads
+        no member's result, the bucket stays under the cap, and no in-place write computed
+        from a member would move after the bucket (past reads of what it writes)."""
+        return x not in self.downstream and self.nbytes + nbytes <= BUCKET_CAP_BYTES and \
+            min(self.first_write, _first_write(reach, position)) > \
+            max(self.anchor, position[x])
 
-    def add(self, node: fx.Node, nbytes: int) -> None:
+    def add(self, node: fx.Node, nbytes: int, reach: set, position: dict) -> None:
         self.members.append(node)
         self.nbytes += nbytes
-        todo = [node]
-        while todo:
-            for user in todo.pop().users:
-                if user not in self.downstream:
-                    self.downstream.add(user)
-                    todo.append(user)
+        self.downstream |= reach
+        self.anchor = max(self.anchor, position[collective_args(node)["x"]])
+        self.first_write = min(self.first_write, _first_write(reach, position))
 
     def emit(self, graph: fx.Graph) -> None:
         """Issue the bucket right after the last of its inputs; what reads the members'
@@ -193,6 +201,22 @@ class _Bucket:
             if node not in self.members:
                 cursor.append(node)
                 cursor = node
+
+
+def _downstream(node: fx.Node) -> set:
+    """Every node computed from ``node``'s result."""
+    found, todo = set(), [node]
+    while todo:
+        for user in todo.pop().users:
+            if user not in found:
+                found.add(user)
+                todo.append(user)
+    return found
+
+
+def _first_write(nodes: set, position: dict) -> float:
+    """The position of the first of ``nodes`` that writes a tensor in place."""
+    return min((position[n] for n in nodes if written_roots(n)), default=float("inf"))
 
 
 def _may_need_grad(node: fx.Node, value) -> bool:

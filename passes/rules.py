@@ -1218,10 +1218,18 @@ def _picked_from_shards(node: fx.Node, world: int, actual=()):
     if not x.dim() or not isinstance(x.shape[d], int) or \
             node.target is aten.select.int and not isinstance(node.args[2], int):
         return  # each rank's offset into the dim, and the index, are numbers
+    if _written_through(node):  # select's view: zeros on the other ranks alias nothing,
+        return                  # and a partial sum written into it would land as it is
     rest = (R,) * (len(tensor_inputs(node)) - 1)
     for p in shardings_over({d}, x.shape, world, actual[0] if actual else None):
         if not is_blocked(p):  # one offset per rank
             yield (p, *rest), (P,)
+
+
+def _written_through(node: fx.Node) -> bool:
+    """Whether an in-place op writes into ``node``'s value or into a view of it."""
+    return any(any(tensor_inputs(user)[i] is node for i in written_inputs(user)) or
+               returns_alias(user.target) and _written_through(user) for user in node.users)
 
 
 def _pick_of_shard(node, inputs, output, group):

@@ -44,23 +44,23 @@ def test_round_trip_cancels_and_independent_reductions_share_one(ranks):
     assert sum(opt_bwd_bytes.values()) < sum(bwd_bytes.values())
 
 
-class TwoCumsums(torch.nn.Module):
-    """Two colwise projections, each summed cumulatively over its sharded features: cumsum
-    has no sharded strategy for its dim, so each output is gathered (a reported fallback)."""
+class TwoSorts(torch.nn.Module):
+    """Two colwise projections, each sorted over its sharded features: sort needs its dim
+    whole, so each output is gathered (a reported fallback)."""
 
     def __init__(self):
         super().__init__()
         self.a, self.b = torch.nn.Linear(D, D), torch.nn.Linear(D, D)
 
     def forward(self, x):
-        return torch.cumsum(self.a(x), -1) + torch.cumsum(self.b(x), -1)
+        return torch.sort(self.a(x), -1).values + torch.sort(self.b(x), -1).values
 
 
-def two_cumsums(rank, world, post):
+def two_sorts(rank, world, post):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the two fallbacks
-        return check_parity(rank, world, TwoCumsums, {"a": fxtp.ColwiseParallel(),
-                                                      "b": fxtp.ColwiseParallel()},
+        return check_parity(rank, world, TwoSorts, {"a": fxtp.ColwiseParallel(),
+                                                    "b": fxtp.ColwiseParallel()},
                             [_x(B, T, D)], dtype=torch.float64, post=post, with_bytes=True)
 
 
@@ -68,9 +68,9 @@ def test_independent_gathers_share_one_collective(ranks2):
     """The two gathers are independent: bucketed they issue once, moving the same bytes.
     Backward: their gradients are replicated (local chunks) and the input's partial
     gradient is all-reduced once."""
-    fwd, bwd, fwd_bytes, bwd_bytes = ranks2.run(two_cumsums, None)[0]
+    fwd, bwd, fwd_bytes, bwd_bytes = ranks2.run(two_sorts, None)[0]
     assert (fwd, bwd) == ({"all_gather": 2}, {"all_reduce": 1})
-    opt = ranks2.run(two_cumsums, optimize_whole)[0]
+    opt = ranks2.run(two_sorts, optimize_whole)[0]
     assert opt[:2] == ({"all_gather": 1}, {"all_reduce": 1})
     assert (opt[2], opt[3]) == (fwd_bytes, bwd_bytes)  # the same bytes in fewer messages
 
