@@ -142,6 +142,31 @@ def test_elementwise_writes_stay_sharded(ranks):
     assert ranks.run(elementwise)[0] == ({"all_reduce": 1}, {"all_reduce": 1})
 
 
+class PickBeforeWrite(MLP):
+    """A feature picked (``select``: a view) before ``h`` is scaled in place sees the
+    write, as on one device: the rank holding it picks from ``h`` itself, and its partial
+    sum is reduced where it is read, after the write."""
+
+    def forward(self, x):
+        h = F.gelu(self.up(x))
+        v = h[..., 40]
+        h.mul_(2.0)
+        return self.down(h) + v.unsqueeze(-1)
+
+
+def pick_before_write(rank, world, post):
+    return check_parity(rank, world, PickBeforeWrite, PLAN, [example(B, T, D)],
+                        dtype=torch.float64, strict=True, post=post)
+
+
+@pytest.mark.parametrize("post", [None, optimize_whole], ids=["eager", "optimized"])
+def test_a_feature_picked_before_a_write_sees_it(ranks, post):
+    """The pick's all-reduce and the rowwise output's; the post-rewrite passes add the two
+    partial sums first and reduce once."""
+    fwd = {"all_reduce": 2 if post is None else 1}
+    assert ranks.run(pick_before_write, post)[0] == (fwd, {"all_reduce": 1})
+
+
 class PaddedMask(MLP):
     """A mask made like the shard (``zeros_like`` / ``full_like``), then written whole
     through a slice across the ranks' features: only the shard's metadata is read, so the
