@@ -280,7 +280,8 @@ class _TopK(torch.autograd.Function):
         held = (local >= 0) & (local < ctx.shape[ctx.dim])
         out = grad.new_zeros(ctx.shape)
         if ctx.shape[ctx.dim]:
-            out.scatter_add_(ctx.dim, local.clamp(0, ctx.shape[ctx.dim] - 1), grad * held)
+            out.scatter_add_(ctx.dim, local.clamp(0, ctx.shape[ctx.dim] - 1),
+                             grad.where(held, 0))  # another rank's pick adds nothing, nan too
         return out, None, None, None, None, None, None, None
 
 
@@ -312,7 +313,7 @@ class _Pick(torch.autograd.Function):
         local = (index - ctx.offset).clamp(0, max(ctx.shape[ctx.dim] - 1, 0))
         out = grad.new_zeros(ctx.shape)
         if ctx.shape[ctx.dim]:
-            out.scatter_(ctx.dim, local, grad * mine)
+            out.scatter_(ctx.dim, local, grad.where(mine, 0))  # not nan * 0 elsewhere
         return out, None, None, None, None, None, None, None
 
 

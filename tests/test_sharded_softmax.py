@@ -653,3 +653,36 @@ def test_a_rank_holding_no_class_still_runs_the_backward(ranks4):
     fwd, bwd = ranks4.run(five_classes, False)[0]  # the partial sums added, reduced once
     assert fwd == {"all_reduce": 2 + 1} and bwd == {"all_reduce": 2}
     assert ranks4.run(five_classes, True)[0] == ({"all_reduce": 2 + 1}, {"all_reduce": 2})
+
+
+def infinite_upstream(rank, world):
+    """``max`` along a sharded dim and ``topk`` with an infinite upstream gradient: the
+    rank holding each pick takes it, the others add nothing (not ``inf * 0 = nan``)."""
+    full = _whole("picks", (6, 16), torch.float64)
+    upstream = torch.full((6,), torch.inf, dtype=torch.float64)
+    grads = []
+    for pick in ("max", "topk"):
+        x = local_part(full.detach(), Shard(1), rank, world).clone().requires_grad_()
+        offset = local_range(Shard(1), 16, rank, world)[0]
+        group = dist.group.WORLD.group_name
+        if pick == "max":
+            values = pick_of_shards(x, 1, False, True, offset, rank, world, group)[0]
+            ref = full.max(1).values
+        else:
+            values = topk_of_shards(x, 2, 1, True, offset, 16, world, group)[0][:, 0]
+            ref = full.topk(2, 1).values[:, 0]
+        (values * upstream).sum().backward()
+        whole = full.detach().clone().requires_grad_()
+        ((whole.max(1).values if pick == "max" else whole.topk(2, 1).values[:, 0])
+         * upstream).sum().backward()
+        torch.testing.assert_close(values, ref.detach(), rtol=0, atol=0)
+        torch.testing.assert_close(x.grad, local_part(whole.grad, Shard(1), rank, world),
+                                   rtol=0, atol=0, equal_nan=True)
+        grads.append(bool(x.grad.isnan().any()))
+    return grads
+
+
+def test_a_pick_held_elsewhere_adds_nothing_to_the_gradient(ranks):
+    """Before, a rank not holding the pick scattered ``inf * 0``: nan where single device
+    has 0."""
+    assert ranks.run(infinite_upstream)[0] == [False, False]
