@@ -209,8 +209,9 @@ def _comms(node: fx.Node, kind: str, rank: int, world: int, grads) -> tuple[list
         x = val(args["x"])
         dims = range(x.dim() - args["k"], x.dim()) if norm else \
             args["dims"] if "dims" in args else [args["dim"]]
-        rows = _numel_hint(x) // math.prod(_hint(x.shape[d]) for d in dims) * \
-            args.get("k", 1)  # topk: k pairs per row
+        rows = _numel_hint(x) // math.prod(_hint(x.shape[d]) for d in dims)
+        if node.target is topk_of_shards:  # k pairs per row (a norm's k is its dims)
+            rows *= args["k"]
         forward, backward = layer_norm_bytes(rows, x.dtype) if norm else \
             collective_bytes(node.target, rows, args.get("dtype") or x.dtype)
         return [Comm(*c) for c in forward], [Comm(*c) for c in backward if args["x"] in grads]

@@ -265,6 +265,33 @@ def test_the_norms_weights_are_held_as_the_heads_are(fake_group):
             for n in kernels] == [([("all_gather", per_token)], [("all_reduce", per_token)])] * 2
 
 
+class HeadsNormedTogether(nn.Module):
+    """``nn.LayerNorm((heads, head_dim))`` over the heads of a colwise projection: the
+    kernel normalizes over two dims."""
+
+    def __init__(self):
+        super().__init__()
+        self.wq, self.wo = nn.Linear(16, 16, bias=False), nn.Linear(16, 16, bias=False)
+        self.norm = nn.LayerNorm((4, 4))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        return self.wo(self.norm(self.wq(x).view(b, t, 4, 4)).reshape(b, t, 16))
+
+
+def test_explain_counts_a_norm_over_two_dims_per_token(fake_group):
+    """Two fp32 statistics per token, whatever the number of normalized dims."""
+    fake_group(4)
+    gm = fxtp.parallelize(HeadsNormedTogether(), {"wq": fxtp.ColwiseParallel(),
+                                                  "wo": fxtp.RowwiseParallel()},
+                          example_inputs=(example(2, 8, 16),), strict=True)
+    (kernel,) = [n for n in fxtp.explain(gm).nodes if n.collective == "sharded_norm"]
+    per_token = 2 * 2 * 8 * 4
+    assert ([(c.kind, c.bytes) for c in kernel.forward],
+            [(c.kind, c.bytes) for c in kernel.backward]) == \
+        ([("all_gather", per_token)], [("all_reduce", per_token)])
+
+
 class HandWrittenLayerNorm(nn.Module):
     """A LayerNorm as older model code writes it: ``var`` (and ``std``) by hand."""
 
