@@ -98,7 +98,13 @@ def _zeros_from(x: torch.Tensor, dim: int, shape) -> torch.Tensor:
     picks nothing still runs the backward of what computed ``x``, whose collectives the
     other ranks wait for."""
     first = x.narrow(dim, 0, min(x.shape[dim], 1)).sum().to(x.dtype)  # nothing if empty
-    return x.new_zeros(shape) + torch.where(x.new_zeros((), dtype=torch.bool), first, 0)
+    return x.new_zeros(shape) + _reached_zero(first)
+
+
+def _reached_zero(t: torch.Tensor) -> torch.Tensor:
+    """0 in ``t``'s shape, computed from ``t`` (whatever it holds, nan included): autograd
+    still reaches ``t`` from it."""
+    return torch.where(t.new_zeros((), dtype=torch.bool), t, 0)
 
 
 def nll_loss_of_shard(x: torch.Tensor, target: torch.Tensor, weight, reduction: int,
@@ -146,7 +152,7 @@ def mean_of_shard(x: torch.Tensor, length: int, size: int, dim=None, keepdim: bo
     mean = torch.mean(x, dtype=dtype) if dim is None else torch.mean(x, dim, keepdim,
                                                                      dtype=dtype)
     if not length:  # an empty shard: 0 (its mean is nan), still reached by autograd
-        return torch.where(mean.new_zeros((), dtype=torch.bool), mean, 0)
+        return _reached_zero(mean)
     return mean * length / size
 
 
