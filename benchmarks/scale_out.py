@@ -38,6 +38,12 @@ recipe's step time is the least eager ratio fxtp could reach were everything els
 (the model's elementwise ops, TP's collectives) free. Results:
 ``benchmarks/results/scale_out_fake.json``.
 
+``--replicated-head`` adds a third eager variant, ``handwritten_eager``: Megatron's TP + SP
+written by hand (:func:`benchmarks.handwritten.handwritten_sp`: weights cut per rank, hooks
+for the sequence all-gathers and reduce-scatters, no framework between the model and its
+kernels), with FSDP2 per block the same way. It is what any TP recipe doing this math costs
+on this machine, and ``ratio_handwritten_eager`` sets both recipes against it.
+
     python -m benchmarks.scale_out [--quick] [--cuda | --fake] [--replicated-head] [--meta-init]
 """
 from __future__ import annotations
@@ -61,6 +67,7 @@ from benchmarks.ranks import spawn_ranks
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 VARIANTS = ("dtensor_eager", "fxtp_eager", "dtensor_compiled", "fxtp_compiled")
+HANDWRITTEN = "handwritten_eager"  # Megatron-style TP + SP by hand; replicated head only
 
 
 def sizes(quick: bool, cuda: bool = False) -> dict:
@@ -116,7 +123,11 @@ def build(variant: str, model, tokens, mesh, loss_parallel: bool, device=None):
     import fxtp
     from fxtp.llama import llama_sp_plan
     from torch.distributed.fsdp import fully_shard
-    if variant.startswith("dtensor"):
+    if variant == HANDWRITTEN:
+        from benchmarks.handwritten import handwritten_sp
+        module = handwritten_sp(model, mesh["tp"].get_local_rank(), mesh["tp"].size(),
+                                mesh["tp"].get_group().group_name)
+    elif variant.startswith("dtensor"):
         from torch.distributed.tensor.parallel import parallelize_module
         for layer in model.layers:  # see benchmarks.dtensor_tp.WHY_DTENSOR_PATCHED
             layer.attention.n_heads //= mesh["tp"].size()
@@ -326,7 +337,9 @@ def main():
     parser.add_argument("--fake", action="store_true", help="one CPU process, rank 0 of a "
                         "fake group; with the floor of the eager ratio")
     parser.add_argument("--sizes", nargs="*", help="default: all (small only with --quick)")
-    parser.add_argument("--variants", nargs="*", default=VARIANTS, choices=VARIANTS)
+    parser.add_argument("--variants", nargs="*", choices=VARIANTS + (HANDWRITTEN,),
+                        help=f"default: all ({HANDWRITTEN} too with --replicated-head and "
+                             "no --meta-init)")
     parser.add_argument("--replicated-head", dest="loss_parallel", action="store_false",
                         help="gather the logits and take F.cross_entropy on every rank "
                              "(default: loss parallel, torchtitan's default)")
@@ -336,6 +349,12 @@ def main():
     args = parser.parse_args()
     args.meta_init = args.meta_init or args.cuda
     args.fake = args.fake or args.cuda
+    if args.variants is None:
+        args.variants = VARIANTS + (() if args.loss_parallel or args.meta_init else
+                                    (HANDWRITTEN,))
+    if HANDWRITTEN in args.variants and (args.loss_parallel or args.meta_init):
+        parser.error(f"{HANDWRITTEN} gathers its logits and slices weights it was built "
+                     "with: run it with --replicated-head and without --meta-init")
     report = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
               "mesh": ("dp 2 x tp 2, rank 0 of a fake group on " +
                        (torch.cuda.get_device_name() if args.cuda else "one CPU thread")
@@ -359,6 +378,12 @@ def main():
                     if key in fx_ and key in dt}
                 if "shared_ms" in fx_:
                     rows[f"ratio_{mode}"]["floor"] = fx_["shared_ms"] / dt["median_ms"]
+        hand, dt = rows.get(HANDWRITTEN, {}), rows.get("dtensor_eager", {})
+        if "median_ms" in hand and "median_ms" in dt:
+            rows["ratio_handwritten_eager"] = {
+                "handwritten / dtensor": hand["median_ms"] / dt["median_ms"],
+                **({"fxtp / handwritten": rows["fxtp_eager"]["median_ms"] / hand["median_ms"]}
+                   if "median_ms" in rows.get("fxtp_eager", {}) else {})}
         print(size, json.dumps(rows, indent=1), flush=True)
     RESULTS.mkdir(exist_ok=True)
     name = ("scale_out_cuda" if args.cuda else "scale_out_fake" if args.fake else
