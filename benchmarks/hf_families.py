@@ -52,6 +52,8 @@ OWN = {  # what a family's config needs beyond SMALL to build and run small
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
     "gemma3n_text": dict(num_kv_shared_layers=0),  # its 15 shared layers of 2
     "longcat_flash": dict(head_dim=4),
+    "qwen4_exp_text": dict(indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=4,
+                           indexer_budget=4, indexer_compress_ratio=2),  # its attention's
 }
 SKIP = {"phi4_multimodal": "its default audio and vision towers do not fit a small config",
         "llama4": "its config is the multimodal one; its causal LM is llama4_text's"}
