@@ -593,3 +593,75 @@ def test_a_no_grad_region_runs_without_autograd(ranks):
     computed whole from its spectral norm (the plan is told so), and the colwise layer
     takes its rows."""
     assert ranks.run(spectral)[0] == ({"all_reduce": 1}, {"all_reduce": 1, "all_gather": 1})
+
+
+class DiTBlock(nn.Module):
+    """A diffusion transformer's block as DiT writes it: adaptive layer norm, its shift,
+    scale and gate per sample and feature cut from one projection of the conditioning by
+    ``chunk``."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(DIM, elementwise_affine=False)
+        self.norm2 = nn.LayerNorm(DIM, elementwise_affine=False)
+        self.qkv = nn.Linear(DIM, 3 * DIM)
+        self.proj = nn.Linear(DIM, DIM)
+        self.fc1 = nn.Linear(DIM, 4 * DIM)
+        self.fc2 = nn.Linear(4 * DIM, DIM)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(DIM, 6 * DIM))
+
+    def attention(self, x):
+        qkv = self.qkv(x).reshape(B, T, 3, HEADS, HEAD).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(*qkv.unbind(0))
+        return self.proj(out.transpose(1, 2).reshape(B, T, DIM))
+
+    def forward(self, x, c):
+        def modulate(h, shift, scale):
+            return h * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+        shift1, scale1, gate1, shift2, scale2, gate2 = self.adaLN_modulation(c).chunk(6, dim=1)
+        x = x + gate1.unsqueeze(1) * self.attention(modulate(self.norm1(x), shift1, scale1))
+        mlp = self.fc2(F.gelu(self.fc1(modulate(self.norm2(x), shift2, scale2)),
+                              approximate="tanh"))
+        return x + gate2.unsqueeze(1) * mlp
+
+
+class DiT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.t_embedder = nn.Sequential(nn.Linear(1, DIM), nn.SiLU(), nn.Linear(DIM, DIM))
+        self.blocks = nn.ModuleList([DiTBlock(), DiTBlock()])
+        self.final = nn.Linear(DIM, DIM)
+
+    def forward(self, x, t):
+        c = self.t_embedder(t)
+        for block in self.blocks:
+            x = block(x, c)
+        return self.final(x)
+
+
+DIT_PLAN = {"blocks.*.qkv": fxtp.ColwiseParallel(), "blocks.*.proj": fxtp.RowwiseParallel(),
+            "blocks.*.fc1": fxtp.ColwiseParallel(), "blocks.*.fc2": fxtp.RowwiseParallel()}
+
+
+def dit(rank, world, modulation):
+    plan = {**DIT_PLAN, "blocks.*.adaLN_modulation.1": modulation}
+    return check_parity(rank, world, DiT, plan, [example(B, T, DIM), example(B, 1, seed=2)],
+                        dtype=torch.float64, strict=False)
+
+
+def test_a_dits_modulation_gathered_where_it_is_made_costs_one_all_gather_a_block(ranks):
+    """``ColwiseParallel(output_layouts=Replicate())`` on ``adaLN_modulation``: each rank
+    keeps its rows of the (large) weight, and the small per-sample vectors are gathered
+    where they are made. Megatron's all-reduces each way; backward one more, the
+    conditioning's gradient (both blocks' partial sums, reduced once)."""
+    replicated = fxtp.ColwiseParallel(output_layouts=fxtp.Replicate())
+    assert ranks.run(dit, replicated)[0] == ({"all_gather": 2, "all_reduce": 4},
+                                             {"all_reduce": 5})
+
+
+def test_a_colwise_output_cut_by_chunk_is_cut_as_on_one_device(ranks2):
+    """Left sharded, each ``chunk`` of the modulation is each rank's share of that chunk
+    (DTensor's local output would be cut into the wrong pieces), and the numbers match.
+    It costs more than gathering the modulation (README: Semantics): the residual stream
+    runs sharded by feature, and what reads it whole gathers it."""
+    ranks2.run(dit, fxtp.ColwiseParallel())
