@@ -1,0 +1,77 @@
+"""What a placed program sends: the cost model of the passes that try a placement and keep
+it only if the program then sends less (:mod:`~fxtp.passes.unpin`,
+:mod:`~fxtp.passes.gather_early`)."""
+from __future__ import annotations
+
+import math
+
+import torch.fx as fx
+
+from .collectives import CONJUGATES, conjugates
+from .errors import StampMismatch
+from .gradients import gradient_carriers
+from .graph import COLLECTIVE, FALLBACK, STAMP, module_fqn, val
+from .placement import numel_hint
+from .rewrite import rewrite
+
+
+def program_cost(gm: fx.GraphModule, world: int) -> tuple[float, int]:
+    """What the program sends per rank, forward and backward (ring bytes and a fixed cost per
+    collective), as the rewrite makes it of ``gm``'s placements (on a copy of the graph),
+    and its fallbacks; ``inf`` where the rewrite refuses the placements (a stamped block
+    placed unlike its reference)."""
+    fallbacks = sum(FALLBACK in n.meta for n in gm.graph.nodes)
+    original, graph, copies = gm.graph, fx.Graph(owning_module=gm), {}
+    outputs, output = graph.graph_copy(original, copies, return_output_node=True)
+    graph.output(outputs).meta.update(output.meta)
+    gm._graph = graph  # the module's own attributes, its code not regenerated
+    try:
+        rewrite(gm, "", 0, world)
+    except StampMismatch:
+        return math.inf, fallbacks
+    finally:
+        gm._graph = original
+    carries = gradient_carriers(graph, lambda n, v: n.op == "placeholder" or
+                                getattr(v, "requires_grad", False))
+    sent = {node: _sent(node, carries, world) for node in graph.nodes}
+    total = sum(sent.values())
+    stamps = [n.meta[STAMP] for n in graph.nodes if STAMP in n.meta]
+    entering = {copies[edge] for stamp in stamps for edge in stamp.inputs}
+    for reference in {stamp.reference for stamp in stamps}:  # a stamped block sends what
+        inside = sum(c for n, c in sent.items()  # its reference sends past its entry
+                     if f"{module_fqn(n)}.".startswith(f"{reference}.") and
+                     not set(n.users) <= entering)
+        total += inside * sum(stamp.reference == reference for stamp in stamps)
+    return total, fallbacks
+
+
+def _sent(node: fx.Node, carries: frozenset, world: int) -> float:
+    """What rewrite node ``node`` sends per rank, forward and backward (its gradient is
+    sent where its input carries one)."""
+    kind = node.meta.get(COLLECTIVE)
+    if kind == "grad_sync_bucket":
+        flows = any(p in carries for p in node.args[0])
+        return _ring("all_reduce", sum(_bytes(p) for p in node.args[0]), world) if flows else 0
+    if kind not in CONJUGATES:
+        return 0.0
+    forward, backward = conjugates(node, carries)
+    return (_ring(forward, _bytes(node.args[0]), world) if forward else 0.0) + \
+        (_ring(backward, _bytes(node), world) if backward else 0.0)
+
+
+def _bytes(node: fx.Node) -> int:
+    """The bytes of ``node``'s whole (global) value."""
+    return numel_hint(val(node)) * val(node).dtype.itemsize
+
+
+STARTUP_BYTES = 1 << 18
+"""A collective's fixed cost, in the bytes a ring sends in that time (tens of microseconds
+on NVLink, more over gloo): a trial trading one collective for several small ones costs
+more, not less."""
+
+
+def _ring(kind: str, nbytes: float, world: int) -> float:
+    """Bytes one rank sends in a ring ``kind`` of a tensor of ``nbytes`` whole, plus
+    :data:`STARTUP_BYTES`."""
+    share = (world - 1) / world * nbytes
+    return (2 * share if kind == "all_reduce" else share) + STARTUP_BYTES
