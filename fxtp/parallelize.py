@@ -24,6 +24,7 @@ from .passes.decompose import (decompose_sharded_norms, decompose_sharded_unrule
 from .passes.buffers import shard_written_buffers
 from .passes.localize import localize
 from .passes.modules import generate_code, outline_modules, scope_of, stamp_modules
+from .passes.gather_early import gather_early
 from .passes.graph import PLACEMENT, calls_of, keep_on_copy
 from .passes.posing import copy_data_attributes, give_parameter_properties
 from .passes.propagate import propagate
@@ -213,6 +214,8 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
             fallbacks = place()
             unpinned = unpin_layouts(gm, group.world, place)
             fallbacks = fallbacks if unpinned is None else unpinned
+            gathered = gather_early(gm, group.world)  # last: propagation would undo it
+            fallbacks = fallbacks if gathered is None else gathered
             fallbacks += copied_fallbacks(gm, stamped)
             if strict and fallbacks:  # raises on the first
                 propagate(gm, group.world, strict=True)

@@ -646,22 +646,27 @@ DIT_PLAN = {"blocks.*.qkv": fxtp.ColwiseParallel(), "blocks.*.proj": fxtp.Rowwis
 def dit(rank, world, modulation):
     plan = {**DIT_PLAN, "blocks.*.adaLN_modulation.1": modulation}
     return check_parity(rank, world, DiT, plan, [example(B, T, DIM), example(B, 1, seed=2)],
-                        dtype=torch.float64, strict=False)
+                        dtype=torch.float64, strict=True)
+
+
+GATHERED_ONCE_A_BLOCK = ({"all_gather": 2, "all_reduce": 4}, {"all_reduce": 5})
+"""Each block's modulation gathered where it is made, Megatron's all-reduces each way, and
+backward the conditioning's gradient (both blocks' partial sums, reduced once)."""
 
 
 def test_a_dits_modulation_gathered_where_it_is_made_costs_one_all_gather_a_block(ranks):
     """``ColwiseParallel(output_layouts=Replicate())`` on ``adaLN_modulation``: each rank
     keeps its rows of the (large) weight, and the small per-sample vectors are gathered
-    where they are made. Megatron's all-reduces each way; backward one more, the
-    conditioning's gradient (both blocks' partial sums, reduced once)."""
+    where they are made."""
     replicated = fxtp.ColwiseParallel(output_layouts=fxtp.Replicate())
-    assert ranks.run(dit, replicated)[0] == ({"all_gather": 2, "all_reduce": 4},
-                                             {"all_reduce": 5})
+    assert ranks.run(dit, replicated)[0] == GATHERED_ONCE_A_BLOCK
 
 
-def test_a_colwise_output_cut_by_chunk_is_cut_as_on_one_device(ranks2):
-    """Left sharded, each ``chunk`` of the modulation is each rank's share of that chunk
-    (DTensor's local output would be cut into the wrong pieces), and the numbers match.
-    It costs more than gathering the modulation (README: Semantics): the residual stream
-    runs sharded by feature, and what reads it whole gathers it."""
-    ranks2.run(dit, fxtp.ColwiseParallel())
+def test_a_sharded_modulation_is_gathered_before_it_meets_the_residual_stream(ranks):
+    """Left sharded (``ColwiseParallel()``), each ``chunk`` of the modulation is each rank's
+    share of that chunk (DTensor's local output would be cut into the wrong pieces).
+    Placed op by op, the modulated activations and the residual stream would run sharded
+    by feature, to be gathered by each projection and by the unplanned final layer (8
+    all-gathers forward, a fallback); gathered where it is smallest, before ``chunk``, it
+    costs what the replicated layout does (``passes/gather_early.py``)."""
+    assert ranks.run(dit, fxtp.ColwiseParallel())[0] == GATHERED_ONCE_A_BLOCK

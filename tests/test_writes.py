@@ -220,3 +220,33 @@ def test_a_round_trip_around_a_write_is_kept():
     cancel_round_trips(graph)
     assert [n.target for n in graph.nodes if n.op == "call_function"] == [
         C.shard, torch.ops.aten.mul_.Tensor, C.all_gather]
+
+
+class ScaledViewedWritten(nn.Module):
+    """A small sharded gate scales a large replicated value (the result is sharded), a view
+    of the result is taken, the result is written in place, and the view is read after the
+    write by an unplanned layer that needs it whole. Gathering the gate instead of the
+    result (``passes/gather_early.py``) would compute the result and its view whole, as a
+    copy of what the write then lands in: the view must keep seeing the write."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.out = nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x):
+        h = x * self.gate(x.mean(1)).unsqueeze(1)
+        v = h.view(B * T, D)
+        h.mul_(2.0)
+        return self.out(v * 3.0)
+
+
+def scaled_viewed_written(rank, world):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the unplanned layer's gather
+        return check_parity(rank, world, ScaledViewedWritten, {"gate": fxtp.ColwiseParallel()},
+                            [example(B, T, D)], dtype=torch.float64)
+
+
+def test_a_view_read_after_a_write_is_not_computed_whole_from_a_gathered_gate(ranks):
+    fwd, _ = ranks.run(scaled_viewed_written)[0]
+    assert fwd == {"all_gather": 1}

@@ -1,0 +1,214 @@
+"""Gather a sharded value where it is smallest.
+
+Propagation places one op at a time, taking for each the layout that costs least where it
+is, and a slice of a replicated value costs nothing. So a small sharded value meeting a
+large replicated one makes the result sharded, and a reader that needs it whole gathers
+the large value later. DiT's adaptive layer norm planned ``ColwiseParallel()`` gives
+per-sample shift, scale and gate vectors sharded by feature: the modulated activations
+and then the residual stream ran sharded, and each block's projections gathered their
+inputs. Computed whole from the small vectors, gathered where they are made, the block
+sends those vectors only. This is the dual of :mod:`~fxtp.passes.reduce_early`, which
+reduces a partial value where it is smallest.
+
+:func:`gather_early` labels each value either "as placed" or "whole", computed by its op
+from whole inputs; a value kept as placed costs a gather (once, shared by its readers)
+where a reader needs it whole, or is made whole. The labels sending the fewest bytes
+forward are a minimum s-t cut (each term is a gather's cost or a constraint on two
+labels). Only values that may be recomputed change: ops with a rule and a replicated
+strategy, deterministic, not writing in place, not plan layouts, block boundaries or
+pinned values, sharing no memory with a value written in place (a view made whole would
+be a copy, blind to the writes), reading no parameter (computed whole, a parameter's gradient would be
+summed from partial sums: Hugging Face's RMSNorm scales by its weight after casting back
+from fp32, and in an fp64 model gathering before that cast sends less forward but
+all-reduces backward where a reduce-scatter served), and not returned as placed. It rewrites placements only (``meta[PLACEMENT]``, ``meta[INPUTS]``);
+the rewrite pass inserts the gathers. The result is kept only if the program then sends
+strictly less, forward and backward (:func:`~fxtp.passes.program_cost.program_cost`),
+with no more fallbacks: a reader that gathered a sharded value for want of a strategy no
+longer does when the value arrives whole.
+"""
+from __future__ import annotations
+
+import collections
+import math
+import operator
+from typing import Optional
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.distributed.tensor import Partial
+
+from .aliases import written_groups
+from .graph import (FALLBACK, INPUTS, PINNED, PLACEMENT, STAMP, attr, branches, layout,
+                    placement_of, stamp_edge, tensor_inputs, val)
+from .placement import R, is_narrowing, is_replicate, transition_cost
+from .program_cost import program_cost
+from .rules import rule_for, writes_first_input, written_args
+
+
+def gather_early(gm: fx.GraphModule, world: int) -> Optional[list]:
+    """Compute whole the values whose inputs are cheaper to gather than they are, where the
+    program then sends less; return the fallbacks if placements changed, else ``None``."""
+    if any(branches(gm, node) for node in gm.graph.nodes):
+        return None  # the rewrite edits torch.cond branches in place: no trial run
+    whole = _cut(gm, world)
+    if not whole:
+        return None
+    cost, fallbacks = program_cost(gm, world)
+    saved = {n: {k: n.meta[k] for k in (INPUTS, PLACEMENT, FALLBACK) if k in n.meta}
+             for n in gm.graph.nodes}
+    _make_whole(gm, whole)
+    now, now_fallbacks = program_cost(gm, world)
+    if now < cost and now_fallbacks <= fallbacks:
+        return [n.meta[FALLBACK] for n in gm.graph.nodes if FALLBACK in n.meta]
+    for node, meta in saved.items():
+        for key in (INPUTS, PLACEMENT, FALLBACK):
+            node.meta.pop(key, None)
+        node.meta.update(meta)
+    return None
+
+
+def _placed_whole(node: fx.Node) -> bool:
+    placement = placement_of(node)
+    if isinstance(placement, tuple):
+        return all(p is None or is_replicate(p) for p in placement)
+    return placement is None or is_replicate(placement)
+
+
+def _needs(reader: fx.Node, node: fx.Node) -> list:
+    """What ``reader`` takes ``node`` as, once per time it reads it (``None``: as placed)."""
+    needs = reader.meta.get(INPUTS) or ()
+    return [need for x, need in zip(tensor_inputs(reader), needs) if x is node]
+
+
+def _recomputable(gm: fx.GraphModule, node: fx.Node, world: int) -> bool:
+    """An op this pass may compute whole from whole inputs."""
+    if node.op != "call_function" or node.target in (layout, stamp_edge, operator.getitem) \
+            or {STAMP, PINNED, FALLBACK} & node.meta.keys():
+        return False
+    rule = rule_for(node.target)
+    tags = getattr(node.target, "tags", ())
+    if rule is None or torch.Tag.nondeterministic_seeded in tags or \
+            writes_first_input(node.target) or written_args(node.target):
+        return False
+    inputs = tensor_inputs(node)
+    if not inputs or any(a.op == "get_attr" and isinstance(attr(gm, a.target), nn.Parameter)
+                         for a in inputs):
+        return False  # whole, it would change how the parameter's gradient is reduced
+    return any(all(o is None or is_replicate(o) for o in outs) and
+               all(i is None or is_replicate(i) for i in ins)
+               for ins, outs in rule.strategies(node, world, [R] * len(inputs)))
+
+
+def _cut(gm: fx.GraphModule, world: int) -> set:
+    """The values (and tuple-valued ops) to compute whole: a minimum cut of the forward's
+    gather bytes, with the fewest values changed among the cuts of that cost."""
+    nodes = [n for n in gm.graph.nodes if not _placed_whole(n)]
+    label = {}  # a value -> the node whose label it shares (a tuple's items: the tuple op)
+    for node in nodes:
+        source = node.args[0] if node.target is operator.getitem else node
+        label[node] = source
+    written = {n for node in gm.graph.nodes for group in written_groups(node) for n in group}
+    free = {n for n in nodes if label[n] is n and n not in written and
+            _recomputable(gm, n, world)}  # a copy would not see the writes a view sees
+    for node in nodes:  # returned as placed, read as placed by what keeps its copy, or
+        for reader in node.users:  # read as a partial sum
+            keeps = reader.op == "output" or reader.target is stamp_edge
+            for need in _needs(reader, node):
+                taken = placement_of(node) if need is None else need
+                if keeps and need is None or isinstance(taken, Partial):
+                    free.discard(label[node])
+    flow = _Flow()
+    for node in nodes:
+        x = ("x", label[node]) if label[node] in free else None
+        if isinstance(val(node), torch.Tensor):
+            y, cost = ("y", node), transition_cost(placement_of(node), R, val(node), world)
+            flow.add(x or flow.SOURCE, y, cost)
+            for reader in node.users:
+                for need in _needs(reader, node):
+                    if need is not None and need != placement_of(node) and \
+                            not is_narrowing(placement_of(node), need, val(node), world):
+                        flow.add(y, flow.SINK, math.inf)  # gathered now
+                    elif reader in free:
+                        flow.add(y, ("x", reader), math.inf)  # whole, it reads it whole
+        if x is not None and label[node] is node:
+            for a in tensor_inputs(node):
+                if not _placed_whole(a):
+                    flow.add(("y", a), x, math.inf)
+    return {node for node in nodes if ("x", label[node]) in flow.sink_side()}
+
+
+def _make_whole(gm: fx.GraphModule, whole: set) -> None:
+    """Place each node of ``whole`` replicated, computed from replicated inputs, and have
+    its other readers take it as before (a shard: a local slice)."""
+    old = {n: placement_of(n) for n in whole}
+    for node in whole:
+        placement = placement_of(node)
+        node.meta[PLACEMENT] = tuple(R for _ in placement) if isinstance(placement, tuple) \
+            else R
+    for node in whole:
+        if node.target is not operator.getitem:
+            node.meta[INPUTS] = tuple(None if _placed_whole(a) else R
+                                      for a in tensor_inputs(node))
+    readers = collections.OrderedDict.fromkeys(r for n in whole for r in n.users
+                                               if r not in whole)
+    for reader in readers:
+        needs = list(reader.meta.get(INPUTS) or ())
+        for i, x in enumerate(tensor_inputs(reader)):
+            if x in old and i < len(needs):
+                needs[i] = old[x] if needs[i] is None else \
+                    None if is_replicate(needs[i]) else needs[i]
+        reader.meta[INPUTS] = tuple(needs)
+        if FALLBACK in reader.meta and all(
+                _placed_whole(x) or need is None or not is_replicate(need)
+                for x, need in zip(tensor_inputs(reader), needs)):
+            del reader.meta[FALLBACK]
+
+
+class _Flow:
+    """A flow network for a minimum s-t cut (augmenting paths, breadth first)."""
+
+    SOURCE, SINK = ("source",), ("sink",)
+
+    def __init__(self):
+        self.capacity: dict = collections.defaultdict(dict)
+
+    def add(self, u, v, capacity: float) -> None:
+        if capacity > 0 and u != v:
+            self.capacity[u][v] = self.capacity[u].get(v, 0.0) + capacity
+            self.capacity[v].setdefault(u, 0.0)
+
+    def sink_side(self) -> set:
+        """The nodes on the sink's side of a minimum cut: those that can still reach the
+        sink once no augmenting path is left (the smallest such side)."""
+        residual = self.capacity
+        while True:
+            parent = {self.SOURCE: None}
+            queue = collections.deque([self.SOURCE])
+            while queue and self.SINK not in parent:
+                u = queue.popleft()
+                for v, c in residual[u].items():
+                    if c > 0 and v not in parent:
+                        parent[v] = u
+                        queue.append(v)
+            if self.SINK not in parent:
+                break
+            path, v = [], self.SINK
+            while parent[v] is not None:
+                path.append((parent[v], v))
+                v = parent[v]
+            pushed = min(residual[u][v] for u, v in path)
+            if pushed == math.inf:
+                return set()  # no finite cut: leave every value as placed
+            for u, v in path:
+                residual[u][v] -= pushed
+                residual[v][u] += pushed
+        reaches = {self.SINK}
+        queue = collections.deque([self.SINK])
+        while queue:
+            v = queue.popleft()
+            for u in residual[v]:
+                if u not in reaches and residual[u][v] > 0:
+                    reaches.add(u)
+                    queue.append(u)
+        return reaches
