@@ -10,21 +10,24 @@ inputs. Computed whole from the small vectors, gathered where they are made, the
 sends those vectors only. This is the dual of :mod:`~fxtp.passes.reduce_early`, which
 reduces a partial value where it is smallest.
 
-:func:`gather_early` labels each value either "as placed" or "whole", computed by its op
-from whole inputs; a value kept as placed costs a gather (once, shared by its readers)
-where a reader needs it whole, or is made whole. The labels sending the fewest bytes
-forward are a minimum s-t cut (each term is a gather's cost or a constraint on two
-labels). Only values that may be recomputed change: ops with a rule and a replicated
-strategy, deterministic, not writing in place, not plan layouts, block boundaries or
-pinned values, sharing no memory with a value written in place (a view made whole would
-be a copy, blind to the writes), reading no parameter (computed whole, a parameter's gradient would be
-summed from partial sums: Hugging Face's RMSNorm scales by its weight after casting back
-from fp32, and in an fp64 model gathering before that cast sends less forward but
-all-reduces backward where a reduce-scatter served), and not returned as placed. It rewrites placements only (``meta[PLACEMENT]``, ``meta[INPUTS]``);
-the rewrite pass inserts the gathers. The result is kept only if the program then sends
-strictly less, forward and backward (:func:`~fxtp.passes.program_cost.program_cost`),
-with no more fallbacks: a reader that gathered a sharded value for want of a strategy no
-longer does when the value arrives whole.
+:func:`gather_early` labels each value either "as placed" or "whole" (computed by its op
+from whole inputs). A value kept as placed costs one gather, shared by its readers, if a
+reader needs it whole, that reader being made whole included. The labels sending the
+fewest bytes forward are a minimum s-t cut: each term is a gather's cost or a constraint
+on two labels. Only values that may be recomputed change their label: ops with a rule and
+a replicated strategy, deterministic, not writing in place, not plan layouts, block
+boundaries or pinned values, not returned as placed, sharing no memory with a value
+written in place (a view made whole would be a copy, blind to the writes), and reading no
+parameter (computed whole, its gradient would be summed from partial sums: in an fp64
+model Hugging Face's RMSNorm casts to fp32 and back before scaling by its weight, and
+gathering before that cast sends less forward but all-reduces backward where a
+reduce-scatter served).
+
+It rewrites placements only (``meta[PLACEMENT]``, ``meta[INPUTS]``); the rewrite pass
+inserts the gathers. The result is kept only if the program then sends strictly less,
+forward and backward (:func:`~fxtp.passes.program_cost.program_cost`), with no more
+fallbacks: a reader that gathered a sharded value for want of a strategy no longer does
+when the value arrives whole.
 """
 from __future__ import annotations
 
