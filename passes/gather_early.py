@@ -46,7 +46,7 @@ from .graph import (FALLBACK, INPUTS, PINNED, PLACEMENT, STAMP, attr, branches, 
                     placement_of, stamp_edge, tensor_inputs, val)
 from .placement import R, is_narrowing, is_replicate, transition_cost
 from .program_cost import program_cost
-from .rules import rule_for, writes_first_input, written_args
+from .rules import rule_for, written_args
 
 
 def gather_early(gm: fx.GraphModule, world: int) -> Optional[list]:
@@ -91,8 +91,7 @@ def _recomputable(gm: fx.GraphModule, node: fx.Node, world: int) -> bool:
         return False
     rule = rule_for(node.target)
     tags = getattr(node.target, "tags", ())
-    if rule is None or torch.Tag.nondeterministic_seeded in tags or \
-            writes_first_input(node.target) or written_args(node.target):
+    if rule is None or torch.Tag.nondeterministic_seeded in tags or written_args(node.target):
         return False
     inputs = tensor_inputs(node)
     if not inputs or any(a.op == "get_attr" and isinstance(attr(gm, a.target), nn.Parameter)
@@ -107,10 +106,8 @@ def _cut(gm: fx.GraphModule, world: int) -> set:
     """The values (and tuple-valued ops) to compute whole: a minimum cut of the forward's
     gather bytes, with the fewest values changed among the cuts of that cost."""
     nodes = [n for n in gm.graph.nodes if not _placed_whole(n)]
-    label = {}  # a value -> the node whose label it shares (a tuple's items: the tuple op)
-    for node in nodes:
-        source = node.args[0] if node.target is operator.getitem else node
-        label[node] = source
+    # the node whose label a value shares: a tuple's items share the tuple op's
+    label = {n: n.args[0] if n.target is operator.getitem else n for n in nodes}
     written = {n for node in gm.graph.nodes for group in written_groups(node) for n in group}
     free = {n for n in nodes if label[n] is n and n not in written and
             _recomputable(gm, n, world)}  # a copy would not see the writes a view sees
@@ -138,7 +135,8 @@ def _cut(gm: fx.GraphModule, world: int) -> set:
             for a in tensor_inputs(node):
                 if not _placed_whole(a):
                     flow.add(("y", a), x, math.inf)
-    return {node for node in nodes if ("x", label[node]) in flow.sink_side()}
+    whole = flow.sink_side()
+    return {node for node in nodes if ("x", label[node]) in whole}
 
 
 def _make_whole(gm: fx.GraphModule, whole: set) -> None:
@@ -153,8 +151,7 @@ def _make_whole(gm: fx.GraphModule, whole: set) -> None:
         if node.target is not operator.getitem:
             node.meta[INPUTS] = tuple(None if _placed_whole(a) else R
                                       for a in tensor_inputs(node))
-    readers = collections.OrderedDict.fromkeys(r for n in whole for r in n.users
-                                               if r not in whole)
+    readers = dict.fromkeys(r for n in whole for r in n.users if r not in whole)
     for reader in readers:
         needs = list(reader.meta.get(INPUTS) or ())
         for i, x in enumerate(tensor_inputs(reader)):
