@@ -22,6 +22,13 @@ def _all_reduce(x, group):
     return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), "sum", group))
 
 
+def _all_gather(x, dim, world, group):
+    """The ranks' ``x`` concatenated along ``dim`` (a view, contiguous only for dim 0)."""
+    out = _c10d.wait_tensor(_c10d.all_gather_into_tensor(
+        x.movedim(dim, 0).contiguous(), world, group))
+    return out.movedim(0, dim)
+
+
 class _ReduceFromTP(torch.autograd.Function):
     """Megatron's ``g``: all-reduce forward, identity backward."""
 
@@ -51,9 +58,7 @@ class _GatherLastDim(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, rank, world, group):
         ctx.args = rank, world
-        out = _c10d.wait_tensor(_c10d.all_gather_into_tensor(
-            x.movedim(-1, 0).contiguous(), world, group))
-        return out.movedim(0, -1).contiguous()
+        return _all_gather(x, -1, world, group).contiguous()
 
     @staticmethod
     def backward(ctx, grad):
@@ -112,9 +117,7 @@ def handwritten_tp(model: Llama, rank: int, world: int, group: str) -> Llama:
 
 
 def _sequence_all_gather(x, world, group):
-    out = _c10d.wait_tensor(_c10d.all_gather_into_tensor(
-        x.movedim(1, 0).contiguous(), world, group))
-    return out.movedim(0, 1)
+    return _all_gather(x, 1, world, group)
 
 
 def _sequence_reduce_scatter(x, world, group):
