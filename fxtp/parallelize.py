@@ -39,7 +39,7 @@ from .passes.unused import drop_unused
 from .dump import Dumper
 from .dtensor_outputs import dtensor_positions, hand_out_dtensors
 from .dtensor_params import as_dtensors
-from .passes.errors import InputError, PlanError, StampMismatch
+from .passes.errors import InputError, PlanError, ShardingError, StampMismatch
 from .guards import (check_fresh, check_same_on_every_rank, guard_arguments, guard_casts,
                      guard_inputs)
 from .materialize import fake_tensors, materialize, meta_tensors, swapped
@@ -266,6 +266,8 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
                 gm = passes(keep_stamps=True)
             except StampMismatch:  # one cannot run its reference's program: each is copied
                 pass
+            except ShardingError:  # placed each on its own, blocks traced in full may need
+                pass  # no fallback (an unplanned patch embedding held sharded for block 0)
         gm = gm or passes(keep_stamps=False)
     for message in [*gm.fxtp.fallbacks, *gm.fxtp.unplanned_outputs, *gm.fxtp.uncalled.values()]:
         warnings.warn("fxtp: " + message, stacklevel=2)
