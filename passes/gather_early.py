@@ -18,10 +18,13 @@ on two labels. Only values that may be recomputed change their label: ops with a
 a replicated strategy, deterministic, not writing in place, not plan layouts, block
 boundaries or pinned values, not returned as placed, sharing no memory with a value
 written in place (a view made whole would be a copy, blind to the writes), and reading no
-parameter (computed whole, its gradient would be summed from partial sums: in an fp64
-model Hugging Face's RMSNorm casts to fp32 and back before scaling by its weight, and
-gathering before that cast sends less forward but all-reduces backward where a
-reduce-scatter served).
+parameter whole or planned (computed whole, its gradient would be summed from partial
+sums: in an fp64 model Hugging Face's RMSNorm casts to fp32 and back before scaling by its
+weight, and gathering before that cast sends less forward but all-reduces backward where
+a reduce-scatter served). A parameter no style places, which propagation held as the
+shard its readers took, may be held whole again at no cost: DiT's unplanned patch
+embedding, sharded to feed a sharded residual stream, is whole again once the stream is.
+A gather costs its bytes and a collective's start, as the trial weighs it.
 
 It rewrites placements only (``meta[PLACEMENT]``, ``meta[INPUTS]``); the rewrite pass
 inserts the gathers. The result is kept only if the program then sends strictly less,
@@ -42,10 +45,10 @@ import torch.nn as nn
 from torch.distributed.tensor import Partial
 
 from .aliases import written_groups
-from .graph import (FALLBACK, INPUTS, PINNED, PLACEMENT, STAMP, attr, branches, layout,
-                    placement_of, stamp_edge, tensor_inputs, val)
+from .graph import (FALLBACK, INPUTS, PINNED, PLACEMENT, STAMP, UNPLANNED, attr, branches,
+                    layout, placement_of, stamp_edge, tensor_inputs, val)
 from .placement import R, is_narrowing, is_replicate, transition_cost
-from .program_cost import program_cost
+from .program_cost import STARTUP_BYTES, program_cost
 from .rules import rule_for, written_args
 
 
@@ -84,8 +87,18 @@ def _needs(reader: fx.Node, node: fx.Node) -> list:
     return [need for x, need in zip(tensor_inputs(reader), needs) if x is node]
 
 
+def _held_sharded(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """A parameter no style places that propagation holds as the shard its readers took:
+    held whole again, it needs no collective."""
+    return node.op == "get_attr" and node.meta.get(UNPLANNED, False) and \
+        not _placed_whole(node) and isinstance(attr(gm, node.target), nn.Parameter)
+
+
 def _recomputable(gm: fx.GraphModule, node: fx.Node, world: int) -> bool:
-    """An op this pass may compute whole from whole inputs."""
+    """An op this pass may compute whole from whole inputs, or a parameter it may hold
+    whole."""
+    if _held_sharded(gm, node):
+        return True
     if node.op != "call_function" or node.target in (layout, stamp_edge, operator.getitem) \
             or {STAMP, PINNED, FALLBACK} & node.meta.keys():
         return False
@@ -95,7 +108,7 @@ def _recomputable(gm: fx.GraphModule, node: fx.Node, world: int) -> bool:
         return False
     inputs = tensor_inputs(node)
     if not inputs or any(a.op == "get_attr" and isinstance(attr(gm, a.target), nn.Parameter)
-                         for a in inputs):
+                         and not _held_sharded(gm, a) for a in inputs):
         return False  # whole, it would change how the parameter's gradient is reduced
     return any(all(o is None or is_replicate(o) for o in outs) and
                all(i is None or is_replicate(i) for i in ins)
@@ -122,7 +135,8 @@ def _cut(gm: fx.GraphModule, world: int) -> set:
     for node in nodes:
         x = ("x", label[node]) if label[node] in free else None
         if isinstance(val(node), torch.Tensor):
-            y, cost = ("y", node), transition_cost(placement_of(node), R, val(node), world)
+            y = ("y", node)  # a gather: its bytes and a collective's start, as the trial
+            cost = transition_cost(placement_of(node), R, val(node), world) + STARTUP_BYTES
             flow.add(x or flow.SOURCE, y, cost)
             for reader in node.users:
                 for need in _needs(reader, node):
@@ -131,7 +145,7 @@ def _cut(gm: fx.GraphModule, world: int) -> set:
                         flow.add(y, flow.SINK, math.inf)  # gathered now
                     elif reader in free:
                         flow.add(y, ("x", reader), math.inf)  # whole, it reads it whole
-        if x is not None and label[node] is node:
+        if x is not None and node.op == "call_function":
             for a in tensor_inputs(node):
                 if not _placed_whole(a):
                     flow.add(("y", a), x, math.inf)
@@ -148,7 +162,7 @@ def _make_whole(gm: fx.GraphModule, whole: set) -> None:
         node.meta[PLACEMENT] = tuple(R for _ in placement) if isinstance(placement, tuple) \
             else R
     for node in whole:
-        if node.target is not operator.getitem:
+        if node.op == "call_function" and node.target is not operator.getitem:
             node.meta[INPUTS] = tuple(None if _placed_whole(a) else R
                                       for a in tensor_inputs(node))
     readers = dict.fromkeys(r for n in whole for r in n.users if r not in whole)

@@ -20,6 +20,8 @@ passes (:class:`ModuleSharding`, :class:`ModuleCall`). Imports no pass.
                 into); propagation keeps it. buffers, unpin
 ``INTO_PARTIAL``  on an add or subtraction partial sums left unreduced may reach: it may add
                 a replicated operand into a partial one (on one rank). unpin
+``UNPLANNED``   on a parameter's ``get_attr`` that no style places: whole as far as the plan
+                goes, though propagation may hold it as the shard its readers take. seed
 ==============  ==========================================================================
 
 Every node also keeps export's ``val`` (a fake tensor with the *global* shape) and
@@ -46,6 +48,7 @@ MODE_REGION = "fxtp_mode_region"
 STAMP = "fxtp_stamp"
 PINNED = "fxtp_pinned"
 INTO_PARTIAL = "fxtp_into_partial"
+UNPLANNED = "fxtp_unplanned"
 
 Layouts = Optional[tuple[Optional[Placement], ...]]
 

@@ -13,8 +13,8 @@ import torch.fx as fx
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 from .errors import PlanError
-from .graph import (BOUNDARY, PLACEMENT, ModuleCall, ModuleSharding, calls_of, inside,
-                    layout, planned_placement, val)
+from .graph import (BOUNDARY, PLACEMENT, UNPLANNED, ModuleCall, ModuleSharding, attr,
+                    calls_of, inside, layout, planned_placement, val)
 from .placement import UnitShard, is_sharded, normalize
 
 aten = torch.ops.aten
@@ -26,7 +26,10 @@ def seed(gm: fx.GraphModule, shardings: dict[str, ModuleSharding],
     graph = gm.graph
     for node in graph.nodes:
         if node.op == "get_attr" and isinstance(val(node), torch.Tensor):
-            node.meta[PLACEMENT] = _param_placement(node, shardings, aliases.get(node.target))
+            planned = _param_placement(node, shardings, aliases.get(node.target))
+            node.meta[PLACEMENT] = planned or Replicate()
+            if planned is None and isinstance(attr(gm, node.target), torch.nn.Parameter):
+                node.meta[UNPLANNED] = True
             owner = node.target.rpartition(".")[0]
             _deal_indivisible(node, world, f"parameter '{node.target}'", shardings.get(owner))
         elif node.op == "placeholder":
@@ -49,9 +52,10 @@ def seed(gm: fx.GraphModule, shardings: dict[str, ModuleSharding],
     graph.lint()
 
 
-def _param_placement(node, shardings, fqns) -> Placement:
-    """The placement the plan gives a parameter under any of its (tied) names: names whose
-    module the plan leaves out follow the others; planned names must agree."""
+def _param_placement(node, shardings, fqns) -> Placement | None:
+    """The placement the plan gives a parameter under any of its (tied) names (``None``:
+    none): names whose module the plan leaves out follow the others; planned names must
+    agree."""
     planned = {}
     for fqn in fqns or [node.target]:
         p = planned_placement(shardings, fqn)
@@ -64,7 +68,7 @@ def _param_placement(node, shardings, fqns) -> Placement:
                         f"the input embedding RowwiseParallel() (vocab rows, Shard(0)) and "
                         f"the output projection ColwiseParallel() (vocab rows, Shard(0)), or "
                         f"plan one of them and leave the other out: it follows the tie")
-    return next(iter(planned.values()), Replicate())
+    return next(iter(planned.values()), None)
 
 
 def _deal_indivisible(node, world, what, sharding=None, uneven=True):

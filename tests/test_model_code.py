@@ -595,10 +595,14 @@ def test_a_no_grad_region_runs_without_autograd(ranks):
     assert ranks.run(spectral)[0] == ({"all_reduce": 1}, {"all_reduce": 1, "all_gather": 1})
 
 
+def modulate(h, shift, scale):
+    return h * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+
+
 class DiTBlock(nn.Module):
-    """A diffusion transformer's block as DiT writes it: adaptive layer norm, its shift,
-    scale and gate per sample and feature cut from one projection of the conditioning by
-    ``chunk``."""
+    """A diffusion transformer's block as facebookresearch/DiT writes it: adaptive layer
+    norm, its shift, scale and gate per sample and feature cut from one projection of the
+    conditioning by ``chunk``."""
 
     def __init__(self):
         super().__init__()
@@ -616,8 +620,6 @@ class DiTBlock(nn.Module):
         return self.proj(out.transpose(1, 2).reshape(B, T, DIM))
 
     def forward(self, x, c):
-        def modulate(h, shift, scale):
-            return h * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
         shift1, scale1, gate1, shift2, scale2, gate2 = self.adaLN_modulation(c).chunk(6, dim=1)
         x = x + gate1.unsqueeze(1) * self.attention(modulate(self.norm1(x), shift1, scale1))
         mlp = self.fc2(F.gelu(self.fc1(modulate(self.norm2(x), shift2, scale2)),
@@ -625,18 +627,35 @@ class DiTBlock(nn.Module):
         return x + gate2.unsqueeze(1) * mlp
 
 
+PATCH, CHANNELS, FREQUENCIES = 2, 3, 8
+
+
 class DiT(nn.Module):
+    """DiT's model around the blocks: a patch embedding (a strided convolution) plus a
+    frozen positional embedding, a sinusoidal timestep embedding through an MLP, and a
+    final layer with its own adaptive layer norm; none of them planned."""
+
     def __init__(self):
         super().__init__()
-        self.t_embedder = nn.Sequential(nn.Linear(1, DIM), nn.SiLU(), nn.Linear(DIM, DIM))
+        self.x_embedder = nn.Conv2d(CHANNELS, DIM, PATCH, stride=PATCH)
+        self.pos_embed = nn.Parameter(torch.randn(1, T, DIM), requires_grad=False)
+        self.t_embedder = nn.Sequential(nn.Linear(FREQUENCIES, DIM), nn.SiLU(),
+                                        nn.Linear(DIM, DIM))
         self.blocks = nn.ModuleList([DiTBlock(), DiTBlock()])
-        self.final = nn.Linear(DIM, DIM)
+        self.norm_final = nn.LayerNorm(DIM, elementwise_affine=False)
+        self.final_modulation = nn.Sequential(nn.SiLU(), nn.Linear(DIM, 2 * DIM))
+        self.final = nn.Linear(DIM, PATCH * PATCH * CHANNELS)
 
-    def forward(self, x, t):
-        c = self.t_embedder(t)
+    def forward(self, image, t):
+        x = self.x_embedder(image).flatten(2).transpose(1, 2) + self.pos_embed
+        half = FREQUENCIES // 2
+        freqs = torch.exp(-9.2103 * torch.arange(half, dtype=t.dtype) / half)
+        c = self.t_embedder(torch.cat([torch.cos(t[:, None] * freqs),
+                                       torch.sin(t[:, None] * freqs)], dim=-1))
         for block in self.blocks:
             x = block(x, c)
-        return self.final(x)
+        shift, scale = self.final_modulation(c).chunk(2, dim=1)
+        return self.final(modulate(self.norm_final(x), shift, scale))
 
 
 DIT_PLAN = {"blocks.*.qkv": fxtp.ColwiseParallel(), "blocks.*.proj": fxtp.RowwiseParallel(),
@@ -645,7 +664,8 @@ DIT_PLAN = {"blocks.*.qkv": fxtp.ColwiseParallel(), "blocks.*.proj": fxtp.Rowwis
 
 def dit(rank, world, modulation):
     plan = {**DIT_PLAN, "blocks.*.adaLN_modulation.1": modulation}
-    return check_parity(rank, world, DiT, plan, [example(B, T, DIM), example(B, 1, seed=2)],
+    image = example(B, CHANNELS, 2 * PATCH, T // 2 * PATCH)
+    return check_parity(rank, world, DiT, plan, [image, example(B, seed=2) * 1000],
                         dtype=torch.float64, strict=True)
 
 
@@ -666,7 +686,9 @@ def test_a_sharded_modulation_is_gathered_before_it_meets_the_residual_stream(ra
     """Left sharded (``ColwiseParallel()``), each ``chunk`` of the modulation is each rank's
     share of that chunk (DTensor's local output would be cut into the wrong pieces).
     Placed op by op, the modulated activations and the residual stream would run sharded
-    by feature, to be gathered by each projection and by the unplanned final layer (8
-    all-gathers forward, a fallback); gathered where it is smallest, before ``chunk``, it
-    costs what the replicated layout does (``passes/gather_early.py``)."""
+    by feature, to be gathered by each projection and by the unplanned final layer (10
+    all-gathers forward, a fallback), and the unplanned patch embedding would be held
+    sharded to feed them. Gathered where it is smallest, before ``chunk``, with the patch
+    embedding whole again (else block 0 gathers its output), it costs what the replicated
+    layout does (``passes/gather_early.py``)."""
     assert ranks.run(dit, fxtp.ColwiseParallel())[0] == GATHERED_ONCE_A_BLOCK

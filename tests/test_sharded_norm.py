@@ -308,11 +308,14 @@ class HandWrittenLayerNorm(nn.Module):
 
 
 def test_a_variance_written_by_hand_over_head_shards_matches_single_device(ranks2):
-    """``var`` and ``std`` over the sharded dim are their means' partial sums as well:
-    forward, the hand-written mean (1), ``var``'s mean and sum of squares (2), ``std``'s
-    (2), for q and k, and the rowwise output (1)."""
+    """``var`` and ``std`` over the sharded dim are their means' partial sums as well.
+    Forward, for q and for k: the three means (the hand-written one, ``var``'s and
+    ``std``'s) computed whole from the input gathered once (1 all-gather of a few bytes
+    where 3 all-reduces would start), the two sums of squared deviations all-reduced (2);
+    and the rowwise output (1). Backward, each of the 5 statistics' gradients per norm and
+    the colwise input's."""
     counts = ranks2.run(normed_heads, "hand_written", torch.float64)[0]
-    assert counts == ({"all_reduce": 1 + 2 * 5}, {"all_reduce": 1 + 2 * 5})
+    assert counts == ({"all_gather": 2, "all_reduce": 1 + 2 * 2}, {"all_reduce": 1 + 2 * 5})
 
 
 @pytest.mark.parametrize("op", ["var", "std", "var_mean", "std_mean", "layer_norm",
