@@ -35,7 +35,7 @@ import torch.nn as nn
 
 from .passes.graph import PLACEMENT, keep_on_copy, own_method
 from .passes.placement import describe, is_sharded
-from .passes.rules import returns_alias, writes_first_input
+from .passes.effects import returns_alias, writes_first_input
 
 from .passes.errors import InputError, PlanError
 

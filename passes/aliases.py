@@ -21,11 +21,11 @@ import operator
 import torch
 import torch.fx as fx
 
+from .effects import alias_root, alias_set, returns_alias, written_args
 from .errors import ShardingError
 from .graph import (BOUNDARY, INPUTS, PINNED, layout, module_fqn, placement_of, stamp_edge,
                     val)
 from .placement import R, describe
-from .rules import returns_alias, written_args
 
 
 def pin_written_aliases(gm: fx.GraphModule, world: int) -> bool:
@@ -98,35 +98,6 @@ def _may_alias(node: fx.Node) -> bool:
     if node.target in (layout, stamp_edge):  # identity marks: the value they mark
         return observed(node.args[0])
     return not isinstance(node.target, torch._ops.OpOverload) or returns_alias(node.target)
-
-
-def _aliasing(node: fx.Node) -> bool:
-    """Whether ``node``'s result shares memory with its first argument, as its schema says
-    (a view, an in-place op's return, a part of a ``split``)."""
-    if node.op != "call_function" or not node.args:
-        return False
-    if node.target is operator.getitem:
-        return _aliasing(node.args[0])
-    return returns_alias(node.target)
-
-
-def alias_root(node: fx.Node) -> fx.Node:
-    """The value ``node`` is a view of, through any chain of views."""
-    while _aliasing(node) and isinstance(node.args[0], fx.Node):
-        node = node.args[0]
-    return node
-
-
-def alias_set(root: fx.Node) -> list[fx.Node]:
-    """Every op whose result shares memory with ``root`` through views of it (``root``
-    itself not included)."""
-    found, stack = [], [root]
-    while stack:
-        for user in stack.pop().users:
-            if user not in found and _aliasing(user) and user.args[0] in (root, *found):
-                found.append(user)
-                stack.append(user)
-    return found
 
 
 def _redistributes(node: fx.Node) -> bool:

@@ -22,9 +22,10 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Shard
 
+from .effects import written_args, written_inputs
 from .graph import PINNED, PLACEMENT, placement_of, tensor_inputs
 from .placement import is_replicate, is_sharded
-from .rules import FACTORIES, rule_for, written_args, written_inputs
+from .rules import FACTORIES, rule_for
 
 
 def shard_written_buffers(gm: fx.GraphModule, world: int) -> bool:

@@ -45,11 +45,12 @@ import torch.nn as nn
 from torch.distributed.tensor import Partial
 
 from .aliases import written_groups
+from .effects import written_args
 from .graph import (FALLBACK, INPUTS, PINNED, PLACEMENT, STAMP, UNPLANNED, attr, branches,
                     layout, placement_of, stamp_edge, tensor_inputs, val)
 from .placement import R, is_narrowing, is_replicate, transition_cost
 from .program_cost import STARTUP_BYTES, program_cost
-from .rules import rule_for, written_args
+from .rules import rule_for
 
 
 def gather_early(gm: fx.GraphModule, world: int) -> Optional[list]:

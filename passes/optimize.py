@@ -28,7 +28,8 @@ import torch
 import torch.fx as fx
 
 from . import collectives as C
-from .aliases import alias_root, written_groups, written_roots, written_values
+from .aliases import written_groups, written_roots, written_values
+from .effects import alias_root
 from .gradients import gradient_carriers
 from .graph import COLLECTIVE, call_args, val
 from .placement import numel_hint

@@ -39,8 +39,8 @@ from .placement import (R, describe, is_blocked, is_narrowing, is_replicate, is_
 from .dimspec import indivisible
 from .aliases import observed
 from .reduce_early import reduce_early
-from .rules import (PASSTHROUGH, ZERO_FILLED, rule_for, writes_first_input, written_args,
-                    written_inputs)
+from .effects import writes_first_input, written_args, written_inputs
+from .rules import PASSTHROUGH, ZERO_FILLED, rule_for
 
 
 def propagate(gm: fx.GraphModule, world: int, strict: bool = False) -> list[str]:

@@ -25,7 +25,8 @@ from torch.distributed.tensor import Partial, Shard
 from .graph import FALLBACK, INPUTS, PINNED, PLACEMENT, STAMP, layout, placement_of, \
     stamp_edge, tensor_inputs, val
 from .placement import LOCAL_COPY_COST, P, R, numel_hint, transition_cost
-from .rules import rule_for, writes_first_input
+from .effects import writes_first_input
+from .rules import rule_for
 
 
 def reduce_early(gm: fx.GraphModule, world: int) -> None:

@@ -31,8 +31,8 @@ from .graph import (MODE_REGION, COLLECTIVE, INPUTS, PLACEMENT, STAMP, attr, bra
                     placement_of, stack_upto, tensor_inputs, val)
 from .placement import (UnitShard, blocks, describe, is_replicate, is_sharded,
                         local_range, numel_hint, transition_steps)
-from .rules import (is_tagged_pointwise, replicated_into_partial, writes_first_input,
-                    written_args)
+from .effects import writes_first_input, written_args
+from .rules import is_tagged_pointwise, replicated_into_partial
 
 aten = torch.ops.aten
 

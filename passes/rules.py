@@ -32,6 +32,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from .dimspec import DimSpec, fixed_label, parse, strategies
+from .effects import writes_first_input, written_through
 from .graph import (INTO_PARTIAL, is_tensor_node, op_arg, output_vals, stamp_edge,
                     tensor_inputs, val)
 from .local_ops import (add_replicated_once, gather_of_shard, index_select_of_shard,
@@ -1218,18 +1219,12 @@ def _picked_from_shards(node: fx.Node, world: int, actual=()):
     if not x.dim() or not isinstance(x.shape[d], int) or \
             node.target is aten.select.int and not isinstance(node.args[2], int):
         return  # each rank's offset into the dim, and the index, are numbers
-    if _written_through(node):  # select's view: zeros on the other ranks alias nothing,
+    if written_through(node):  # select's view: zeros on the other ranks alias nothing,
         return                  # and a partial sum written into it would land as it is
     rest = (R,) * (len(tensor_inputs(node)) - 1)
     for p in shardings_over({d}, x.shape, world, actual[0] if actual else None):
         if not is_blocked(p):  # one offset per rank
             yield (p, *rest), (P,)
-
-
-def _written_through(node: fx.Node) -> bool:
-    """Whether an in-place op writes into ``node``'s value or into a view of it."""
-    return any(any(tensor_inputs(user)[i] is node for i in written_inputs(user)) or
-               returns_alias(user.target) and _written_through(user) for user in node.users)
 
 
 def _pick_of_shard(node, inputs, output, group):
@@ -1605,40 +1600,6 @@ def tagged_pointwise_ops() -> list:
             found += [op for op in (getattr(packet, o) for o in packet.overloads())
                       if is_tagged_pointwise(op)]
     return found
-
-
-def returns_alias(target) -> bool:
-    """Whether an ATen op's result shares memory with an input, as its schema says (a view
-    such as ``slice``, ``split``'s results, an in-place op's return)."""
-    return isinstance(target, torch._ops.OpOverload) and \
-        any(r.alias_info is not None for r in target._schema.returns)
-
-
-# ops that update their running statistics in training, which their schemas do not mark
-_UNMARKED_WRITES = {aten.native_batch_norm.default: (3, 4), aten.batch_norm.default: (3, 4)}
-
-
-def written_args(target) -> tuple[int, ...]:
-    """The positions of the arguments an ATen op writes in place (``add_``'s first,
-    ``native_batch_norm``'s running statistics, 3 and 4): those inputs must keep their
-    placements, so the op writes the caller's tensors, not redistributed copies."""
-    if not isinstance(target, torch._ops.OpOverload):
-        return ()
-    return _UNMARKED_WRITES.get(target) or tuple(
-        i for i, a in enumerate(target._schema.arguments)
-        if a.alias_info is not None and a.alias_info.is_write)
-
-
-def writes_first_input(target) -> bool:
-    """Whether an ATen op writes its first argument in place (``add_``, ``index_put_``)."""
-    return 0 in written_args(target)
-
-
-def written_inputs(node: fx.Node) -> list[int]:
-    """The indices, among ``tensor_inputs(node)``, of the tensors ``node`` writes in place."""
-    inputs = tensor_inputs(node)
-    return [inputs.index(node.args[p]) for p in written_args(node.target)
-            if p < len(node.args) and node.args[p] in inputs]
 
 
 def localize_shape(shape, placement, group, graph: fx.Graph, before: fx.Node):
