@@ -27,7 +27,7 @@ def seed(gm: fx.GraphModule, shardings: dict[str, ModuleSharding],
     for node in graph.nodes:
         if node.op == "get_attr" and isinstance(val(node), torch.Tensor):
             planned = _param_placement(node, shardings, aliases.get(node.target))
-            node.meta[PLACEMENT] = planned or Replicate()
+            node.meta[PLACEMENT] = Replicate() if planned is None else planned
             if planned is None and isinstance(attr(gm, node.target), torch.nn.Parameter):
                 node.meta[UNPLANNED] = True
             owner = node.target.rpartition(".")[0]
