@@ -28,7 +28,7 @@ A gather costs its bytes and a collective's start, as the trial weighs it.
 
 It rewrites placements only (``meta[PLACEMENT]``, ``meta[INPUTS]``); the rewrite pass
 inserts the gathers. The result is kept only if the program then sends strictly less,
-forward and backward (:func:`~fxtp.passes.program_cost.program_cost`), with no more
+forward and backward (:func:`~fxtp.passes.program_cost.kept_if_cheaper`), with no more
 fallbacks: a reader that gathered a sharded value for want of a strategy no longer does
 when the value arrives whole.
 """
@@ -49,7 +49,7 @@ from .effects import written_args
 from .graph import (FALLBACK, INPUTS, PINNED, PLACEMENT, STAMP, UNPLANNED, attr, branches,
                     layout, placement_of, stamp_edge, tensor_inputs, val)
 from .placement import R, is_narrowing, is_replicate, transition_cost
-from .program_cost import STARTUP_BYTES, program_cost
+from .program_cost import STARTUP_BYTES, kept_if_cheaper
 from .rules import rule_for
 
 
@@ -61,18 +61,11 @@ def gather_early(gm: fx.GraphModule, world: int) -> Optional[list]:
     whole = _cut(gm, world)
     if not whole:
         return None
-    cost, fallbacks = program_cost(gm, world)
-    saved = {n: {k: n.meta[k] for k in (INPUTS, PLACEMENT, FALLBACK) if k in n.meta}
-             for n in gm.graph.nodes}
-    _make_whole(gm, whole)
-    now, now_fallbacks = program_cost(gm, world)
-    if now < cost and now_fallbacks <= fallbacks:
+
+    def make_whole() -> list:
+        _make_whole(gm, whole)
         return [n.meta[FALLBACK] for n in gm.graph.nodes if FALLBACK in n.meta]
-    for node, meta in saved.items():
-        for key in (INPUTS, PLACEMENT, FALLBACK):
-            node.meta.pop(key, None)
-        node.meta.update(meta)
-    return None
+    return kept_if_cheaper(gm, world, make_whole)
 
 
 def _placed_whole(node: fx.Node) -> bool:
@@ -88,17 +81,16 @@ def _needs(reader: fx.Node, node: fx.Node) -> list:
     return [need for x, need in zip(tensor_inputs(reader), needs) if x is node]
 
 
-def _held_sharded(gm: fx.GraphModule, node: fx.Node) -> bool:
-    """A parameter no style places that propagation holds as the shard its readers took:
-    held whole again, it needs no collective."""
-    return node.op == "get_attr" and node.meta.get(UNPLANNED, False) and \
-        not _placed_whole(node) and isinstance(attr(gm, node.target), nn.Parameter)
+def _held_sharded(node: fx.Node) -> bool:
+    """A parameter no style places (seed marks only parameters) that propagation holds as
+    the shard its readers took: held whole again, it needs no collective."""
+    return node.meta.get(UNPLANNED, False) and not _placed_whole(node)
 
 
 def _recomputable(gm: fx.GraphModule, node: fx.Node, world: int) -> bool:
     """An op this pass may compute whole from whole inputs, or a parameter it may hold
     whole."""
-    if _held_sharded(gm, node):
+    if _held_sharded(node):
         return True
     if node.op != "call_function" or node.target in (layout, stamp_edge, operator.getitem) \
             or {STAMP, PINNED, FALLBACK} & node.meta.keys():
@@ -109,7 +101,7 @@ def _recomputable(gm: fx.GraphModule, node: fx.Node, world: int) -> bool:
         return False
     inputs = tensor_inputs(node)
     if not inputs or any(a.op == "get_attr" and isinstance(attr(gm, a.target), nn.Parameter)
-                         and not _held_sharded(gm, a) for a in inputs):
+                         and not _held_sharded(a) for a in inputs):
         return False  # whole, it would change how the parameter's gradient is reduced
     return any(all(o is None or is_replicate(o) for o in outs) and
                all(i is None or is_replicate(i) for i in ins)

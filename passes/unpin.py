@@ -33,7 +33,7 @@ from torch.distributed.tensor import Partial
 from .buffers import writes_into
 from .graph import INTO_PARTIAL, PINNED, branches, layout, list_block, module_fqn, placement_of
 from .placement import is_replicate, is_sharded
-from .program_cost import program_cost
+from .program_cost import kept_if_cheaper
 from .rules import ZERO_FILLED
 
 Trial = tuple[list[fx.Node], list[fx.Node]]
@@ -58,24 +58,16 @@ def unpin_layouts(gm: fx.GraphModule, world: int, place: Callable[[], list]) -> 
 
 def _try(gm: fx.GraphModule, world: int, place: Callable[[], list],
          markers: list[fx.Node], zeros: list[fx.Node]) -> Optional[list]:
-    cost, fallbacks = program_cost(gm, world)
-    saved = {n: (n.args, dict(n.meta)) for n in gm.graph.nodes}
-    for marker in markers:
-        marker.args = (marker.args[0], placement_of(marker.args[0]))
-    for node in zeros:
-        node.meta[PINNED] = Partial()
-    for node, reached in _upstream(gm, markers).items():
-        if reached:  # adds computed from what the markers leave unreduced
-            node.meta[INTO_PARTIAL] = True
-    found = place()
-    now, now_fallbacks = program_cost(gm, world)
-    if set(gm.graph.nodes) == set(saved) and now < cost and now_fallbacks <= fallbacks:
-        return found
-    for node, (args, meta) in saved.items():
-        node.args = args
-        node.meta.clear()
-        node.meta.update(meta)
-    return None
+    def unpin() -> list:
+        for marker in markers:
+            marker.args = (marker.args[0], placement_of(marker.args[0]))
+        for node in zeros:
+            node.meta[PINNED] = Partial()
+        for node, reached in _upstream(gm, markers).items():
+            if reached:  # adds computed from what the markers leave unreduced
+                node.meta[INTO_PARTIAL] = True
+        return place()
+    return kept_if_cheaper(gm, world, unpin)
 
 
 def _gathers_split_again(gm: fx.GraphModule) -> Trial:
