@@ -7,9 +7,9 @@ trace, rewrite or compile (``fxtp.parallelize``, ``fxtp.explain``, ...) with
 backend is a ``torch_dynamo_backends`` entry point (setup.cfg): ``torch.compile(...,
 backend="fxtp")`` finds it by name.
 """
-import importlib
-import sys
-import types
+import importlib as _importlib
+import sys as _sys
+import types as _types
 
 from .passes.errors import FxtpError, InputError, PlanError, ShardingError, TraceError
 
@@ -45,24 +45,24 @@ __all__ = [
 def __getattr__(name: str):
     if name not in _ON_FIRST_USE:
         raise AttributeError(f"module 'fxtp' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_ON_FIRST_USE[name], __name__), name)
+    value = getattr(_importlib.import_module(_ON_FIRST_USE[name], __name__), name)
     globals()[name] = value
     return value
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_ON_FIRST_USE))
+    return sorted({n for n in globals() if not n.startswith("_")} | set(_ON_FIRST_USE))
 
 
-class _Package(types.ModuleType):
+class _Package(_types.ModuleType):
     """fxtp's module type: importing a submodule named like the function it defines
     (``fxtp.parallelize``, ``fxtp.explain``) binds the function, not the submodule, as the
     package attribute (the import system sets it after running the submodule)."""
 
     def __setattr__(self, name, value):
-        if name in _ON_FIRST_USE and isinstance(value, types.ModuleType):
+        if name in _ON_FIRST_USE and isinstance(value, _types.ModuleType):
             value = getattr(value, name)
         super().__setattr__(name, value)
 
 
-sys.modules[__name__].__class__ = _Package
+_sys.modules[__name__].__class__ = _Package

@@ -45,3 +45,11 @@ def test_a_submodule_named_like_its_function_does_not_shadow_it():
     assert run("import types, fxtp, fxtp.dump\n"
                "print([type(getattr(fxtp, n)).__name__ for n in ('parallelize', 'explain')])"
                ) == "['function', 'function']"
+
+
+def test_the_package_lists_its_api_not_its_helpers():
+    """``dir(fxtp)`` and tab completion show the public names (all of ``__all__``), not the
+    modules the package uses to load them."""
+    names = run("import fxtp; print(' '.join(dir(fxtp)))").split()
+    assert not {"importlib", "sys", "types"} & set(names)
+    assert set(run("import fxtp; print(' '.join(fxtp.__all__))").split()) <= set(names)
