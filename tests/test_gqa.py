@@ -60,3 +60,60 @@ def test_kv_weights_stay_whole_and_are_sliced_per_rank(fake_group, kv_heads):
             n.args[1:] == (0, start, start + head_dim)]
     assert len(rows) == 2 * L  # k and v, in every layer
     assert gm.fxtp.fallbacks == []
+
+
+# A fused q / k / v projection with fewer KV heads than ranks is not served sharded yet (the
+# README's "Uneven sizes and few KV heads"): its output is gathered where it is split,
+# reported, and the model computes as on one device. Per family: config, model, attention
+# and block prefixes with their projections, config overrides, and (forward, backward)
+# collectives and reported gathers at 2 and 4 ranks alike. Falcon-7B's layout runs attention
+# and MLP in parallel (one all-reduce a layer) and slices q, k and v out of a view by heads
+# (three reported gathers of one value a layer); GPT-BigCode splits once.
+MQA_FUSED = {
+    "falcon": ("FalconConfig", "FalconForCausalLM", "transformer.h.*.self_attention.",
+               ("query_key_value", "dense"), ("mlp.dense_h_to_4h", "mlp.dense_4h_to_h"),
+               dict(multi_query=True, new_decoder_architecture=False, alibi=False),
+               (({"all_gather": L, "all_reduce": L}, {"all_gather": L, "all_reduce": L}),
+                3 * L)),
+    "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", "transformer.h.*.attn.",
+                    ("c_attn", "c_proj"), ("mlp.c_fc", "mlp.c_proj"), dict(multi_query=True),
+                    (({"all_gather": L, "all_reduce": 2 * L},
+                      {"all_gather": L, "all_reduce": 2 * L}), L)),
+}
+
+
+def mqa_fused(family):
+    import transformers
+    config, model, attn, (qkv, out), (up, down), extra, _ = MQA_FUSED[family]
+    cfg = getattr(transformers, config)(
+        vocab_size=corpus.VOCAB, hidden_size=32, num_hidden_layers=L, num_attention_heads=4,
+        attention_dropout=0.0, hidden_dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, bos_token_id=1, eos_token_id=2, **extra)
+    block = attn.rsplit(".", 2)[0] + "."
+    plan = {attn + qkv: fxtp.ColwiseParallel(), attn + out: fxtp.RowwiseParallel(),
+            block + up: fxtp.ColwiseParallel(), block + down: fxtp.RowwiseParallel()}
+    return getattr(transformers, model)(cfg), plan
+
+
+def mqa_fused_parity(rank, world, family):
+    fallbacks = []
+    plan = mqa_fused(family)[1]
+    counts = check_parity(rank, world, lambda: mqa_fused(family)[0], plan, [TOKENS],
+                          dtype=torch.float64, input_grads=False,
+                          kwargs={"use_cache": False}, output=lambda out: out.logits,
+                          post=lambda gm: fallbacks.extend(gm.fxtp.fallbacks))
+    return counts, len(fallbacks)
+
+
+@pytest.mark.parametrize("family", sorted(MQA_FUSED))
+def test_a_fused_projection_with_one_kv_head_is_gathered_where_it_is_split(ranks, family):
+    counts, reported = MQA_FUSED[family][-1]
+    assert ranks.run(mqa_fused_parity, family)[0] == (counts, reported)
+
+
+def test_strict_mode_refuses_a_fused_projection_with_one_kv_head(fake_group):
+    fake_group(2)
+    model, plan = mqa_fused("gpt_bigcode")
+    with pytest.raises(fxtp.ShardingError, match="transformer.h.0.attn"):
+        fxtp.parallelize(model, plan, example_inputs=(TOKENS,),
+                         example_kwargs={"use_cache": False}, strict=True)
