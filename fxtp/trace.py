@@ -192,6 +192,29 @@ def _way_around(fqn: str, planned: Iterable[str], error: Exception, kwargs: dict
             f"reach them as on one device.")
 
 
+def _layer_drop(model: torch.nn.Module, error: Exception) -> str:
+    """For a model that skips layers at random while training (LayerDrop: fairseq's and
+    Hugging Face's audio and encoder-decoder models, ``config.layerdrop``,
+    ``encoder_layerdrop``, ``decoder_layerdrop``, or the same attribute on a module), the
+    branch on that draw that torch.export cannot trace, and how to turn it off; else ""."""
+    if type(error).__name__ != "GuardOnDataDependentSymNode" or not model.training:
+        return ""
+    found = {}
+    for fqn, module in model.named_modules():
+        for owner, prefix in ((module, fqn), (getattr(module, "config", None), "config")):
+            for name, value in (vars(owner) if owner is not None else {}).items():
+                if "layerdrop" in name.replace("_", "") and isinstance(value, float) and \
+                        value > 0:
+                    found.setdefault(f"{prefix}.{name}".lstrip("."), value)
+    if not found:
+        return ""
+    settings = ", ".join(f"{k} = {v}" for k, v in found.items())
+    return (f"the model skips layers at random while training (LayerDrop: {settings}): "
+            f"whether a layer runs is a random draw, which a traced program cannot branch "
+            f"on. Set it to 0.0 before parallelize, or parallelize the model in eval mode "
+            f"to serve it.")
+
+
 def _trace(model, args, kwargs, boundaries, dynamic_shapes, checkpointed, stamper,
            keep_stamps):
     regions: dict[int, dict] = {}
@@ -220,7 +243,7 @@ def _trace(model, args, kwargs, boundaries, dynamic_shapes, checkpointed, stampe
         fqn, where = _where(model, e)
         raise TraceError(
             f"fxtp could not trace {type(model).__name__} with torch.export (non-strict)"
-            f"{where}: {type(e).__name__}: {e}\nHint: {_hint(e)}"
+            f"{where}: {type(e).__name__}: {e}\nHint: {_layer_drop(model, e) or _hint(e)}"
             f"{_way_around(fqn, boundaries, e, kwargs)}") from e
     judge_state_changes(model, changes)
     with warnings.catch_warnings():  # buffers read through a cache object: see below

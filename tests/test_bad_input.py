@@ -162,6 +162,34 @@ def test_a_loop_over_routed_experts_is_named_with_what_to_do(fake_group):
                 r"set_experts_implementation")
 
 
+class LayerDrop(nn.Module):
+    """Skips each layer with probability ``layerdrop`` while training, as Hugging Face's
+    audio encoders do (Wav2Vec2's default is 0.1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(D, D) for _ in range(2))
+        self.layerdrop = 0.1
+
+    def forward(self, x):
+        for layer in self.layers:
+            if self.training and self.layerdrop > 0 and torch.rand([]) < self.layerdrop:
+                continue
+            x = layer(x)
+        return x
+
+
+def test_layer_drop_is_named_with_what_to_do(fake_group):
+    fake_group(2)
+    trace_error(LayerDrop(), {"layers.*": fxtp.ColwiseParallel()},
+                r"(?s)Hint: the model skips layers at random while training \(LayerDrop: layerdrop = 0\.1\)"
+                r".*Set it to 0\.0 before parallelize")
+    model = LayerDrop()
+    model.layerdrop = 0.0  # as the hint says
+    fxtp.parallelize(model, {"layers.*": fxtp.ColwiseParallel()},
+                     example_inputs=(torch.randn(B, D),))
+
+
 def test_inputs_of_another_shape_than_traced_name_the_input_and_dynamic_shapes(fake_group):
     fake_group(2)
     gm = fxtp.parallelize(models.MLP(), models.MLP_PLAN, example_inputs=(torch.randn(B, D),))
