@@ -182,8 +182,8 @@ class LayerDrop(nn.Module):
 def test_layer_drop_is_named_with_what_to_do(fake_group):
     fake_group(2)
     trace_error(LayerDrop(), {"layers.*": fxtp.ColwiseParallel()},
-                r"(?s)Hint: the model skips layers at random while training \(LayerDrop: layerdrop = 0\.1\)"
-                r".*Set it to 0\.0 before parallelize")
+                r"(?s)Hint: the model skips layers at random while training "
+                r"\(LayerDrop: layerdrop = 0\.1\).*Set it to 0\.0 before parallelize")
     model = LayerDrop()
     model.layerdrop = 0.0  # as the hint says
     fxtp.parallelize(model, {"layers.*": fxtp.ColwiseParallel()},
