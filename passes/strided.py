@@ -33,16 +33,20 @@ from .graph import (INPUTS, PLACEMENT, layout, module_fqn, placement_of, tensor_
                     tied_attrs, val)
 from .placement import (UnitShard, block_bounds, cut_in_blocks, is_blocked, is_replicate,
                         with_dim)
+from .gather_early import gather_early
 from .propagate import inputs_cost, propagate
 from .rules import rule_for
 
 
 def stride_fused_splits(gm: fx.GraphModule, world: int) -> bool:
     """Re-seed the parameters behind every gathered fused split blocked; True if any was
-    (propagation must then run again). A split's new layout is kept only if propagating it
-    leaves the split's module redistributing no more (by propagation's own cost) than
-    before: parts that cannot be served sharded downstream (fewer KV heads than ranks)
-    would otherwise trade one gather for several."""
+    (propagation must then run again). A split's new layout is kept only if propagating it,
+    with the gathers it then needs placed where :func:`gather_early` places them, leaves
+    the split's module redistributing no more (by propagation's own cost) than before. A
+    part that cannot be served sharded downstream (one KV head) is then gathered where it
+    is split: kept when the small parts' gathers cost less than one gather of the fused
+    output (GPT-BigCode's ``c_attn`` at real widths: q stays sharded by heads, k and v are
+    gathered, attention runs on this rank's heads), else the fused output is gathered."""
     costs = redistribution_costs(gm, world)
     tried: dict[str, dict[fx.Node, tuple]] = {}  # split's module -> node -> old layout
     tied = tied_attrs(gm)
@@ -64,6 +68,7 @@ def stride_fused_splits(gm: fx.GraphModule, world: int) -> bool:
                 n.args = (n.args[0], with_dim(blocked, dim))
     if tried:
         propagate(gm, world)
+        gather_early(gm, world)
         now = redistribution_costs(gm, world)
         for module in [m for m in tried if now[m] > costs[m]]:
             for n, (placement, args) in tried[module].items():

@@ -62,9 +62,9 @@ def test_kv_weights_stay_whole_and_are_sliced_per_rank(fake_group, kv_heads):
     assert gm.fxtp.fallbacks == []
 
 
-# A fused q / k / v projection with fewer KV heads than ranks is not served sharded yet (the
-# README's "Uneven sizes and few KV heads"): its output is gathered where it is split,
-# reported, and the model computes as on one device. Per family: config, model, attention
+# A fused q / k / v projection with fewer KV heads than ranks is not served without a
+# gather yet (the README's "Uneven sizes and few KV heads"). At these widths its output
+# is gathered where it is split, reported, and the model computes as on one device. Per family: config, model, attention
 # and block prefixes with their projections, config overrides, and (forward, backward)
 # collectives and reported gathers at 2 and 4 ranks alike. Falcon-7B's layout runs attention
 # and MLP in parallel (one all-reduce a layer) and slices q, k and v out of a view by heads
@@ -117,3 +117,39 @@ def test_strict_mode_refuses_a_fused_projection_with_one_kv_head(fake_group):
     with pytest.raises(fxtp.ShardingError, match="transformer.h.0.attn"):
         fxtp.parallelize(model, plan, example_inputs=(TOKENS,),
                          example_kwargs={"use_cache": False}, strict=True)
+
+
+def bigcode_mqa_wide(rank, world):
+    """GPT-BigCode with one KV head, wide enough (hidden 256, 8 heads of 32, 2 x 256
+    tokens) that gathering k and v costs less than gathering the fused output once."""
+    import transformers
+    make = lambda: transformers.GPTBigCodeForCausalLM(transformers.GPTBigCodeConfig(  # noqa
+        n_embd=256, n_layer=L, n_head=8, vocab_size=corpus.VOCAB, n_positions=256,
+        multi_query=True, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=1,
+        eos_token_id=2))
+    plan = mqa_fused("gpt_bigcode")[1]
+    tokens = torch.randint(0, corpus.VOCAB, (2, 256), generator=torch.Generator().manual_seed(0))
+    seen = {}
+
+    def inspect(gm):
+        report = fxtp.explain(gm)
+        seen["fallbacks"] = list(gm.fxtp.fallbacks)
+        seen["heads"] = sorted({n.local_shape[1] for n in report.nodes
+                                if n.op == "aten.scaled_dot_product_attention.default"})
+    counts = check_parity(rank, world, make, plan, [tokens], dtype=torch.float64,
+                          input_grads=False, kwargs={"use_cache": False},
+                          output=lambda out: out.logits, post=inspect)
+    return counts, seen
+
+
+def test_a_wide_fused_projection_with_one_kv_head_gathers_k_and_v_and_shards_attention(ranks):
+    """The fused output stays in blocks (each rank its q heads and its rows of k and v);
+    k and v, the small parts, are gathered where they are split, and attention runs on
+    this rank's heads only: forward 2 all-gathers a layer, backward the gathers of k's and
+    v's gradients for this rank's heads, no fallback. At the test models' widths above,
+    where a collective's start outweighs the bytes, one gather of the fused output wins."""
+    (fwd, bwd), seen = ranks.run(bigcode_mqa_wide)[0]
+    world = ranks.world
+    assert (fwd, bwd) == ({"all_gather": 2 * L, "all_reduce": 2 * L},
+                          {"all_gather": 2 * L, "all_reduce": 2 * L})
+    assert seen == {"fallbacks": [], "heads": [8 // world]}
