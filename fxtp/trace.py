@@ -202,7 +202,7 @@ def _layer_drop(model: torch.nn.Module, error: Exception) -> str:
     found = {}
     for fqn, module in model.named_modules():
         for owner, prefix in ((module, fqn), (getattr(module, "config", None), "config")):
-            for name, value in (vars(owner) if owner is not None else {}).items():
+            for name, value in getattr(owner, "__dict__", {}).items():  # (a dict has none)
                 if "layerdrop" in name.replace("_", "") and isinstance(value, float) and \
                         value > 0:
                     found.setdefault(f"{prefix}.{name}".lstrip("."), value)

@@ -29,11 +29,11 @@ from collections import Counter
 import torch.fx as fx
 from torch.distributed.tensor import Shard
 
+from .gather_early import gather_early
 from .graph import (INPUTS, PLACEMENT, layout, module_fqn, placement_of, tensor_inputs,
                     tied_attrs, val)
 from .placement import (UnitShard, block_bounds, cut_in_blocks, is_blocked, is_replicate,
                         with_dim)
-from .gather_early import gather_early
 from .propagate import inputs_cost, propagate
 from .rules import rule_for
 
