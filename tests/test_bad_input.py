@@ -184,6 +184,9 @@ def test_layer_drop_is_named_with_what_to_do(fake_group):
     trace_error(LayerDrop(), {"layers.*": fxtp.ColwiseParallel()},
                 r"(?s)Hint: the model skips layers at random while training "
                 r"\(LayerDrop: layerdrop = 0\.1\).*Set it to 0\.0 before parallelize")
+    configured = LayerDrop()
+    configured.config = {"layerdrop": 0.1}  # a config held as a dict is no object to read
+    trace_error(configured, {"layers.*": fxtp.ColwiseParallel()}, r"LayerDrop: layerdrop = 0\.1")
     model = LayerDrop()
     model.layerdrop = 0.0  # as the hint says
     fxtp.parallelize(model, {"layers.*": fxtp.ColwiseParallel()},
