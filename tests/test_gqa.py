@@ -63,12 +63,13 @@ def test_kv_weights_stay_whole_and_are_sliced_per_rank(fake_group, kv_heads):
 
 
 # A fused q / k / v projection with fewer KV heads than ranks is not served without a
-# gather yet (the README's "Uneven sizes and few KV heads"). At these widths its output
-# is gathered where it is split, reported, and the model computes as on one device. Per family: config, model, attention
-# and block prefixes with their projections, config overrides, and (forward, backward)
-# collectives and reported gathers at 2 and 4 ranks alike. Falcon-7B's layout runs attention
-# and MLP in parallel (one all-reduce a layer) and slices q, k and v out of a view by heads
-# (three reported gathers of one value a layer); GPT-BigCode splits once.
+# gather yet (the README's "Uneven sizes and few KV heads"). At these widths its output is
+# gathered where it is split, reported, and the model computes as on one device. Per
+# family: config, model, attention and block prefixes with their projections, config
+# overrides, and (forward, backward) collectives and reported gathers at 2 and 4 ranks
+# alike. Falcon-7B's layout runs attention and MLP in parallel (one all-reduce a layer) and
+# slices q, k and v out of a view by heads (three reported gathers of one value a layer);
+# GPT-BigCode splits once.
 MQA_FUSED = {
     "falcon": ("FalconConfig", "FalconForCausalLM", "transformer.h.*.self_attention.",
                ("query_key_value", "dense"), ("mlp.dense_h_to_4h", "mlp.dense_4h_to_h"),
