@@ -83,23 +83,29 @@ MQA_FUSED = {
 }
 
 
-def mqa_fused(family):
+def mqa_model(family, **sizes):
+    """The family's model with one KV head: hidden 32 and 4 heads, or ``sizes``."""
     import transformers
-    config, model, attn, (qkv, out), (up, down), extra, _ = MQA_FUSED[family]
-    cfg = getattr(transformers, config)(
-        vocab_size=corpus.VOCAB, hidden_size=32, num_hidden_layers=L, num_attention_heads=4,
-        attention_dropout=0.0, hidden_dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, bos_token_id=1, eos_token_id=2, **extra)
+    config, model, *_, extra, _ = MQA_FUSED[family]
+    cfg = getattr(transformers, config)(**{
+        "vocab_size": corpus.VOCAB, "hidden_size": 32, "num_hidden_layers": L,
+        "num_attention_heads": 4, "attention_dropout": 0.0, "hidden_dropout": 0.0,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": 1,
+        "eos_token_id": 2, **extra, **sizes})
+    return getattr(transformers, model)(cfg)
+
+
+def mqa_plan(family):
+    """Colwise fused q / k / v and MLP up projection, rowwise output and down projection."""
+    _, _, attn, (qkv, out), (up, down), *_ = MQA_FUSED[family]
     block = attn.rsplit(".", 2)[0] + "."
-    plan = {attn + qkv: fxtp.ColwiseParallel(), attn + out: fxtp.RowwiseParallel(),
+    return {attn + qkv: fxtp.ColwiseParallel(), attn + out: fxtp.RowwiseParallel(),
             block + up: fxtp.ColwiseParallel(), block + down: fxtp.RowwiseParallel()}
-    return getattr(transformers, model)(cfg), plan
 
 
 def mqa_fused_parity(rank, world, family):
     fallbacks = []
-    plan = mqa_fused(family)[1]
-    counts = check_parity(rank, world, lambda: mqa_fused(family)[0], plan, [TOKENS],
+    counts = check_parity(rank, world, lambda: mqa_model(family), mqa_plan(family), [TOKENS],
                           dtype=torch.float64, input_grads=False,
                           kwargs={"use_cache": False}, output=lambda out: out.logits,
                           post=lambda gm: fallbacks.extend(gm.fxtp.fallbacks))
@@ -114,21 +120,17 @@ def test_a_fused_projection_with_one_kv_head_is_gathered_where_it_is_split(ranks
 
 def test_strict_mode_refuses_a_fused_projection_with_one_kv_head(fake_group):
     fake_group(2)
-    model, plan = mqa_fused("gpt_bigcode")
     with pytest.raises(fxtp.ShardingError, match="transformer.h.0.attn"):
-        fxtp.parallelize(model, plan, example_inputs=(TOKENS,),
-                         example_kwargs={"use_cache": False}, strict=True)
+        fxtp.parallelize(mqa_model("gpt_bigcode"), mqa_plan("gpt_bigcode"),
+                         example_inputs=(TOKENS,), example_kwargs={"use_cache": False},
+                         strict=True)
 
 
 def bigcode_mqa_wide(rank, world):
     """GPT-BigCode with one KV head, wide enough (hidden 256, 8 heads of 32, 2 x 256
     tokens) that gathering k and v costs less than gathering the fused output once."""
-    import transformers
-    make = lambda: transformers.GPTBigCodeForCausalLM(transformers.GPTBigCodeConfig(  # noqa
-        n_embd=256, n_layer=L, n_head=8, vocab_size=corpus.VOCAB, n_positions=256,
-        multi_query=True, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=1,
-        eos_token_id=2))
-    plan = mqa_fused("gpt_bigcode")[1]
+    make = lambda: mqa_model("gpt_bigcode", hidden_size=256, num_attention_heads=8,  # noqa
+                             max_position_embeddings=256)
     tokens = torch.randint(0, corpus.VOCAB, (2, 256), generator=torch.Generator().manual_seed(0))
     seen = {}
 
@@ -137,8 +139,8 @@ def bigcode_mqa_wide(rank, world):
         seen["fallbacks"] = list(gm.fxtp.fallbacks)
         seen["heads"] = sorted({n.local_shape[1] for n in report.nodes
                                 if n.op == "aten.scaled_dot_product_attention.default"})
-    counts = check_parity(rank, world, make, plan, [tokens], dtype=torch.float64,
-                          input_grads=False, kwargs={"use_cache": False},
+    counts = check_parity(rank, world, make, mqa_plan("gpt_bigcode"), [tokens],
+                          dtype=torch.float64, input_grads=False, kwargs={"use_cache": False},
                           output=lambda out: out.logits, post=inspect)
     return counts, seen
 
