@@ -40,13 +40,15 @@ from .rules import rule_for
 
 def stride_fused_splits(gm: fx.GraphModule, world: int) -> bool:
     """Re-seed the parameters behind every gathered fused split blocked; True if any was
-    (propagation must then run again). A split's new layout is kept only if propagating it,
-    with the gathers it then needs placed where :func:`gather_early` places them, leaves
-    the split's module redistributing no more (by propagation's own cost) than before. A
-    part that cannot be served sharded downstream (one KV head) is then gathered where it
-    is split: kept when the small parts' gathers cost less than one gather of the fused
-    output (GPT-BigCode's ``c_attn`` at real widths: q stays sharded by heads, k and v are
-    gathered, attention runs on this rank's heads), else the fused output is gathered."""
+    (propagation must then run again). A split's new layout is kept only if propagating it
+    leaves the split's module redistributing no more (by propagation's own cost) than
+    before, or strictly less once the gathers it then needs are placed where
+    :func:`gather_early` places them. A part that cannot be served sharded downstream (one
+    KV head) is then gathered where it is split, when the small parts' gathers cost less
+    than one gather of the fused output (GPT-BigCode's ``c_attn`` at real widths: q stays
+    sharded by heads, k and v are gathered, attention runs on this rank's heads). A layout
+    that only moves the fused output's gather is not kept: the gather would stay, no longer
+    reported as the split's fallback."""
     costs = redistribution_costs(gm, world)
     tried: dict[str, dict[fx.Node, tuple]] = {}  # split's module -> node -> old layout
     tied = tied_attrs(gm)
@@ -68,9 +70,9 @@ def stride_fused_splits(gm: fx.GraphModule, world: int) -> bool:
                 n.args = (n.args[0], with_dim(blocked, dim))
     if tried:
         propagate(gm, world)
-        gather_early(gm, world)
-        now = redistribution_costs(gm, world)
-        for module in [m for m in tried if now[m] > costs[m]]:
+        placed = redistribution_costs(gm, world)
+        moved = placed if gather_early(gm, world) is None else redistribution_costs(gm, world)
+        for module in [m for m in tried if placed[m] > costs[m] and moved[m] >= costs[m]]:
             for n, (placement, args) in tried[module].items():
                 n.meta[PLACEMENT], n.args = placement, args
     return bool(tried)

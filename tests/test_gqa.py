@@ -6,6 +6,7 @@ all-reduce per block (the block's bucket of replicated parameters' gradients), s
 reads only its own parameters."""
 import pytest
 import torch
+import torch.nn as nn
 
 import fxtp
 from fxtp.passes.modules import inline_program
@@ -156,3 +157,34 @@ def test_a_wide_fused_projection_with_one_kv_head_gathers_k_and_v_and_shards_att
     assert (fwd, bwd) == ({"all_gather": 2 * L, "all_reduce": 2 * L},
                           {"all_gather": 2 * L, "all_reduce": 2 * L})
     assert seen == {"fallbacks": [], "heads": [8 // world]}
+
+
+class NanoMQA(nn.Module):
+    """Multi-query attention as nanoGPT-style ports write it (bigcode's first StarCoder
+    experiments): ``q | kv`` in one ``c_attn``, ``kv`` split again, the one KV head
+    broadcast by ``matmul``."""
+
+    def __init__(self, dim=256, heads=8):
+        super().__init__()
+        self.dim, self.heads, self.head_dim = dim, heads, dim // heads
+        self.c_attn = nn.Linear(dim, dim + 2 * self.head_dim)
+        self.c_proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, kv = self.c_attn(x).split((self.dim, 2 * self.head_dim), dim=2)
+        k, v = kv.split(self.head_dim, dim=-1)
+        q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        att = (q @ k.unsqueeze(1).transpose(-2, -1)) / self.head_dim ** 0.5
+        return self.c_proj((att.softmax(-1) @ v.unsqueeze(1)).transpose(1, 2).reshape(b, t, -1))
+
+
+def test_a_blocked_layout_that_only_moves_the_fused_gather_keeps_it_reported(fake_group):
+    """Laid out in blocks, this model would still gather the whole fused output (its
+    attention reads q whole): the layout is not kept, so the gather stays the split's
+    reported fallback rather than one chosen silently."""
+    fake_group(2)
+    gm = fxtp.parallelize(NanoMQA(), {"c_attn": fxtp.ColwiseParallel(),
+                                      "c_proj": fxtp.RowwiseParallel()},
+                          example_inputs=(torch.randn(2, 256, 256),))
+    assert [f.split(" (")[0] for f in gm.fxtp.fallbacks] == ["aten.split_with_sizes.default"]
