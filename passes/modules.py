@@ -157,22 +157,18 @@ def _owners(graph: fx.Graph, children: set) -> dict[fx.Node, Optional[str]]:
     the embedding's reduce-scatter stays outside the first block). A node without a traced
     module stack (a pass made it: a size computation, a guard) or reading a tensor goes
     where all its users go."""
-    def traced(node):
-        return node.op == "call_function" and bool(node.meta.get("nn_module_stack")) and \
-            COLLECTIVE not in node.meta
-
     def child_of(node):
         return next((p for p in _paths(node) if p in children), None)
     owner: dict[fx.Node, Optional[str]] = {}
     for node in reversed(graph.nodes):
         if node.op in ("placeholder", "output"):
             owner[node] = None
-        elif traced(node):
+        elif _traced_op(node):
             owner[node] = child_of(node)
         else:
             places = {owner.get(u) for u in node.users}
             if COLLECTIVE in node.meta:
-                places |= {child_of(a) for a in node.all_input_nodes if traced(a)}
+                places |= {child_of(a) for a in node.all_input_nodes if _traced_op(a)}
             owner[node] = places.pop() if len(places) == 1 else None
     return owner
 
@@ -277,6 +273,12 @@ def _call_stamp(graph: fx.Graph, part: list, fqn: str, reference, target: str,
         graph.erase_node(out)
     graph.erase_node(stamp)
     _rename(records, renamed)
+
+
+def _traced_op(node: fx.Node) -> bool:
+    """An op the model's code ran (not a tensor read, nor a collective a pass added)."""
+    return node.op == "call_function" and bool(node.meta.get("nn_module_stack")) and \
+        COLLECTIVE not in node.meta
 
 
 def _call_module(graph: fx.Graph, target: str, args: tuple) -> fx.Node:
@@ -386,26 +388,29 @@ def _local_name(gm, target: str, base: str, prefix: str, names: dict) -> Optiona
 
 def _call(graph: fx.Graph, part: list, inputs: list, outputs: list, target: str,
           records: list) -> list[fx.Node]:
-    """Replace ``part`` by one ``call_module``: placed where the first of its nodes after its
-    last input was, with the nodes before that which use its results moved after it.
-    Nodes that read nothing of the part keep their place before the call: a state change
-    the part's later nodes ran after (a ``vmap`` level left, an autocast region exited)
-    still comes first. Returns the nodes that now give ``outputs``."""
+    """Replace ``part`` by one ``call_module``: placed where its first traced op was (or,
+    where that precedes its last input, the first of its nodes after that input), with the
+    nodes before that which use its results moved after it. Reads of tensors and
+    collectives the rewrite added do not place the call: hoisted to the top of the graph,
+    or gathering an input made before an autocast region, they would move the module's ops
+    out of the region, or before a random draw they ran after. Nodes that read nothing of
+    the part keep their place before the call: a state change the part's later nodes ran
+    after (a ``vmap`` level left, an autocast region exited) still comes first. Returns the
+    nodes that now give ``outputs``."""
     inside = set(part)
     last_input = max(inputs, default=None)
+    start = next((n for n in part if _traced_op(n)), part[0])
+    if last_input is not None and last_input > start:
+        start = next(n for n in part if n > last_input)
+    where = graph.inserting_before(start)
     later: list[fx.Node] = []
-    if last_input is None or last_input < part[0]:
-        where = graph.inserting_before(part[0])
-    else:
-        resume = next(n for n in part if n > last_input)
-        where = graph.inserting_before(resume)
-        tainted = set(inside)
-        node = part[0]
-        while node.next is not resume:
-            node = node.next
-            if node not in inside and any(a in tainted for a in node.all_input_nodes):
-                tainted.add(node)
-                later.append(node)
+    tainted = set(inside)
+    node = part[0]
+    while node is not start and node.next is not start:
+        node = node.next
+        if node not in inside and any(a in tainted for a in node.all_input_nodes):
+            tainted.add(node)
+            later.append(node)
     with where:
         call = _call_module(graph, target, tuple(inputs))
         call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
