@@ -160,7 +160,8 @@ def _constrain_outputs(graph, fqn, sharding, call: ModuleCall, world):
 
 def _split_partial_bias(graph) -> None:
     """``linear(x, w, b)`` with ``w`` Shard(1), ``addmm(b, x, w)`` with ``w`` Shard(0):
-    the matmul gives partial sums, so the bias is added after them, once. When the module's
+    the matmul gives partial sums, so the bias is added after them, once, in the layer's
+    output dtype (autocast casts a linear's bias with it, not an add's). When the module's
     output layout marker reads the matmul, the bias is added after the marker: the partial
     sums are reduced (all-reduce, or reduce-scatter to sequence shards) before the add."""
     for node in list(graph.nodes):
@@ -178,10 +179,21 @@ def _split_partial_bias(graph) -> None:
         node.replace_all_uses_with(product)
         summed = _output_marker(product) or product
         with graph.inserting_after(summed):
-            add = graph.call_function(aten.add.Tensor, (summed, bias))
+            add = graph.call_function(aten.add.Tensor, (summed, _cast_like(graph, bias, node)))
         add.meta.update(node.meta, val=val(summed))
         summed.replace_all_uses_with(add, delete_user_cb=lambda u: u is not add)
         graph.erase_node(node)
+
+
+def _cast_like(graph, bias: fx.Node, layer: fx.Node) -> fx.Node:
+    """``bias`` in ``layer``'s output dtype, cast where it is read (a no-op left out)."""
+    dtype = val(layer).dtype
+    if val(bias).dtype == dtype:
+        return bias
+    with graph.inserting_before(layer):
+        cast = graph.call_function(aten._to_copy.default, (bias,), {"dtype": dtype})
+    cast.meta.update(layer.meta, val=val(bias).to(dtype))
+    return cast
 
 
 def _output_marker(node):
