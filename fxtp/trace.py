@@ -28,7 +28,7 @@ from .autograd_functions import call_kept_functions, keeping_functions
 from .forward_state import judge_state_changes, watching_state
 from .guards import EXPORT_GUARDS
 from .hooks import call_gradient_hooks, check_model_hooks, keeping_gradient_hooks
-from .passes.graph import MODE_REGION, ModuleCall, call_key
+from .passes.graph import AUTOCAST, MODE_REGION, ModuleCall, call_key
 from .passes.recompute import REGION
 from .stamping import STAMPED, Shown, Stamper, Unstampable
 
@@ -422,6 +422,8 @@ def _inline_regions(gm: fx.GraphModule) -> None:
                     break
                 env[inner] = graph.node_copy(inner, lambda a: env[a])
                 env[inner].meta[MODE_REGION] = True
+                if state is not None:
+                    env[inner].meta.setdefault(AUTOCAST, tuple(state))
             leave = graph.call_function(exit_fn, (enter,))
             leave.meta["nn_module_stack"] = enter.meta["nn_module_stack"]  # where it was entered
             if state is None and not enabled:

@@ -13,6 +13,7 @@ values), whose rules then place it. The new nodes keep the replaced node's metad
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import operator
@@ -24,7 +25,7 @@ from torch._decomp import decomposition_table
 from torch.distributed.tensor import Replicate
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .graph import op_arg, placement_of
+from .graph import AUTOCAST, op_arg, placement_of
 from .placement import is_blocked, is_grouped, is_sharded
 from .rules import rule_for
 
@@ -217,6 +218,16 @@ def is_composite(target) -> bool:
                                                        "CompositeImplicitAutograd")
 
 
+def _autocast_of(node: fx.Node):
+    """The autocast region ``node`` runs in, entered (a decomposition traced in it records
+    the casts autocast makes, so its ops give the dtypes the op gave), or no context."""
+    state = node.meta.get(AUTOCAST)
+    if state is None:
+        return contextlib.nullcontext()
+    device_type, dtype, enabled, cache_enabled = state
+    return torch.autocast(device_type, dtype, enabled, cache_enabled)
+
+
 def _inline_decomposition(graph: fx.Graph, node: fx.Node, function=None, accept=None,
                           table=None) -> bool:
     """Insert ``node``'s decomposition (the ATen ops of ``function``, default its own
@@ -239,8 +250,9 @@ def _inline_decomposition(graph: fx.Graph, node: fx.Node, function=None, accept=
         return function(*args, **kwargs)
 
     try:
-        sub = make_fx(call, tracing_mode="real", decomposition_table=table)(
-            *[leaves[i].meta["val"] for i in where])
+        with _autocast_of(node):
+            sub = make_fx(call, tracing_mode="real", decomposition_table=table)(
+                *[leaves[i].meta["val"] for i in where])
     except Exception:  # noqa: BLE001 - left as is: propagation reports it
         return False
     sub.graph.eliminate_dead_code()

@@ -13,6 +13,8 @@ passes (:class:`ModuleSharding`, :class:`ModuleCall`). Imports no pass.
 ``MODE_REGION``  on nodes of an inlined ``torch.autocast`` or ``torch.no_grad()`` region
                 (between the calls entering and leaving its mode): they must stay there;
                 trace
+``AUTOCAST``    the autocast state (``device_type, dtype, enabled, cache_enabled``) of
+                the innermost inlined autocast region a node is in; trace
 ``STAMP``       on a node standing for a whole block's call that runs the program of an
                 equivalent block traced in full (:class:`Stamp`); trace
 ``PINNED``      the placement a fresh tensor (a factory's output) is made in, chosen for
@@ -45,6 +47,7 @@ BOUNDARY = "fxtp_boundary"
 COLLECTIVE = "fxtp_collective"
 FALLBACK = "fxtp_fallback"
 MODE_REGION = "fxtp_mode_region"
+AUTOCAST = "fxtp_autocast"
 STAMP = "fxtp_stamp"
 PINNED = "fxtp_pinned"
 INTO_PARTIAL = "fxtp_into_partial"

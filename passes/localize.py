@@ -49,8 +49,11 @@ def localize(gm: fx.GraphModule, group, copies: Optional[dict[str, str]] = None)
         if node.op == "call_function":
             rule = rule_for(node.target)
             if rule is not None:
+                op = node.target
                 node.target, node.args, node.kwargs = rule.localize(
                     node, node.meta[INPUTS], node.meta[PLACEMENT], group, graph)
+                if node.target is not op and not isinstance(node.target, torch._ops.OpOverload):
+                    _cast_inputs_as_traced(graph, node)
             if node.target is aten.view.default:
                 node.target = aten.reshape.default
             elif node.target is aten.sym_size.int:
@@ -62,6 +65,29 @@ def localize(gm: fx.GraphModule, group, copies: Optional[dict[str, str]] = None)
     for target, like in (copies or {}).items():
         _localize_attr(gm, target, placed[like], rank, world, shards)
     graph.lint()
+
+
+def _cast_inputs_as_traced(graph: fx.Graph, node: fx.Node) -> None:
+    """A kernel standing for an op computes on its inputs as they come, while the op, as
+    traced, gave another floating dtype: autocast computed it in fp32 (``cross_entropy``
+    of bf16 logits) or in bf16, or its ``dtype`` argument or type promotion widened it.
+    Each floating input of another dtype is cast to the traced one first, as autocast and
+    promotion do, so the kernel computes and returns what the op did."""
+    traced = node.meta.get("val")
+    if not isinstance(traced, torch.Tensor) or not traced.is_floating_point():
+        return
+    def cast(arg):
+        given = arg.meta.get("val") if isinstance(arg, fx.Node) else None
+        if not isinstance(given, torch.Tensor) or not given.is_floating_point() or \
+                given.dtype == traced.dtype:
+            return arg
+        with graph.inserting_before(node):
+            made = graph.call_function(aten._to_copy.default, (arg,), {"dtype": traced.dtype})
+        made.meta.update(node.meta, val=given.to(traced.dtype))
+        made.meta[PLACEMENT] = arg.meta.get(PLACEMENT)
+        made.meta[INPUTS] = (made.meta[PLACEMENT],)
+        return made
+    node.args, node.kwargs = fx.node.map_arg((node.args, node.kwargs), cast)
 
 
 def _globalize_size(graph, node, world):
