@@ -44,6 +44,7 @@ from .guards import (check_fresh, check_same_on_every_rank, guard_arguments, gua
                      guard_inputs)
 from .materialize import fake_tensors, materialize, meta_tensors, swapped
 from .mesh import resolve_group
+from .mode_regions import restore_modes_on_error
 from .modes import keep_programs, meta_copy
 from .plan import Plan, block_fqns, module_fqns, resolve_plan, tied_names
 from .stamping import STAMPED, copied_fallbacks
@@ -287,6 +288,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
     keep_programs(gm, model.training, other_mode if shadow is not None else None, unbuildable)
     guard_casts(gm, param_dtype)
     guard_arguments(gm, model)
+    restore_modes_on_error(gm)
     hand_out_dtensors(gm)
     return gm
 
