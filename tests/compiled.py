@@ -49,14 +49,16 @@ def train_step(module, inputs, placements, rank, world, step, counts=None):
 
 def check_compiled(rank, world, make_model, plan, inputs, *, backend="inductor",
                    dtype=torch.float32, steps=2, input_placements=None, device="cpu",
-                   compiler=None, **parallelize_kwargs):
+                   compiler=None, compare_dtype=None, **parallelize_kwargs):
     """Train ``torch.compile(gm, backend=backend, fullgraph=True)`` and the eager ``gm``
     side by side for ``steps`` AdamW steps from the same parameters; assert outputs, every
     parameter and input gradient and the parameters after the steps match, and that dynamo
     made one graph and no graph break. ``compiler``: how ``gm`` is compiled instead of
     ``torch.compile`` (``backend`` then only names the backend it uses). Returns the collectives of the first step by kind,
     ``{"eager": (fwd, bwd), "compiled": (fwd, bwd)}`` (compiled: those inductor's code
-    issues)."""
+    issues). ``compare_dtype``: the dtype whose tolerance applies (a model computing in bf16
+    under autocast)."""
+    tol_dtype = compare_dtype or dtype
     torch.manual_seed(0)
     model = make_model().to(device=device, dtype=dtype)
     xs = [x.to(device=device, dtype=dtype if x.is_floating_point() else x.dtype)
@@ -79,24 +81,26 @@ def check_compiled(rank, world, make_model, plan, inputs, *, backend="inductor",
                       "compiled": (collectives_in(fwd), collectives_in(bwd))}
         else:
             out, got_inputs = train_step(compiled, xs, placements, rank, world, step)
-        torch.testing.assert_close(out, ref, **tolerance(dtype, ref, step),
+        torch.testing.assert_close(out, ref, **tolerance(tol_dtype, ref, step),
                                    msg=lambda m: f"step {step} output: {m}")
-        floor = noise_floor([local_of(q.grad) for q in eager.parameters()], dtype)
+        floor = noise_floor([local_of(q.grad) for q in eager.parameters()], tol_dtype)
         for (name, p), q in zip(gm.named_parameters(), eager.parameters()):
             expected = local_of(q.grad)
             torch.testing.assert_close(local_of(p.grad), expected,
-                                       **tolerance(dtype, expected, step),
+                                       **tolerance(tol_dtype, expected, step),
                                        msg=lambda m: f"step {step} grad of {name}: {m}")
             step_like_reference(local_of(p.grad), expected, floor)
         for i, (a, b) in enumerate(zip(got_inputs, ref_inputs)):
             if b.grad is not None:
-                torch.testing.assert_close(a.grad, b.grad, **tolerance(dtype, b.grad, step),
+                torch.testing.assert_close(a.grad, b.grad,
+                                           **tolerance(tol_dtype, b.grad, step),
                                            msg=lambda m: f"step {step} grad of input {i}: {m}")
         for opt in optimizers:
             opt.step()
             opt.zero_grad()
     for (name, p), q in zip(gm.named_parameters(), eager.parameters()):
-        torch.testing.assert_close(local_of(p), local_of(q), **tolerance(dtype, steps=steps),
+        torch.testing.assert_close(local_of(p), local_of(q),
+                                   **tolerance(tol_dtype, steps=steps),
                                    msg=lambda m: f"{name} after {steps} AdamW steps: {m}")
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])

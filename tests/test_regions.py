@@ -65,7 +65,7 @@ def test_autocast_keeps_its_dtypes(fake_group):
 
 def compiled_autocast(rank, world):
     return check_compiled(rank, world, Mixed, PLAN, [example(2, 8, models.DIM)],
-                          dtype=torch.float32)
+                          dtype=torch.float32, compare_dtype=torch.bfloat16)
 
 
 def test_autocast_region_compiles_whole(ranks2):
