@@ -14,24 +14,23 @@ from .gradients import gradient_carriers
 from .graph import COLLECTIVE, FALLBACK, STAMP, module_fqn, val
 from .placement import numel_hint
 from .rewrite import rewrite
+from .snapshot import Snapshot
 
 
 def kept_if_cheaper(gm: fx.GraphModule, world: int, change: Callable[[], list]
                     ) -> Optional[list]:
     """Run ``change`` (it edits ``gm``'s placements and returns the fallbacks then left)
     and keep what it did if the program then sends strictly less, forward and backward,
-    with no more fallbacks: return those fallbacks. Otherwise put every node's arguments
-    and ``meta`` back as they were and return ``None``."""
+    with no more fallbacks and the same nodes: return those fallbacks. Otherwise put the
+    graph back exactly as it was (:class:`~fxtp.passes.snapshot.Snapshot`) and return
+    ``None``."""
     cost, fallbacks = program_cost(gm, world)
-    saved = {n: (n.args, dict(n.meta)) for n in gm.graph.nodes}
+    before = Snapshot(gm.graph)
     found = change()
     now, now_fallbacks = program_cost(gm, world)
-    if set(gm.graph.nodes) == set(saved) and now < cost and now_fallbacks <= fallbacks:
+    if set(gm.graph.nodes) == set(before.nodes) and now < cost and now_fallbacks <= fallbacks:
         return found
-    for node, (args, meta) in saved.items():
-        node.args = args
-        node.meta.clear()
-        node.meta.update(meta)
+    before.restore()
     return None
 
 

@@ -36,6 +36,7 @@ from .placement import (UnitShard, block_bounds, cut_in_blocks, is_blocked, is_r
                         with_dim)
 from .propagate import inputs_cost, propagate
 from .rules import rule_for
+from .snapshot import Snapshot
 
 
 def stride_fused_splits(gm: fx.GraphModule, world: int) -> bool:
@@ -48,10 +49,12 @@ def stride_fused_splits(gm: fx.GraphModule, world: int) -> bool:
     than one gather of the fused output (GPT-BigCode's ``c_attn`` at real widths: q stays
     sharded by heads, k and v are gathered, attention runs on this rank's heads). A layout
     that only moves the fused output's gather is not kept: the gather would stay, no longer
-    reported as the split's fallback."""
+    reported as the split's fallback. Where no layout is kept, the graph is put back
+    exactly as it was and ``False`` returned."""
     costs = redistribution_costs(gm, world)
     tried: dict[str, dict[fx.Node, tuple]] = {}  # split's module -> node -> old layout
     tied = tied_attrs(gm)
+    before = None
     for node in gm.graph.nodes:
         wanted = _wanted(node, world)
         carriers: dict[fx.Node, int] = {}
@@ -61,6 +64,7 @@ def stride_fused_splits(gm: fx.GraphModule, world: int) -> bool:
             continue
         if tied & set(carriers):
             continue  # tied: the same tensor is also read under another name
+        before = before or Snapshot(gm.graph)
         old = tried.setdefault(module_fqn(node), {})
         for n, dim in carriers.items():
             old.setdefault(n, (n.meta.get(PLACEMENT), n.args))
@@ -72,7 +76,11 @@ def stride_fused_splits(gm: fx.GraphModule, world: int) -> bool:
         propagate(gm, world)
         placed = redistribution_costs(gm, world)
         moved = placed if gather_early(gm, world) is None else redistribution_costs(gm, world)
-        for module in [m for m in tried if placed[m] > costs[m] and moved[m] >= costs[m]]:
+        rejected = [m for m in tried if placed[m] > costs[m] and moved[m] >= costs[m]]
+        if len(rejected) == len(tried):
+            before.restore()
+            return False
+        for module in rejected:
             for n, (placement, args) in tried[module].items():
                 n.meta[PLACEMENT], n.args = placement, args
     return bool(tried)
