@@ -36,6 +36,12 @@ class _FieldPlacement(Placement):
     def __reduce__(self):  # pickle by fields
         return type(self), tuple(getattr(self, f.name) for f in fields(self))
 
+    def __fx_repr__(self) -> tuple[str, dict]:
+        """How generated code writes it (a graph may pass it to an op as a constant)."""
+        cls = type(self)
+        values = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
+        return f"{cls.__name__}({values})", {cls.__name__: cls}
+
 
 @dataclass(frozen=True)
 class UnitShard(_FieldPlacement):

@@ -1605,7 +1605,9 @@ def tagged_pointwise_ops() -> list:
 def localize_shape(shape, placement, group, graph: fx.Graph, before: fx.Node):
     """Rewrite a global shape list for an output with ``placement`` on ``group``'s rank:
     the sharded entry is divided by the world size (a :class:`UnitShard`'s is this rank's
-    length; ``-1`` stays inferred; a symbolic size gets a floordiv node)."""
+    length; ``-1`` stays inferred; a symbolic size gets a floordiv node). On a rank holding
+    none of the dim (6 heads dealt to 4 ranks: 2, 2, 2, 0), a ``-1`` elsewhere would be
+    ambiguous for no elements: it becomes the traced size there."""
     if not is_sharded(placement):
         return shape
     shape = list(shape)
@@ -1616,6 +1618,9 @@ def localize_shape(shape, placement, group, graph: fx.Graph, before: fx.Node):
     else:
         with graph.inserting_before(before):
             shape[d] = graph.call_function(operator.floordiv, (entry, group.world))
+    if shape[d] == 0:
+        traced = val(before).shape
+        shape = [traced[i] if s == -1 else s for i, s in enumerate(shape)]
     return shape
 
 
