@@ -11,7 +11,8 @@ import importlib as _importlib
 import sys as _sys
 import types as _types
 
-from .passes.errors import FxtpError, InputError, PlanError, ShardingError, TraceError
+from .passes.errors import (FxtpError, InputError, PlanError, RankError, ShardingError,
+                            TraceError)
 
 _ON_FIRST_USE = {
     **dict.fromkeys(["ColwiseParallel", "RowwiseParallel", "SequenceParallel",
@@ -38,7 +39,7 @@ __all__ = [
     "clip_grad_norm_", "init_weights", "fsdp_shard_placement", "parallelize_causal_lm",
     "generate",
     "compile", "compile_blocks", "FxtpError",
-    "InputError", "PlanError", "ShardingError", "TraceError",
+    "InputError", "PlanError", "RankError", "ShardingError", "TraceError",
 ]
 
 

@@ -1,6 +1,8 @@
 """Guards: misuse that would hang, or silently compute something else, becomes an error.
 
 * :func:`check_fresh`: ``parallelize`` takes a single-device model, not its own result.
+* :func:`every_rank_or_none`: a stage of ``parallelize`` that fails on some ranks fails on
+  all of them (one all-gather), instead of leaving the others waiting in a collective.
 * :func:`check_same_on_every_rank`: every rank must plan the same program. Digests of the
   plan, the traced graph and the model's tensor shapes are all-gathered once at
   ``parallelize`` time; any difference fails on every rank (instead of a hang or a
@@ -21,6 +23,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -37,7 +40,7 @@ from .passes.graph import PLACEMENT, keep_on_copy, own_method
 from .passes.placement import describe, is_sharded
 from .passes.effects import returns_alias, writes_first_input
 
-from .passes.errors import InputError, PlanError
+from .passes.errors import InputError, PlanError, RankError, ShardingError, StampMismatch
 
 _ITEMS = ("plan", "model parameters and buffers", "traced graph")
 
@@ -54,6 +57,38 @@ def check_fresh(model) -> None:
             f"this {type(model).__name__} is already the result of fxtp.parallelize (it holds "
             f"rank {model.fxtp.rank}'s shards); call parallelize once, on the original "
             f"single-device model")
+
+
+_FAILURES = (StampMismatch, ShardingError, Exception)
+"""What a stage may raise, by the precedence the ranks agree on: ``parallelize`` retries
+the first two with blocks traced in full, so every rank must raise the same one."""
+
+
+@contextlib.contextmanager
+def every_rank_or_none(group, stage: str):
+    """Run the body (``stage`` of ``parallelize``, issuing no collective) on every rank of
+    ``group``, then all-gather whether it raised: where it raised on any rank, every rank
+    raises, its own error where that is the kind the ranks agree on (see
+    :data:`_FAILURES`), otherwise an error of that kind naming the ranks that failed."""
+    error = None
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - raised again below, on every rank
+        error = e
+    kind = 0 if error is None else \
+        1 + next(i for i, cls in enumerate(_FAILURES) if isinstance(error, cls))
+    device = "cuda" if group.device_type == "cuda" else "cpu"
+    kinds = _all_gather(torch.tensor([kind], device=device), group).tolist()
+    agreed = max(kinds)  # 0: none failed
+    if agreed == 0:
+        return
+    if kind == agreed:
+        raise error
+    failed = [r for r, k in enumerate(kinds) if k == agreed]
+    cls = RankError if _FAILURES[agreed - 1] is Exception else _FAILURES[agreed - 1]
+    raise cls(f"fxtp.parallelize failed on rank(s) {failed} of group '{group.name}' while "
+              f"{stage} (their error says why); this rank stops too rather than wait in a "
+              f"collective those ranks will not reach") from error
 
 
 def _digest(text: str) -> int:

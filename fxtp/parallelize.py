@@ -40,8 +40,8 @@ from .dump import Dumper
 from .dtensor_outputs import dtensor_positions, hand_out_dtensors
 from .dtensor_params import as_dtensors
 from .passes.errors import InputError, PlanError, ShardingError, StampMismatch
-from .guards import (check_fresh, check_same_on_every_rank, guard_arguments, guard_casts,
-                     guard_inputs)
+from .guards import (check_fresh, check_same_on_every_rank, every_rank_or_none,
+                     guard_arguments, guard_casts, guard_inputs)
 from .materialize import fake_tensors, materialize, meta_tensors, swapped
 from .mesh import resolve_group
 from .mode_regions import restore_modes_on_error
@@ -172,61 +172,63 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
             # embeddings' device): traced for the device the tensors will have, which for
             # shards kept on meta is the group's (where to_empty is expected to allocate them)
             runs_on = _device(None, group) if device.type == "meta" else device
-            with swapped(model, fake_tensors({**meta, **recast}, runs_on)):
-                gm, calls = trace(model, _cast(example_inputs, param_dtype), example_kwargs,
-                                  shardings, dynamic_shapes, checkpointed,
-                                  repeated if stamp_blocks else (),
-                                  {k: s.style for k, s in shardings.items()}, keep_stamps)
-            boundaries = [n for c in calls.values()
-                          for n in (*c.args, *c.kwargs.values(), *c.outputs)]
-            if drop_unused(gm.graph, boundaries):
-                gm.recompile()
-            decompose_unruled(gm)  # composite ops without a rule of their own
-            for fqn in recast.keys() - meta.keys():  # the model's own, not the recast
-                owner, _, name = fqn.rpartition(".")
-                gm.get_submodule(owner)._parameters[name] = model.get_parameter(fqn)
-            dump.code("traced", gm)
-            stamped = gm.meta[STAMPED] if keep_stamps else {}
-            outside = _outside(shardings, stamped)
-            tied = tied_names(model)  # a tied weight read is no sign of its own module's
-            read = {n.target for n in gm.graph.nodes if n.op == "get_attr" and n.users} - \
-                tied.keys()
-            uncalled = _uncalled(outside, calls, strict, read)
-            called = {k: s for k, s in shardings.items() if k not in uncalled}
-            handed_on = dtensor_positions(gm, calls, called)
+            with every_rank_or_none(group, "tracing the model"):
+                with swapped(model, fake_tensors({**meta, **recast}, runs_on)):
+                    gm, calls = trace(model, _cast(example_inputs, param_dtype), example_kwargs,
+                                      shardings, dynamic_shapes, checkpointed,
+                                      repeated if stamp_blocks else (),
+                                      {k: s.style for k, s in shardings.items()}, keep_stamps)
+                boundaries = [n for c in calls.values()
+                              for n in (*c.args, *c.kwargs.values(), *c.outputs)]
+                if drop_unused(gm.graph, boundaries):
+                    gm.recompile()
+                decompose_unruled(gm)  # composite ops without a rule of their own
+                for fqn in recast.keys() - meta.keys():  # the model's own, not the recast
+                    owner, _, name = fqn.rpartition(".")
+                    gm.get_submodule(owner)._parameters[name] = model.get_parameter(fqn)
+                dump.code("traced", gm)
+                stamped = gm.meta[STAMPED] if keep_stamps else {}
+                outside = _outside(shardings, stamped)
+                tied = tied_names(model)  # a tied weight read is no sign of its own module's
+                read = {n.target for n in gm.graph.nodes if n.op == "get_attr" and n.users} - \
+                    tied.keys()
+                uncalled = _uncalled(outside, calls, strict, read)
+                called = {k: s for k, s in shardings.items() if k not in uncalled}
+                handed_on = dtensor_positions(gm, calls, called)
             draw = int(torch.randint(2 ** 62, (), device="cpu")) if meta else 0  # init seed
             init_seed = check_same_on_every_rank(group, _device(None, group), shardings,
                                                  model, gm, draw)
-            seed(gm, outside, calls, group.world, tied)
-            def place() -> list:
-                fallbacks = propagate(gm, group.world)
-                # layouts that serve what would be gathered: ops without a rule as torch
-                # decomposes them, fused projections strided, heads that do not divide by
-                # the world size dealt whole (and their consumers alike), buffers written
-                # in place (KV caches) placed as what is written into them, norms over
-                # sharded dims taken as partial sums, and values written through views
-                # that take them redistributed made whole
-                for relayout in (decompose_sharded_unruled, stride_fused_splits,
-                                 deal_sources, deal_consumers, shard_written_buffers,
-                                 decompose_sharded_norms, pin_written_aliases):
-                    if relayout(gm, group.world):
-                        fallbacks = propagate(gm, group.world)
-                return fallbacks
-            fallbacks = place()
-            unpinned = unpin_layouts(gm, group.world, place)
-            fallbacks = fallbacks if unpinned is None else unpinned
-            gathered = gather_early(gm, group.world)  # last: propagation would undo it
-            fallbacks = fallbacks if gathered is None else gathered
-            fallbacks += copied_fallbacks(gm, stamped)
-            if strict and fallbacks:  # raises on the first
-                propagate(gm, group.world, strict=True)
-            unplanned = unplanned_sharded_outputs(gm, calls, called)
-            dump.placements(gm)
-            outlined = frozenset(blocks)
-            rewrite(gm, group.name, group.rank, group.world, lambda n: scope_of(n, outlined))
-            dump.code("rewritten", gm)
-            copies = _copied_tensors(gm, stamped)
-            localize(gm, group, copies)
+            with every_rank_or_none(group, "placing and rewriting the program"):
+                seed(gm, outside, calls, group.world, tied)
+                def place() -> list:
+                    fallbacks = propagate(gm, group.world)
+                    # layouts that serve what would be gathered: ops without a rule as torch
+                    # decomposes them, fused projections strided, heads that do not divide by
+                    # the world size dealt whole (and their consumers alike), buffers written
+                    # in place (KV caches) placed as what is written into them, norms over
+                    # sharded dims taken as partial sums, and values written through views
+                    # that take them redistributed made whole
+                    for relayout in (decompose_sharded_unruled, stride_fused_splits,
+                                     deal_sources, deal_consumers, shard_written_buffers,
+                                     decompose_sharded_norms, pin_written_aliases):
+                        if relayout(gm, group.world):
+                            fallbacks = propagate(gm, group.world)
+                    return fallbacks
+                fallbacks = place()
+                unpinned = unpin_layouts(gm, group.world, place)
+                fallbacks = fallbacks if unpinned is None else unpinned
+                gathered = gather_early(gm, group.world)  # last: propagation would undo it
+                fallbacks = fallbacks if gathered is None else gathered
+                fallbacks += copied_fallbacks(gm, stamped)
+                if strict and fallbacks:  # raises on the first
+                    propagate(gm, group.world, strict=True)
+                unplanned = unplanned_sharded_outputs(gm, calls, called)
+                dump.placements(gm)
+                outlined = frozenset(blocks)
+                rewrite(gm, group.name, group.rank, group.world, lambda n: scope_of(n, outlined))
+                dump.code("rewritten", gm)
+                copies = _copied_tensors(gm, stamped)
+                localize(gm, group, copies)
             attrs = [n for n in gm.graph.nodes if n.op == "get_attr" and PLACEMENT in n.meta]
             placements = {n.target: n.meta[PLACEMENT] for n in attrs}
             shapes = {n.target: tuple(n.meta["val"].shape) for n in attrs}

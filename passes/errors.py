@@ -25,3 +25,8 @@ class StampMismatch(FxtpError, RuntimeError):
     """A stamped block (:class:`fxtp.passes.graph.Stamp`) cannot run its reference's program
     as the passes left it (its inputs arrive placed differently, or the reference was not
     outlined): ``parallelize`` traces the blocks in full instead."""
+
+
+class RankError(FxtpError, RuntimeError):
+    """``parallelize`` failed on other ranks of the group (their error says why): this rank
+    stops too, rather than wait in a collective they will not reach."""
