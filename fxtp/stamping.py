@@ -24,16 +24,19 @@ Blocks are equivalent when nothing a trace depends on differs:
   object) are equal: plain values and ``functools.partial`` s by value, other objects by
   identity;
 * the call's arguments have the same structure, tensor metadata (symbolic sizes compared
-  as expressions) and non-tensor values, under the same grad mode and autocast state.
+  as expressions) and non-tensor values, under the same grad mode and autocast state. An
+  argument is one wherever it comes from: a root buffer or parameter passed as it is (a
+  rotary table), a slice of one or a tensor the caller computed; by position, by keyword
+  or inside a tuple.
 
 A call that matches no reference of its kind is traced in full and becomes another
 reference (Gemma-2's sliding-window and global layers alternate: each stamps its own).
 Blocks nested in a block that is traced (PEFT's adapters, in ``ModuleDict`` s inside each
 layer) trace with it, and are stamped with the blocks holding them. A
 reference whose nodes do not form a closed region (a value kept on ``self`` and read
-outside, a graph input read directly, another module's state, a higher-order op with
-subgraphs, a gradient hook, whose closure is that call's) makes its kind traced again
-without stamping (:class:`Unstampable`).
+outside; a graph input or another module's state read other than through its arguments; a
+higher-order op with subgraphs; a gradient hook, whose closure is that call's) makes its
+kind traced again without stamping (:class:`Unstampable`).
 """
 from __future__ import annotations
 
@@ -369,8 +372,8 @@ class Stamper:
                     if arg not in inside and mark != "stamp-in" and arg.op != "get_attr":
                         raise Unstampable(reference.fqn, f"reads '{arg.name}', which is "
                                           f"not among its arguments")
-                    if arg.op == "get_attr" and not arg.target.startswith(prefix) and \
-                            arg.target in self.canonical:
+                    if arg.op == "get_attr" and mark != "stamp-in" and \
+                            not arg.target.startswith(prefix) and arg.target in self.canonical:
                         raise Unstampable(reference.fqn, f"reads '{arg.target}', another "
                                           f"module's state")
                 if mark != "stamp-out":
