@@ -36,6 +36,13 @@ def written_args(target) -> tuple[int, ...]:
         if a.alias_info is not None and a.alias_info.is_write)
 
 
+def is_pure(target) -> bool:
+    """The op draws no random numbers and writes nothing (``getitem`` of a result too)."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return target is operator.getitem
+    return torch.Tag.nondeterministic_seeded not in target.tags and not written_args(target)
+
+
 def writes_first_input(target) -> bool:
     """Whether an ATen op writes its first argument in place (``add_``, ``index_put_``)."""
     return 0 in written_args(target)

@@ -33,8 +33,9 @@ import torch.nn as nn
 from torch.nn.modules.module import _WrappedHook
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
+from .effects import is_pure
 from .errors import StampMismatch
-from .graph import COLLECTIVE, STAMP, Stamp, attr, recompile_alone, stamp_edge
+from .graph import COLLECTIVE, MODE_REGION, STAMP, Stamp, attr, recompile_alone, stamp_edge
 from .posing import COPIED, copy_plain_state, posing_class
 from .recompute import call_submodule, run_checkpointed
 
@@ -275,6 +276,20 @@ def _call_stamp(graph: fx.Graph, part: list, fqn: str, reference, target: str,
     _rename(records, renamed)
 
 
+def _read_or_made_of_tensors(part: list) -> set:
+    """The nodes of ``part`` reading a held tensor, or computing of those alone, outside
+    mode regions, by ops that draw no random numbers and write nothing or by collectives
+    (a gradient sync's bucket): they may run anywhere before their readers."""
+    found: set[fx.Node] = set()
+    for node in part:
+        if node.op == "get_attr" or node.op == "call_function" and node.all_input_nodes and \
+                all(a in found for a in node.all_input_nodes) and \
+                not node.meta.get(MODE_REGION) and \
+                (is_pure(node.target) or COLLECTIVE in node.meta):
+            found.add(node)
+    return found
+
+
 def _traced_op(node: fx.Node) -> bool:
     """An op the model's code ran (not a tensor read, nor a collective a pass added)."""
     return node.op == "call_function" and bool(node.meta.get("nn_module_stack")) and \
@@ -388,18 +403,20 @@ def _local_name(gm, target: str, base: str, prefix: str, names: dict) -> Optiona
 
 def _call(graph: fx.Graph, part: list, inputs: list, outputs: list, target: str,
           records: list) -> list[fx.Node]:
-    """Replace ``part`` by one ``call_module``: placed where its first traced op was (or,
-    where that precedes its last input, the first of its nodes after that input), with the
-    nodes before that which use its results moved after it. Reads of tensors and
-    collectives the rewrite added do not place the call: hoisted to the top of the graph,
-    or gathering an input made before an autocast region, they would move the module's ops
-    out of the region, or before a random draw they ran after. Nodes that read nothing of
+    """Replace ``part`` by one ``call_module``: placed where its first op computing on its
+    inputs was (or, where that precedes its last input, the first of its nodes after that
+    input), with the nodes before that which use its results moved after it. Reads of
+    tensors, what is computed of them alone (a KV head's rows sliced) and collectives the
+    rewrite added do not place the call: hoisted to the top of the graph, or gathering an
+    input made before an autocast region, they would move the module's ops out of the
+    region, or before a random draw they ran after. Nodes that read nothing of
     the part keep their place before the call: a state change the part's later nodes ran
     after (a ``vmap`` level left, an autocast region exited) still comes first. Returns the
     nodes that now give ``outputs``."""
     inside = set(part)
     last_input = max(inputs, default=None)
-    start = next((n for n in part if _traced_op(n)), part[0])
+    movable = _read_or_made_of_tensors(part)
+    start = next((n for n in part if n not in movable and COLLECTIVE not in n.meta), part[0])
     if last_input is not None and last_input > start:
         start = next(n for n in part if n > last_input)
     where = graph.inserting_before(start)

@@ -31,7 +31,7 @@ from .graph import (MODE_REGION, COLLECTIVE, INPUTS, PLACEMENT, STAMP, attr, bra
                     placement_of, stack_upto, tensor_inputs, val)
 from .placement import (UnitShard, blocks, describe, is_replicate, is_sharded,
                         local_range, numel_hint, transition_steps)
-from .effects import writes_first_input, written_args
+from .effects import is_pure, writes_first_input
 from .rules import is_tagged_pointwise, replicated_into_partial
 
 aten = torch.ops.aten
@@ -303,16 +303,10 @@ def computed_from_parameters(graph: fx.Graph) -> set:
     found: set[fx.Node] = set()
     for node in graph.nodes:
         if node.op == "get_attr" or node.op == "call_function" and node.all_input_nodes and \
-                all(a in found for a in node.all_input_nodes) and _pure(node.target) and \
+                all(a in found for a in node.all_input_nodes) and is_pure(node.target) and \
                 not node.meta.get(MODE_REGION):
             found.add(node)
     return found
-
-
-def _pure(target) -> bool:
-    if not isinstance(target, torch._ops.OpOverload):
-        return target is operator.getitem
-    return torch.Tag.nondeterministic_seeded not in target.tags and not written_args(target)
 
 
 def _bucket_param_grad_syncs(graph: fx.Graph, params: dict, group: str, where: str,

@@ -197,3 +197,45 @@ def dropout_order(rank, world, plan):
     {"fc.1": fxtp.ColwiseParallel(output_layouts=fxtp.Replicate())}], ids=["replicated", "colwise"])
 def test_planned_modules_draw_random_numbers_in_program_order(ranks, plan):
     ranks.run(dropout_order, plan)
+
+
+class GroupedQueryAttention(nn.Module):
+    """Two query heads and one KV head (fewer than ranks: each rank slices the KV head's
+    rows of the whole weights), repeated, with a softmax in fp32 cast back."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.o = nn.Linear(DIM, DIM, bias=False), nn.Linear(DIM, DIM, bias=False)
+        self.k, self.v = nn.Linear(DIM, DIM // 2, bias=False), nn.Linear(DIM, DIM // 2, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, 2, DIM // 2).transpose(1, 2)
+        k, v = (p(x).view(b, s, 1, DIM // 2).transpose(1, 2).repeat(1, 2, 1, 1)
+                for p in (self.k, self.v))
+        probs = F.softmax((q @ k.transpose(-2, -1)).float(), dim=-1).to(q.dtype)
+        return self.o((probs @ v).transpose(1, 2).reshape(b, s, DIM))
+
+
+class AttentionInAutocast(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = GroupedQueryAttention()
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = x + self.attn(x)
+        return h.float()
+
+
+def attention_in_autocast(rank, world):
+    check_parity(rank, world, AttentionInAutocast, {"attn.[qkv]": fxtp.ColwiseParallel()},
+                 [example(1, 4, DIM)], dtype=torch.float32, steps=1,
+                 compare_dtype=torch.bfloat16)
+
+
+def test_a_module_whose_hoisted_reads_precede_the_region_runs_in_it(ranks):
+    """The KV head's rows are sliced from its weights at the top of the module's graph:
+    its call still runs inside the region (it ran outside, and its matmuls met fp32 and
+    bf16 operands)."""
+    ranks.run(attention_in_autocast)
