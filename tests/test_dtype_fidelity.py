@@ -38,7 +38,8 @@ class Construct(nn.Module):
         self.body, self.autocast = body, autocast
 
     def region(self):
-        return torch.autocast("cpu", dtype=torch.bfloat16) if self.autocast else \
+        device = self.proj.weight.device.type
+        return torch.autocast(device, dtype=torch.bfloat16) if self.autocast else \
             contextlib.nullcontext()
 
     def forward(self, x):
