@@ -214,7 +214,7 @@ class _Terms:
         """What ``mean`` divides by: the token count for probability targets, else the
         summed weights of the non-ignored targets."""
         if self.probs:
-            return torch.tensor(loss.numel(), dtype=loss.dtype)
+            return torch.tensor(loss.numel(), dtype=loss.dtype, device=loss.device)
         return self.target_weight.sum()
 
     def softmax_scale(self, sums) -> torch.Tensor:

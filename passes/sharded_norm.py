@@ -129,7 +129,7 @@ class _LayerNormOfShards(torch.autograd.Function):
             mean = squares = a.new_zeros([1 if d in dims else s for d, s in enumerate(a.shape)])
         parts = _all_gather(torch.stack([mean, squares]), 0, world, group)
         means, sums = parts.unflatten(0, (world, 2)).unbind(1)  # (world, rows...)
-        n = torch.tensor(counts, dtype=a.dtype).view(-1, *[1] * a.dim())
+        n = torch.tensor(counts, dtype=a.dtype, device=a.device).view(-1, *[1] * a.dim())
         mean = (n * means).sum(0) / total
         rstd = torch.rsqrt((sums + n * (means - mean).square()).sum(0) / total + eps)
         ctx.save_for_backward(x, mean, rstd, weight)
