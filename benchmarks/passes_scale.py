@@ -9,7 +9,8 @@ parameter, tensors computed in the root) is measured apart.
 
 Each point runs in a fresh process, so its peak RSS is its own; a 1-layer model is
 parallelized first (the first call in a process pays torch.export's one-time set-up,
-reported as ``first_call_setup_s``), then the timed one.
+reported as ``first_call_setup_s``), then the timed one three times, each a new model: a
+point's time is the least of the three (``seconds_each``: all three).
 
     python -m benchmarks.passes_scale           # 8B at 4..32 layers, 70B at 80, 405B at 126
     python -m benchmarks.passes_scale --quick   # 8B at 2 and 4 layers
@@ -106,9 +107,11 @@ class ArgsLlama(Llama):
         return self.output(self.norm(h))
 
 
-def one(shape: str, layers: int, form: str = "sliced", world: int = 8) -> dict:
-    """Run in this process: parallelize one meta model calling its blocks in ``form``;
-    return time and peak RSS."""
+def one(shape: str, layers: int, form: str = "sliced", world: int = 8,
+        repeats: int = 3) -> dict:
+    """Run in this process: parallelize one meta model calling its blocks in ``form``,
+    ``repeats`` times (a new model each); return the least time (what other work on a
+    shared machine adds is left out), every time and peak RSS."""
     import resource
     import time
 
@@ -124,13 +127,16 @@ def one(shape: str, layers: int, form: str = "sliced", world: int = 8) -> dict:
         small = ArgsLlama(LlamaConfig(n_layers=1, max_seq_len=64, **SHAPES[shape]), form)
     fxtp.parallelize(small, llama_sp_plan(), example_inputs=(tokens,), device="meta")
     warm_up = time.perf_counter() - start
-    with torch.device("meta"):
-        model = ArgsLlama(LlamaConfig(n_layers=layers, max_seq_len=64, **SHAPES[shape]), form)
-    start = time.perf_counter()
-    gm = fxtp.parallelize(model, llama_sp_plan(), example_inputs=(tokens,), device="meta")
-    seconds = time.perf_counter() - start
-    return {"shape": shape, "layers": layers, "form": form, "seconds": seconds,
-            "first_call_setup_s": warm_up,
+    times = []
+    for _ in range(repeats):
+        with torch.device("meta"):
+            model = ArgsLlama(LlamaConfig(n_layers=layers, max_seq_len=64, **SHAPES[shape]),
+                              form)
+        start = time.perf_counter()
+        gm = fxtp.parallelize(model, llama_sp_plan(), example_inputs=(tokens,), device="meta")
+        times.append(time.perf_counter() - start)
+    return {"shape": shape, "layers": layers, "form": form, "seconds": min(times),
+            "seconds_each": times, "first_call_setup_s": warm_up,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "graph_nodes": len(gm.graph.nodes), "stamped": len(gm.meta[STAMPED]),
             "params_global": sum(p.numel() for p in model.parameters())}
