@@ -9,7 +9,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from .graph import tensor_inputs
+from .graph import COLLECTIVE, MODE_REGION, tensor_inputs
 
 aten = torch.ops.aten
 
@@ -41,6 +41,21 @@ def is_pure(target) -> bool:
     if not isinstance(target, torch._ops.OpOverload):
         return target is operator.getitem
     return torch.Tag.nondeterministic_seeded not in target.tags and not written_args(target)
+
+
+def made_of_held_tensors(nodes, through_collectives: bool = False) -> set:
+    """Of ``nodes`` (in graph order): reads of held tensors, and what ops that draw no
+    random numbers and write nothing (with ``through_collectives``, also collectives: a
+    gradient sync's bucket) compute of those alone, outside autocast and no-grad regions.
+    Such values may be computed anywhere before their readers."""
+    found: set[fx.Node] = set()
+    for node in nodes:
+        if node.op == "get_attr" or node.op == "call_function" and node.all_input_nodes and \
+                all(a in found for a in node.all_input_nodes) and \
+                not node.meta.get(MODE_REGION) and \
+                (is_pure(node.target) or through_collectives and COLLECTIVE in node.meta):
+            found.add(node)
+    return found
 
 
 def writes_first_input(target) -> bool:

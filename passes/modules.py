@@ -33,9 +33,9 @@ import torch.nn as nn
 from torch.nn.modules.module import _WrappedHook
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from .effects import is_pure
+from .effects import made_of_held_tensors
 from .errors import StampMismatch
-from .graph import COLLECTIVE, MODE_REGION, STAMP, Stamp, attr, recompile_alone, stamp_edge
+from .graph import COLLECTIVE, STAMP, Stamp, attr, recompile_alone, stamp_edge
 from .posing import COPIED, copy_plain_state, posing_class
 from .recompute import call_submodule, run_checkpointed
 
@@ -276,20 +276,6 @@ def _call_stamp(graph: fx.Graph, part: list, fqn: str, reference, target: str,
     _rename(records, renamed)
 
 
-def _read_or_made_of_tensors(part: list) -> set:
-    """The nodes of ``part`` reading a held tensor, or computing of those alone, outside
-    mode regions, by ops that draw no random numbers and write nothing or by collectives
-    (a gradient sync's bucket): they may run anywhere before their readers."""
-    found: set[fx.Node] = set()
-    for node in part:
-        if node.op == "get_attr" or node.op == "call_function" and node.all_input_nodes and \
-                all(a in found for a in node.all_input_nodes) and \
-                not node.meta.get(MODE_REGION) and \
-                (is_pure(node.target) or COLLECTIVE in node.meta):
-            found.add(node)
-    return found
-
-
 def _traced_op(node: fx.Node) -> bool:
     """An op the model's code ran (not a tensor read, nor a collective a pass added)."""
     return node.op == "call_function" and bool(node.meta.get("nn_module_stack")) and \
@@ -415,7 +401,7 @@ def _call(graph: fx.Graph, part: list, inputs: list, outputs: list, target: str,
     nodes that now give ``outputs``."""
     inside = set(part)
     last_input = max(inputs, default=None)
-    movable = _read_or_made_of_tensors(part)
+    movable = made_of_held_tensors(part, through_collectives=True)
     start = next((n for n in part if n not in movable and COLLECTIVE not in n.meta), part[0])
     if last_input is not None and last_input > start:
         start = next(n for n in part if n > last_input)

@@ -27,11 +27,11 @@ from . import collectives
 from .aliases import written_groups
 from .gradients import gradient_carriers
 from .errors import StampMismatch
-from .graph import (MODE_REGION, COLLECTIVE, INPUTS, PLACEMENT, STAMP, attr, branches, layout,
+from .graph import (COLLECTIVE, INPUTS, PLACEMENT, STAMP, attr, branches, layout,
                     placement_of, stack_upto, tensor_inputs, val)
 from .placement import (UnitShard, blocks, describe, is_replicate, is_sharded,
                         local_range, numel_hint, transition_steps)
-from .effects import is_pure, writes_first_input
+from .effects import made_of_held_tensors, writes_first_input
 from .rules import is_tagged_pointwise, replicated_into_partial
 
 aten = torch.ops.aten
@@ -300,13 +300,7 @@ def computed_from_parameters(graph: fx.Graph) -> set:
     """Parameters, and values computed from parameters alone by deterministic ops that
     write nothing (a norm weight cast to fp32, Gemma's ``1 + weight``), outside autocast
     and no-grad regions: they can be computed before everything else."""
-    found: set[fx.Node] = set()
-    for node in graph.nodes:
-        if node.op == "get_attr" or node.op == "call_function" and node.all_input_nodes and \
-                all(a in found for a in node.all_input_nodes) and is_pure(node.target) and \
-                not node.meta.get(MODE_REGION):
-            found.add(node)
-    return found
+    return made_of_held_tensors(graph.nodes)
 
 
 def _bucket_param_grad_syncs(graph: fx.Graph, params: dict, group: str, where: str,
