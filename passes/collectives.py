@@ -33,8 +33,8 @@ a contiguous one.
 
 Collectives are the ``torch.ops._c10d_functional`` ops followed by ``wait_tensor``, which
 inductor lowers natively. Collectives along a dim other than 0 move it to the front and
-back, and return contiguous tensors (user code may ``view`` them). Groups are passed by
-name so graphs stay printable.
+back. Every result is a tensor of its own, never a view, so user code may ``view`` it or
+write it in place. Groups are passed by name so graphs stay printable.
 
 The ``*_bucket`` functions issue one collective for several tensors (flatten, concatenate,
 one collective, split; ``grad_sync_bucket`` copies nothing forward); their backward is
@@ -75,10 +75,12 @@ def _all_gather(x: torch.Tensor, dim: int, world: int, group: str,
     # blocks in place along dim
     x = x.contiguous()
     out = _c10d.wait_tensor(_c10d.all_gather_into_tensor(x, world, group))
+    if dim % max(x.dim(), 1) == 0 and blocks == 1:
+        return out  # rank-major is dim 0's order
     out = out.view(world, *x.shape)
     if isinstance(blocks, int):
         out = out.unflatten(dim + 1, (blocks, -1))
-        return out.movedim(0, dim + 1).flatten(dim, dim + 2).contiguous()
+        return _fresh(out.movedim(0, dim + 1).flatten(dim, dim + 2))
     pieces = out.split([b // world for b in blocks], dim + 1)
     return torch.cat([p.movedim(0, dim).flatten(dim, dim + 1) for p in pieces], dim)
 
@@ -95,16 +97,17 @@ def _reduce_scatter(x: torch.Tensor, dim: int, world: int, group: str,
     else:
         x = torch.cat([b.unflatten(dim, (world, -1)).movedim(dim, 0)
                        for b in x.split(list(blocks), dim)], dim + 1)
-    out = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(x.contiguous(), "sum", world, group))
-    return out.squeeze(0)
+    # the leading (world, s0) merged: each rank's result comes out as its own tensor
+    x = x.contiguous().flatten(0, 1)
+    return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(x, "sum", world, group))
 
 
 def _chunk(x: torch.Tensor, dim: int, rank: int, world: int, blocks=1) -> torch.Tensor:
     if blocks == 1:
-        return x.chunk(world, dim)[rank].contiguous()
+        return _fresh(x.chunk(world, dim)[rank])
     if isinstance(blocks, int):
         pieces = x.unflatten(dim, (blocks, world, -1)).select(dim + 1, rank)
-        return pieces.flatten(dim, dim + 1).contiguous()
+        return _fresh(pieces.flatten(dim, dim + 1))
     return torch.cat([b.chunk(world, dim)[rank] for b in x.split(list(blocks), dim)], dim)
 
 
@@ -122,7 +125,7 @@ def _gather_units(x: torch.Tensor, dim: int, units: int, size: int, world: int,
         if start == covered and length:  # the first rank holding these units
             pieces.append(out.narrow(0, r * longest, length))
             covered += length
-    return torch.cat(pieces).movedim(0, dim).contiguous()
+    return _fresh(torch.cat(pieces).movedim(0, dim))
 
 
 def _own_units(grad: torch.Tensor, dim: int, units: int, rank: int, world: int
@@ -130,7 +133,14 @@ def _own_units(grad: torch.Tensor, dim: int, units: int, rank: int, world: int
     start, length = local_range(UnitShard(dim, units), grad.shape[dim], rank, world)
     mine = grad.narrow(dim, start, length)
     first = units >= world or rank % (world // units) == 0
-    return mine.contiguous() if first else torch.zeros_like(mine)
+    return _fresh(mine) if first else torch.zeros_like(mine)
+
+
+def _fresh(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of the view ``x``: user code may write a collective's result in
+    place, which autograd refuses on a view a custom ``Function`` returns (and a view of its
+    input would write the input)."""
+    return x.clone(memory_format=torch.contiguous_format)
 
 
 class _AllGatherUnits(torch.autograd.Function):

@@ -250,3 +250,36 @@ def scaled_viewed_written(rank, world):
 def test_a_view_read_after_a_write_is_not_computed_whole_from_a_gathered_gate(ranks):
     fwd, _ = ranks.run(scaled_viewed_written)[0]
     assert fwd == {"all_gather": 1}
+
+
+
+class ResidualAddedInPlace(nn.Module):
+    """``a = o(x); a.add_(x)``: the residual added in place into a row-parallel output,
+    reduce-scattered to sequence shards (or sharded from a replicated one): the
+    collective's result is the user's to write."""
+
+    def __init__(self):
+        super().__init__()
+        self.o, self.mlp = nn.Linear(16, 16, bias=False), nn.Linear(16, 16, bias=False)
+        self.norm = nn.RMSNorm(16)
+
+    def forward(self, x):
+        a = self.o(x)
+        a.add_(x)
+        return a + self.mlp(self.norm(a))
+
+
+def residual_added_in_place(rank, world, plan):
+    # one sequence: a shard of dim 1 is then a contiguous view of the whole
+    return check_parity(rank, world, ResidualAddedInPlace, plan, [example(1, 8, 16)],
+                        dtype=torch.float64, strict=True)
+
+
+@pytest.mark.parametrize("plan, counts", [
+    ({"o": fxtp.RowwiseParallel(output_layouts=fxtp.Shard(1))},
+     ({"reduce_scatter": 1}, {"all_gather": 3, "all_reduce": 1})),
+    ({"o": fxtp.PrepareModuleOutput(output_layouts=fxtp.Replicate(),
+                                     desired_output_layouts=fxtp.Shard(1))},
+     ({}, {"all_gather": 2, "all_reduce": 1}))], ids=["reduce_scatter", "shard"])
+def test_a_collectives_result_may_be_written_in_place(ranks, plan, counts):
+    assert ranks.run(residual_added_in_place, plan)[0] == counts
