@@ -28,7 +28,7 @@ from .passes.gather_early import gather_early
 from .passes.graph import PLACEMENT, calls_of, keep_on_copy
 from .passes.posing import copy_data_attributes, give_parameter_properties
 from .passes.propagate import propagate
-from .passes.recompute import REGION, outline_checkpoints
+from .passes.recompute import REGION, copy_written_collectives, outline_checkpoints
 from .passes.rewrite import rewrite
 from .passes.seed import seed
 from .passes.strided import stride_fused_splits
@@ -239,6 +239,8 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
                 materialize(gm, model, meta, placements, group, device_mesh, device, init_fn,
                             init_seed)
             guard_inputs(gm, group.world)
+            if gm.meta[REGION]:
+                copy_written_collectives(gm)
             inlined = outline_modules(gm, kept, model, stamped)
             if dtensor_params:
                 as_dtensors(gm, placements, shapes, device_mesh, group.world)

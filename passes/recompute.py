@@ -4,7 +4,8 @@ Tracing inlines ``torch.utils.checkpoint.checkpoint(fn, ..., use_reentrant=False
 graph computes ``fn`` like any other code, and would save every activation for backward.
 The trace marks each checkpoint region's nodes (``node.meta["custom"][REGION]``, the
 region's number); after the rewrite this pass moves each region, with the collectives the
-rewrite put in it, into a submodule ``checkpoint_<i>`` that the program calls through
+rewrite put in it and the calls of outlined modules whose ops are all in it, into a
+submodule ``checkpoint_<i>`` that the program calls through
 ``torch.utils.checkpoint.checkpoint`` (non-reentrant) with the region's own options, so
 backward recomputes it as the single-device model would.
 
@@ -29,8 +30,8 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts, noop_context_fn)
 
 from .collectives import KINDS
-from .graph import recompile_alone
-from .rewrite import computed_from_parameters
+from .effects import written_through
+from .graph import COLLECTIVE, recompile_alone
 
 REGION = "fxtp_checkpoint"
 PREFIX = "checkpoint_"
@@ -65,7 +66,7 @@ def outline_checkpoints(gm: fx.GraphModule, options: dict[int, dict]) -> list[nn
     """Move each marked region into a checkpointed submodule; ``options``: region number ->
     ``checkpoint`` keyword options. Returns the submodules the regions call (recomputed
     whole with them: their own marks are to be left alone)."""
-    spans = _spans(gm.graph, computed_from_parameters(gm.graph))
+    spans = _spans(gm)
     called: list[nn.Module] = []
     for i, (region, span) in enumerate(spans):
         called += _outline(gm, span, options.get(region, {}), f"{PREFIX}{i}")
@@ -75,21 +76,40 @@ def outline_checkpoints(gm: fx.GraphModule, options: dict[int, dict]) -> list[nn
     return called
 
 
+def copy_written_collectives(gm: fx.GraphModule) -> fx.GraphModule:
+    """Give each collective result that a checkpoint region writes in place (directly or
+    through a view) a copy for the writes, on the graph before outlining."""
+    aten = torch.ops.aten
+    for _, span in _spans(gm):
+        for node in [n for n in span if COLLECTIVE in n.meta]:
+            values = [u for u in node.users if u.target is operator.getitem] \
+                if isinstance(node.meta.get("val"), (tuple, list)) else [node]
+            for value in filter(written_through, values):
+                with gm.graph.inserting_after(value):
+                    copy = gm.graph.call_function(aten.clone.default, (value,))
+                copy.meta = dict(value.meta)
+                value.replace_all_uses_with(copy, delete_user_cb=lambda u: u is not copy)
+    gm.graph.lint()
+    recompile_alone(gm)
+    return gm
+
+
 def call_submodule(module: nn.Module, *args, **kwargs):
     """``module(*args, **kwargs)``: a region calls the submodules it does not hold."""
     return module(*args, **kwargs)
 
 
-def _spans(graph: fx.Graph, keep: set) -> list[tuple[int, list[fx.Node]]]:
-    """Each region's nodes: everything in graph order from its first to its last marked
-    node (collectives the rewrite inserted included); a region inside another (nested
-    checkpoints) joins the outer one."""
-    nodes = list(graph.nodes)
+def _spans(gm: fx.GraphModule) -> list[tuple[int, list[fx.Node]]]:
+    """Each region's nodes: everything in graph order from its first to its last node in the
+    region (collectives the rewrite put between them included); a region inside another
+    (nested checkpoints) joins the outer one. A region that is one module's call alone is
+    left to that module's graph."""
+    nodes = list(gm.graph.nodes)
     bounds: dict[int, list[int]] = {}
+    regions = _regions(gm)
     for i, node in enumerate(nodes):
-        region = region_of(node)
-        if region is not None and node.op == "call_function" and node not in keep:
-            bounds.setdefault(region, [i, i])[1] = i
+        if regions.get(node) is not None:
+            bounds.setdefault(regions[node], [i, i])[1] = i
     spans, end = [], -1
     for region, (first, last) in sorted(bounds.items(), key=lambda item: item[1][0]):
         if first > end:
@@ -98,7 +118,30 @@ def _spans(graph: fx.Graph, keep: set) -> list[tuple[int, list[fx.Node]]]:
         elif last > end:  # overlapping without nesting: extend the previous span
             spans[-1] = (spans[-1][0], nodes[nodes.index(spans[-1][1][0]):last + 1])
             end = last
-    return spans
+    return [(region, span) for region, span in spans
+            if len(span) > 1 or span[0].op != "call_module"]
+
+
+def _regions(gm: fx.GraphModule) -> dict[fx.Node, Optional[int]]:
+    """The region of each node of ``gm``'s graph that computes: an op's mark, or for a call
+    of an outlined module the one region all its ops are in. Reads of held tensors and what
+    is computed of them alone, collectives and ``getitem`` are in none: they stay where the
+    rewrite and the outliner put them."""
+    held: set[fx.Node] = set()
+    regions: dict[fx.Node, Optional[int]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" or node.op == "call_function" and node.all_input_nodes \
+                and all(a in held for a in node.all_input_nodes):
+            held.add(node)
+        elif node.op == "call_function" and COLLECTIVE not in node.meta and \
+                node.target is not operator.getitem:
+            regions[node] = region_of(node)
+        elif node.op == "call_module":
+            called = gm.get_submodule(node.target)
+            inner = set(_regions(called).values()) \
+                if isinstance(called, fx.GraphModule) else {None}
+            regions[node] = next(iter(inner)) if len(inner) == 1 else None
+    return regions
 
 
 def _outline(gm: fx.GraphModule, span: list[fx.Node], options: dict, name: str) -> None:

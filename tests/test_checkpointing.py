@@ -180,3 +180,60 @@ def test_torchtitans_selective_checkpointing_per_block_trains_as_single_device(r
     assert plain == ({"reduce_scatter": 5, "all_gather": 6},
                      {"reduce_scatter": 5, "all_reduce": 3, "all_gather": 5})
     assert sac == (plain[0], {**plain[1], "all_gather": 5 + 2 * 2})
+
+
+class ScaledInPlace(nn.Module):
+    """A region that writes in place into a planned projection's output: ``u = up(x);
+    u.mul_(0.5)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32, bias=False), nn.Linear(32, 16, bias=False)
+
+    def body(self, x):
+        u = self.up(x)
+        u.mul_(0.5)
+        return self.down(torch.relu(u))
+
+    def forward(self, x):
+        return checkpoint(self.body, x, use_reentrant=False)
+
+
+class ResidualInPlace(nn.Module):
+    """A region that adds the residual in place into a row-parallel output: ``a = o(x);
+    a.add_(x)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.o, self.mlp = nn.Linear(16, 16, bias=False), nn.Linear(16, 16, bias=False)
+
+    def body(self, x):
+        a = self.o(x)
+        a.add_(x)
+        return a + self.mlp(torch.tanh(a))
+
+    def forward(self, x):
+        return checkpoint(self.body, x, use_reentrant=False)
+
+
+def written_in_region(rank, world, make_model, plan):
+    return check_parity(rank, world, make_model, plan, [example(2, 8, 16)],
+                        dtype=torch.float64, strict=True)
+
+
+@pytest.mark.parametrize("make_model, plan, counts", [
+    (ScaledInPlace, {"up": fxtp.RowwiseParallel(input_layouts=fxtp.Replicate())},
+     ({"all_reduce": 1}, {"all_gather": 1})),
+    (ScaledInPlace, {"up": fxtp.ColwiseParallel(), "down": fxtp.RowwiseParallel()},
+     ({"all_reduce": 1}, {"all_reduce": 1})),
+    (ResidualInPlace, {"o": fxtp.RowwiseParallel()},
+     ({"all_reduce": 1}, {"all_gather": 1})),
+    (ResidualInPlace, {"o": fxtp.RowwiseParallel(), "mlp": fxtp.ColwiseParallel()},
+     ({"all_reduce": 1}, {"all_gather": 2, "all_reduce": 1}))],
+    ids=["all_reduced", "column_shard", "residual", "residual_then_colwise"])
+def test_a_region_may_write_what_a_planned_module_or_collective_returned(
+        ranks, make_model, plan, counts):
+    """The region stays whole around the planned module (backward recomputes it, as on one
+    device), and the write goes into a copy of a collective's result: the saved result is
+    what recomputation reads back. No collective is issued twice."""
+    assert ranks.run(written_in_region, make_model, plan)[0] == counts
