@@ -28,7 +28,7 @@ from .aliases import written_groups
 from .gradients import gradient_carriers
 from .errors import StampMismatch
 from .graph import (COLLECTIVE, INPUTS, PLACEMENT, STAMP, attr, branches, layout,
-                    placement_of, stack_upto, tensor_inputs, val)
+                    placement_of, stack_upto, stamp_edge, tensor_inputs, val)
 from .placement import (UnitShard, blocks, describe, is_replicate, is_sharded,
                         local_range, numel_hint, transition_steps)
 from .effects import made_of_held_tensors, writes_first_input
@@ -269,6 +269,13 @@ def _sync_partial_grads(graph: fx.Graph, group: str, scope) -> None:
         if node in needs_grad and isinstance(v, torch.Tensor) and v.dtype.is_floating_point \
                 and is_replicate(placement_of(node)) and not _forwards_partial(node, needs_grad):
             summed[node] = [u for u in node.users if _contributes_partial_grad(u, needs_grad)]
+    for edge in [n for n, users in summed.items()
+                 if n.target is stamp_edge and users and len(users) == len(n.users)]:
+        param = edge.args[0]  # a root parameter every block is given: synced once, in the root
+        if param in from_params and param in trainable:
+            summed[param] = list(dict.fromkeys(
+                summed.get(param, []) + [edge] + [u for u in param.users if STAMP in u.meta]))
+            del summed[edge]
     for node, partial_users in summed.items():
         if not partial_users:
             continue
@@ -285,8 +292,9 @@ def _sync_partial_grads(graph: fx.Graph, group: str, scope) -> None:
         for user in partial_users:
             user.replace_input_with(node, sync)
     scoped: dict[str, dict] = {}
-    for param, users in params.items():
-        scoped.setdefault(scope(users[0]), {})[param] = users
+    for param, users in params.items():  # read in several blocks: synced in their caller
+        where = {scope(user) for user in users}
+        scoped.setdefault(where.pop() if len(where) == 1 else "", {})[param] = users
     in_scope: dict[str, list[fx.Node]] = {}  # each scope's computing nodes, in order
     for node in graph.nodes:
         if node.op not in ("placeholder", "get_attr"):

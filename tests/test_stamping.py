@@ -237,10 +237,6 @@ def test_identical_blocks_are_traced_once_into_the_traced_program(fake_group, pl
     assert stamped.fxtp.fallbacks == []
 
 
-UNORDERED_BUCKET = pytest.mark.xfail(
-    raises=RuntimeError, strict=True, reason="with every block traced (stamp_blocks=False), "
-    "passes.rewrite buckets the gradient sync of a root parameter read in several blocks in "
-    "the scope of one of them, after earlier blocks read it: the graph is out of order")
 SHARDED_INSIDE = pytest.mark.xfail(
     raises=AssertionError, strict=True, reason="the reference shards the root's mask where "
     "it reads it, and passes.modules leaves that shard to the caller, so the reference's "
@@ -252,7 +248,7 @@ def forms(**marks) -> list:
     return [pytest.param(form, marks=marks[form]) if form in marks else form for form in FORMS]
 
 
-@pytest.mark.parametrize("form", forms(parameter=UNORDERED_BUCKET))
+@pytest.mark.parametrize("form", FORMS)
 def test_blocks_are_traced_once_whatever_the_root_calls_them_with(fake_group, form):
     """A block's argument is an argument wherever it comes from: a root buffer or
     parameter as it is (which the reference read as another module's state, so every
@@ -502,22 +498,25 @@ def test_stamped_blocks_train_like_single_device(ranks):
                    "all_reduce": LAYERS + 1}
 
 
-def root_arguments_parity(rank, world, form):
+def root_arguments_parity(rank, world, form, stamp):
     counts = check_parity(rank, world, llama_calling_blocks(form), llama_sp_plan(), [TOKENS],
-                          dtype=torch.float64, input_grads=False)
+                          dtype=torch.float64, input_grads=False, stamp_blocks=stamp)
     stamped = fxtp.parallelize(llama_calling_blocks(form)(), llama_sp_plan(),
-                               example_inputs=(TOKENS,)).meta[STAMPED]
+                               example_inputs=(TOKENS,), stamp_blocks=stamp).meta[STAMPED]
     return counts, stamped
 
 
-@pytest.mark.parametrize("form", ["buffers", "parameter"])
-def test_blocks_given_root_tensors_as_they_are_train_like_single_device(ranks, form):
+@pytest.mark.parametrize("form, stamp", [("buffers", True), ("parameter", True),
+                                         ("parameter", False)],
+                         ids=["buffers", "parameter", "parameter-every-block-traced"])
+def test_blocks_given_root_tensors_as_they_are_train_like_single_device(ranks, form, stamp):
     """Forward, every gradient (the root parameter's summed over the blocks) and 3 AdamW
-    steps (fp64), stamped, against the single-device model."""
-    (fwd, bwd), stamped = ranks.run(root_arguments_parity, form)[0]
-    assert stamped == {f"layers.{i}": "layers.0" for i in range(1, LAYERS)}
+    steps (fp64), against the single-device model."""
+    (fwd, bwd), stamped = ranks.run(root_arguments_parity, form, stamp)[0]
+    assert stamped == ({f"layers.{i}": "layers.0" for i in range(1, LAYERS)} if stamp else {})
     assert fwd == {"all_gather": 2 * LAYERS + 2, "reduce_scatter": 2 * LAYERS + 1}
-    # per layer one bucket of norm-weight gradients, and the root parameter's partial
-    # gradient each block computes from its sequence shard
+    # per layer one bucket of norm-weight gradients; the final norm's weight and the root
+    # parameter (each block computes a partial gradient of it from its sequence shard):
+    # one bucket in the root
     assert bwd == {"all_gather": 2 * LAYERS + 1, "reduce_scatter": 2 * LAYERS + 1,
-                   "all_reduce": LAYERS + 1 + (LAYERS if form == "parameter" else 0)}
+                   "all_reduce": LAYERS + 1}
