@@ -251,11 +251,10 @@ def _call_stamp(graph: fx.Graph, part: list, fqn: str, reference, target: str,
         raise StampMismatch(f"block '{fqn}' is stamped from '{given.reference}', which "
                             f"{'has nodes of its own' if reference else 'was left inline'}")
     reads, gives = reference
-    if not all(r in given.inputs for r in reads) or \
-            not all(given.outputs[i] in gives for i in outputs):
+    args = [_read_alike(r, given, stamp.args[0]) for r in reads]
+    if any(a is None for a in args) or not all(given.outputs[i] in gives for i in outputs):
         raise StampMismatch(f"block '{fqn}' is stamped from '{given.reference}', whose "
                             f"module reads or returns other values than the block's")
-    args = [stamp.args[0][given.inputs.index(r)] for r in reads]
     try:
         graph.owning_module.get_submodule(target)
     except AttributeError:  # a block holding no tensors has no holder: stamp_modules copies
@@ -274,6 +273,28 @@ def _call_stamp(graph: fx.Graph, part: list, fqn: str, reference, target: str,
         graph.erase_node(out)
     graph.erase_node(stamp)
     _rename(records, renamed)
+
+
+def _read_alike(read: fx.Node, given: Stamp, args: list) -> Optional[fx.Node]:
+    """What a stamp given ``args`` passes where its reference's module reads ``read``: its
+    own argument for one of the reference's inputs; or ``read`` itself where the caller
+    computed it (a shard of a mask the root made) from inputs the stamp is given alike and
+    from no tensor of the reference's own. None where it cannot."""
+    inputs = given.inputs
+    if read in inputs:
+        return args[inputs.index(read)]
+    todo, seen = [read], set()
+    while todo:
+        node = todo.pop()
+        if node in inputs:
+            if args[inputs.index(node)] is not node:
+                return None
+        elif node.op == "get_attr" and node.target.startswith(given.reference + "."):
+            return None
+        elif node not in seen:
+            seen.add(node)
+            todo += node.all_input_nodes
+    return read
 
 
 def _traced_op(node: fx.Node) -> bool:
