@@ -28,6 +28,7 @@ from .passes.gather_early import gather_early
 from .passes.graph import PLACEMENT, calls_of, keep_on_copy
 from .passes.posing import copy_data_attributes, give_parameter_properties
 from .passes.propagate import propagate
+from .passes.rehearse import rehearse
 from .passes.recompute import REGION, copy_written_collectives, outline_checkpoints
 from .passes.rewrite import rewrite
 from .passes.seed import seed
@@ -229,6 +230,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
                 dump.code("rewritten", gm)
                 copies = _copied_tensors(gm, stamped)
                 localize(gm, group, copies)
+                rehearse(gm, group)
             attrs = [n for n in gm.graph.nodes if n.op == "get_attr" and PLACEMENT in n.meta]
             placements = {n.target: n.meta[PLACEMENT] for n in attrs}
             shapes = {n.target: tuple(n.meta["val"].shape) for n in attrs}

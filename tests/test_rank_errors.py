@@ -3,8 +3,10 @@
 A stage of ``parallelize`` that fails on some ranks only fails on all of them: the failing
 ranks raise their own error, the others a :class:`fxtp.RankError` naming them (or the kind
 ``parallelize`` retries on, so every rank takes the same way), never a hang in the next
-collective. Localized shapes are valid on a rank holding none of a dim, and fxtp's own
-placements can be constants of generated code.
+collective. Every op of each rank's program is run on that rank's local shapes before
+``parallelize`` returns, so an op failing on one rank's shapes fails every rank there, not
+at the first call. Localized shapes are valid on a rank holding none of a dim, and fxtp's
+own placements can be constants of generated code.
 """
 from __future__ import annotations
 
@@ -119,3 +121,39 @@ def test_features_dealt_unevenly_meet_a_decomposed_norm(ranks4):
     """Each way: the norm's sum of squares over the ranks' features, and the rowwise
     projection's partial sums."""
     assert ranks4.run(uneven_norm)[0] == ({"all_reduce": 2}, {"all_reduce": 2})
+
+
+def six_heads_localized_with_minus_one(rank, world):
+    """:class:`SixHeads` with the ``-1`` of its views kept on the rank holding no heads, as
+    fxtp once localized them: that rank's reshape is ambiguous for its empty shard."""
+    rules = importlib.import_module("fxtp.passes.rules")
+    original = rules.localize_shape
+
+    def minus_one_kept(shape, placement, group, graph, before):
+        local = original(shape, placement, group, graph, before)
+        return [-1 if s == -1 else s2 for s, s2 in zip(shape, local)]
+    rules.localize_shape = minus_one_kept
+    plan = {"q": fxtp.ColwiseParallel(), "k": fxtp.ColwiseParallel(),
+            "v": fxtp.ColwiseParallel(), "o": fxtp.RowwiseParallel()}
+    try:
+        fxtp.parallelize(SixHeads(), plan, example_inputs=(torch.randn(2, 4, 24),))
+    except Exception as e:  # noqa: BLE001 - what each rank raised is the result
+        raised = (type(e).__name__, str(e))
+    finally:
+        rules.localize_shape = original
+    ones = torch.ones(1)
+    torch.distributed.all_reduce(ones)
+    return raised, ones.item()
+
+
+def test_an_op_failing_on_one_ranks_shapes_fails_parallelize_on_every_rank(ranks4):
+    """Each rank runs its program's ops on its local shapes (meta tensors) before
+    ``parallelize`` returns: the rank whose reshape cannot run names it, the others name
+    that rank, and none is left waiting at the first call."""
+    results = ranks4.run(six_heads_localized_with_minus_one)
+    (name, message), total = results[-1]
+    assert (name, total) == ("ShardingError", 4)
+    assert "aten.reshape.default" in message and "rank 3 of 4" in message and \
+        "[(2, 4, 0)]" in message
+    for (name, message), _ in results[:-1]:
+        assert name == "ShardingError" and "failed on rank(s) [3]" in message
