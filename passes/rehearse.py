@@ -32,6 +32,7 @@ def rehearse(gm: fx.GraphModule, group) -> fx.GraphModule:
     ``group``'s rank's local shapes."""
     for node in gm.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) \
+                or node.target.namespace != "aten" \
                 or any(tag in node.target.tags for tag in _UNSEEN) or not any(
                     isinstance(a.meta.get("val"), torch.Tensor) for a in node.all_input_nodes):
             continue
