@@ -136,7 +136,7 @@ def _outline(gm: fx.GraphModule, base: str, tree: dict[str, set[str]], names: di
     for child, part in parts.items():
         part.sort()  # in the graph's order (an extraction may have moved nodes after it)
         if child in stamped:
-            _call_stamp(gm.graph, part, child, done.get(stamped[child]),
+            _call_stamp(gm.graph, not base, part, child, done.get(stamped[child]),
                         child[len(base) + 1:] if base else child, records)
             continue
         if not _convex(part):
@@ -239,11 +239,12 @@ def _extract(gm: fx.GraphModule, part: list, base: str, fqn: str, names: dict,
     return sub
 
 
-def _call_stamp(graph: fx.Graph, part: list, fqn: str, reference, target: str,
-                records: list) -> None:
+def _call_stamp(graph: fx.Graph, at_root: bool, part: list, fqn: str, reference,
+                target: str, records: list) -> None:
     """Replace a stamped block's call (``part``: its stamp node and the stamp's outputs) by
     a call of its module at ``target``, passing and taking what its reference's module
-    (``reference``: the values it reads and returns) does, in that order."""
+    (``reference``: the values it reads and returns) does, in that order. ``at_root``:
+    ``graph`` is the root's (its placeholders are the model's inputs)."""
     stamp = next(n for n in part if STAMP in n.meta)
     given: Stamp = stamp.meta[STAMP]
     outputs = {n.args[1]: n for n in part if n is not stamp and n.args[0] is stamp}
@@ -251,7 +252,7 @@ def _call_stamp(graph: fx.Graph, part: list, fqn: str, reference, target: str,
         raise StampMismatch(f"block '{fqn}' is stamped from '{given.reference}', which "
                             f"{'has nodes of its own' if reference else 'was left inline'}")
     reads, gives = reference
-    args = [_read_alike(r, given, stamp.args[0]) for r in reads]
+    args = [_read_alike(r, given, stamp.args[0], at_root) for r in reads]
     if any(a is None for a in args) or not all(given.outputs[i] in gives for i in outputs):
         raise StampMismatch(f"block '{fqn}' is stamped from '{given.reference}', whose "
                             f"module reads or returns other values than the block's")
@@ -275,11 +276,13 @@ def _call_stamp(graph: fx.Graph, part: list, fqn: str, reference, target: str,
     _rename(records, renamed)
 
 
-def _read_alike(read: fx.Node, given: Stamp, args: list) -> Optional[fx.Node]:
+def _read_alike(read: fx.Node, given: Stamp, args: list, at_root: bool
+                ) -> Optional[fx.Node]:
     """What a stamp given ``args`` passes where its reference's module reads ``read``: its
     own argument for one of the reference's inputs; or ``read`` itself where the caller
-    computed it (a shard of a mask the root made) from inputs the stamp is given alike and
-    from no tensor of the reference's own. None where it cannot."""
+    computed it (a shard of a mask the root made) from the model's inputs, tensors of no
+    block's own and inputs the stamp is given alike. None where it cannot (a placeholder
+    of a module's graph may be what the reference was given, made elsewhere)."""
     inputs = given.inputs
     if read in inputs:
         return args[inputs.index(read)]
@@ -289,7 +292,8 @@ def _read_alike(read: fx.Node, given: Stamp, args: list) -> Optional[fx.Node]:
         if node in inputs:
             if args[inputs.index(node)] is not node:
                 return None
-        elif node.op == "get_attr" and node.target.startswith(given.reference + "."):
+        elif node.op == "placeholder" and not at_root or \
+                node.op == "get_attr" and node.target.startswith(given.reference + "."):
             return None
         elif node not in seen:
             seen.add(node)

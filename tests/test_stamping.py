@@ -496,8 +496,9 @@ def root_arguments_parity(rank, world, form, stamp):
 
 
 @pytest.mark.parametrize("form, stamp", [("buffers", True), ("parameter", True),
-                                         ("parameter", False)],
-                         ids=["buffers", "parameter", "parameter-every-block-traced"])
+                                         ("parameter", False), ("computed", True)],
+                         ids=["buffers", "parameter", "parameter-every-block-traced",
+                              "computed"])
 def test_blocks_given_root_tensors_as_they_are_train_like_single_device(ranks, form, stamp):
     """Forward, every gradient (the root parameter's summed over the blocks) and 3 AdamW
     steps (fp64), against the single-device model."""
