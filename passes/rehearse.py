@@ -6,7 +6,8 @@ this rank: the traced global shapes (``node.meta["val"]``) cut by the inputs' pl
 shard of unevenly dealt heads) then fails while ``parallelize``'s ranks can still agree on
 it, not at the first call, where the ranks it works on would wait in the next collective.
 Ops whose meta run says nothing of the real one are left out: those with data-dependent
-results, those without tensor inputs, and those reading sizes that are not plain ints.
+results, those without tensor inputs, those reading sizes that are not plain ints, and
+those in an autocast region (which casts CPU and CUDA tensors, not meta ones).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 
 from .errors import ShardingError
-from .graph import PLACEMENT, module_fqn
+from .graph import AUTOCAST, PLACEMENT, module_fqn
 from .placement import is_sharded
 from .rules import local_size
 
@@ -30,12 +31,7 @@ class _Unknown(Exception):
 def rehearse(gm: fx.GraphModule, group) -> fx.GraphModule:
     """Raise :class:`ShardingError` naming the first ATen op of ``gm`` that fails on
     ``group``'s rank's local shapes."""
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) \
-                or node.target.namespace != "aten" \
-                or any(tag in node.target.tags for tag in _UNSEEN) or not any(
-                    isinstance(a.meta.get("val"), torch.Tensor) for a in node.all_input_nodes):
-            continue
+    for node in filter(_rehearsed, gm.graph.nodes):
         try:
             args, kwargs = fx.node.map_aggregate((node.args, node.kwargs),
                                                  lambda a: _stand_in(a, group))
@@ -55,6 +51,15 @@ def rehearse(gm: fx.GraphModule, group) -> fx.GraphModule:
                 f"report it; a plan whose sharded dims divide by the world size avoids it"
             ) from e
     return gm
+
+
+def _rehearsed(node: fx.Node) -> bool:
+    op = node.target
+    autocast = node.meta.get(AUTOCAST)
+    return node.op == "call_function" and isinstance(op, torch._ops.OpOverload) and \
+        op.namespace == "aten" and not any(tag in op.tags for tag in _UNSEEN) and \
+        not (autocast and autocast[2]) and \
+        any(isinstance(a.meta.get("val"), torch.Tensor) for a in node.all_input_nodes)
 
 
 def _stand_in(a, group):
