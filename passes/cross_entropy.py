@@ -17,12 +17,18 @@ The gradient, softmax times a per-token factor minus the (weighted) target distr
 computed locally from the saved per-token log-sum-exp: backward communicates nothing.
 Temporaries are (tokens, C_local) buffers, so per-rank memory is about 1/world of the
 unsharded loss.
+
+Tokens sharded over ranks (logits split by rows, as a sequence-parallel head leaves them)
+need no loss parallel: :func:`mean_of_token_shards` sums each rank's losses and the weight
+of its kept targets, and one all-reduce of the two gives the mean.
 """
 from __future__ import annotations
 
 import torch
 
-from .collectives import _all_reduce
+import torch.nn.functional as F
+
+from .collectives import _all_reduce, all_reduce
 
 REDUCTIONS = ("none", "mean", "sum")  # the order of aten's Reduction enum
 
@@ -39,6 +45,24 @@ def loss_parallel_cross_entropy(logits, target, weight, reduction: str, ignore_i
                        class_dim, n_classes)
     return _CrossEntropy.apply(logits, target, weight, reduction, ignore_index,
                                float(label_smoothing), class_dim, offset, n_classes, group)
+
+
+def mean_of_token_shards(logits, target, weight, ignore_index: int, label_smoothing: float,
+                         group: str) -> torch.Tensor:
+    """``F.cross_entropy(..., reduction="mean")`` of all ranks' tokens, from this rank's
+    ``logits`` and ``target`` (split alike along dim 0, classes whole): the sum of the
+    losses over the total weight of the kept targets (for probability targets, the number
+    of tokens), both summed over the ranks by one all-reduce (backward: none)."""
+    total = F.cross_entropy(logits, target, weight, ignore_index=ignore_index,
+                            reduction="sum", label_smoothing=label_smoothing)
+    if target.is_floating_point():
+        count = total.new_tensor(target.numel() // target.shape[1 if target.dim() > 1 else 0])
+    else:
+        kept = target != ignore_index
+        count = kept.sum() if weight is None else \
+            torch.where(kept, weight[target.where(kept, 0)], 0).sum()
+    summed = all_reduce(torch.stack([total, count.to(total.dtype)]), group)
+    return summed[0] / summed[1]
 
 
 def forward_all_reduce_bytes(tokens: int, dtype: torch.dtype, probability_targets: bool,

@@ -7,6 +7,10 @@ divides by a count over all tokens and keeps them whole. The class dim never sha
 spec: class-sharded logits are served by an extra strategy whose local op is
 :func:`fxtp.loss.loss_parallel_cross_entropy` (3 all-reduces of per-token values, none
 backward), so propagation picks it over gathering the logits whenever they arrive sharded.
+With ``"mean"``, tokens sharded by rows (the batch dim) are served by another extra
+strategy: each rank's sum and kept weight, summed by one all-reduce
+(:func:`~fxtp.passes.cross_entropy.mean_of_token_shards`), so a head whose logits arrive
+split by tokens needs no gather for its loss.
 ``nll_loss`` on class-sharded log-probabilities (a ``log_softmax`` written before it, which
 :mod:`~fxtp.passes.sharded_softmax` keeps sharded) takes each token's term on the rank
 holding its target: a ``Partial`` loss, summed by one all-reduce where it is read
@@ -18,11 +22,11 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
-from .cross_entropy import REDUCTIONS, loss_parallel_cross_entropy
+from .cross_entropy import REDUCTIONS, loss_parallel_cross_entropy, mean_of_token_shards
 from .dimspec import DimSpec
 from .graph import op_arg
 from .local_ops import nll_loss_of_shard
-from .placement import P, UnitShard, local_range
+from .placement import P, UnitShard, is_sharded, local_range
 
 _ARGS = (("weight", None), ("reduction", 1), ("ignore_index", -100), ("label_smoothing", 0.0))
 
@@ -70,6 +74,32 @@ def class_sharded(node: fx.Node, world: int, actual=()):
     yield inputs, (P if node.target is torch.ops.aten.nll_loss_nd.default else Replicate(),)
 
 
+def token_sharded(node: fx.Node, world: int, actual=()):
+    """The mean of logits split by rows (and targets split alike) -> replicated loss: as
+    they arrive (strided, uneven), or in ``world`` equal row shards."""
+    logits, target = _logits_and_target(node)
+    if _options(node)["reduction"] != 1 or logits.dim() < 2:
+        return
+    rows = actual[0] if actual and _row_shard(actual[0]) else Shard(0)
+    if rows == Shard(0) and not (isinstance(logits.shape[0], int) and
+                                 logits.shape[0] % world == 0):
+        return
+    inputs = (rows, rows)
+    if _options(node)["weight"] is not None:
+        inputs += (Replicate(),)
+    yield inputs, (Replicate(),)
+
+
+def cross_entropy_strategies(node: fx.Node, world: int, actual=()):
+    """:func:`class_sharded` and :func:`token_sharded`."""
+    yield from class_sharded(node, world, actual)
+    yield from token_sharded(node, world, actual)
+
+
+def _row_shard(p) -> bool:
+    return is_sharded(p) and p.dim == 0
+
+
 def _class_shard(node: fx.Node, inputs) -> bool:
     logits = node.args[0].meta["val"]
     c = _class_dim(logits)
@@ -89,13 +119,17 @@ def nll_on_classes(node: fx.Node, inputs, output, group):
 
 
 def loss_parallel(node: fx.Node, inputs, output, group):
-    """Class-sharded logits run :func:`~fxtp.loss.loss_parallel_cross_entropy`; token
-    shards and replicated logits run the op itself."""
+    """Class-sharded logits run :func:`~fxtp.loss.loss_parallel_cross_entropy`; the mean of
+    tokens sharded by rows :func:`~fxtp.passes.cross_entropy.mean_of_token_shards`; other
+    token shards and replicated logits run the op itself."""
     logits = node.args[0]
     c = _class_dim(logits.meta["val"])
+    o = _options(node)
+    if o["reduction"] == 1 and _row_shard(inputs[0]):
+        return mean_of_token_shards, (logits, node.args[1], o["weight"], o["ignore_index"],
+                                      o["label_smoothing"], group.name), {}
     if not _class_shard(node, inputs):
         return node.target, node.args, node.kwargs
-    o = _options(node)
     classes = logits.meta["val"].shape[c]
     uneven = {} if classes % group.world == 0 else dict(
         classes=(local_range(inputs[0], classes, group.rank, group.world)[0], classes))

@@ -38,7 +38,8 @@ from .graph import (INTO_PARTIAL, is_tensor_node, op_arg, output_vals, stamp_edg
 from .local_ops import (add_replicated_once, gather_of_shard, index_select_of_shard,
                         mean_of_shard, select_of_shard, sharded_dropout,
                         vocab_parallel_embedding)
-from .loss_parallel import class_sharded, cross_entropy_spec, loss_parallel, nll_on_classes
+from .loss_parallel import (class_sharded, cross_entropy_spec, cross_entropy_strategies,
+                            loss_parallel, nll_on_classes)
 from .sharded_norm import layer_norm_rule_parts, norm_rule_parts
 from .sharded_softmax import (pick_rule_parts, reduction_rule_parts, scan_rule_parts,
                               softmax_rule_parts, topk_rule_parts)
@@ -1402,7 +1403,7 @@ RULES.update({
     torch.ops.higher_order.flex_attention: Rule(_flex_spec, local_op=_flex_global_heads,
                                                 strided=False, units=False),
     aten.cross_entropy_loss.default: Rule(cross_entropy_spec, local_op=loss_parallel,
-                                          extra=class_sharded, communicates=True),
+                                          extra=cross_entropy_strategies, communicates=True),
     aten.nll_loss_nd.default: Rule(cross_entropy_spec, local_op=nll_on_classes,
                                    extra=class_sharded),
     # normalizations

@@ -396,3 +396,25 @@ def test_hugging_face_llama_computes_its_loss_on_sharded_logits(ranks):
     fwd, bwd = ranks.run(hf_llama_loss)[0]
     assert fwd == {"all_reduce": 2 * L + 1 + 3}
     assert bwd == {"all_reduce": 2 * L + 1}
+
+
+def token_sharded_loss(rank, world, loss):
+    """The final norm sequence-parallel and the head left replicated: the logits arrive
+    split by tokens (strided, once flattened), and the loss is taken on them as they are."""
+    kwargs, targets = LOSSES[loss]
+    plan = {k: v for k, v in llama_plan().items() if k != "model.output"}
+    plan["model.norm"] = fxtp.SequenceParallel()
+    return check_parity(rank, world, lambda: LlamaWithLoss(**kwargs), plan,
+                        [TOKENS, targets], dtype=torch.float64, input_grads=False,
+                        strict=True)
+
+
+@pytest.mark.parametrize("loss", list(LOSSES))
+def test_the_mean_of_tokens_split_over_ranks_is_one_all_reduce(ranks, loss):
+    """The mean's sum and kept weight, summed by one all-reduce: no gather of the logits
+    (nor a fallback); a per-token loss stays split."""
+    fwd, bwd = ranks.run(token_sharded_loss, loss)[0]
+    assert fwd == {"all_reduce": 2 * L + 1 + (loss != "none")}
+    # the final norm's input gradient gathered; its weight's and the head's partial
+    # gradients, one bucket
+    assert bwd == {"all_reduce": 2 * L + 1, "all_gather": 1}
