@@ -136,7 +136,7 @@ def _outline(gm: fx.GraphModule, base: str, tree: dict[str, set[str]], names: di
     for child, part in parts.items():
         part.sort()  # in the graph's order (an extraction may have moved nodes after it)
         if child in stamped:
-            _call_stamp(gm.graph, not base, part, child, done.get(stamped[child]),
+            _call_stamp(gm.graph, part, child, done.get(stamped[child]),
                         child[len(base) + 1:] if base else child, records)
             continue
         if not _convex(part):
@@ -239,12 +239,11 @@ def _extract(gm: fx.GraphModule, part: list, base: str, fqn: str, names: dict,
     return sub
 
 
-def _call_stamp(graph: fx.Graph, at_root: bool, part: list, fqn: str, reference,
-                target: str, records: list) -> None:
+def _call_stamp(graph: fx.Graph, part: list, fqn: str, reference, target: str,
+                records: list) -> None:
     """Replace a stamped block's call (``part``: its stamp node and the stamp's outputs) by
     a call of its module at ``target``, passing and taking what its reference's module
-    (``reference``: the values it reads and returns) does, in that order. ``at_root``:
-    ``graph`` is the root's (its placeholders are the model's inputs)."""
+    (``reference``: the values it reads and returns) does, in that order."""
     stamp = next(n for n in part if STAMP in n.meta)
     given: Stamp = stamp.meta[STAMP]
     outputs = {n.args[1]: n for n in part if n is not stamp and n.args[0] is stamp}
@@ -252,10 +251,11 @@ def _call_stamp(graph: fx.Graph, at_root: bool, part: list, fqn: str, reference,
         raise StampMismatch(f"block '{fqn}' is stamped from '{given.reference}', which "
                             f"{'has nodes of its own' if reference else 'was left inline'}")
     reads, gives = reference
-    args = [_read_alike(r, given, stamp.args[0], at_root) for r in reads]
-    if any(a is None for a in args) or not all(given.outputs[i] in gives for i in outputs):
+    if not all(r in given.inputs for r in reads) or \
+            not all(given.outputs[i] in gives for i in outputs):
         raise StampMismatch(f"block '{fqn}' is stamped from '{given.reference}', whose "
                             f"module reads or returns other values than the block's")
+    args = [stamp.args[0][given.inputs.index(r)] for r in reads]
     try:
         graph.owning_module.get_submodule(target)
     except AttributeError:  # a block holding no tensors has no holder: stamp_modules copies
@@ -274,31 +274,6 @@ def _call_stamp(graph: fx.Graph, at_root: bool, part: list, fqn: str, reference,
         graph.erase_node(out)
     graph.erase_node(stamp)
     _rename(records, renamed)
-
-
-def _read_alike(read: fx.Node, given: Stamp, args: list, at_root: bool
-                ) -> Optional[fx.Node]:
-    """What a stamp given ``args`` passes where its reference's module reads ``read``: its
-    own argument for one of the reference's inputs; or ``read`` itself where the caller
-    computed it (a shard of a mask the root made) from the model's inputs, tensors of no
-    block's own and inputs the stamp is given alike. None where it cannot (a placeholder
-    of a module's graph may be what the reference was given, made elsewhere)."""
-    inputs = given.inputs
-    if read in inputs:
-        return args[inputs.index(read)]
-    todo, seen = [read], set()
-    while todo:
-        node = todo.pop()
-        if node in inputs:
-            if args[inputs.index(node)] is not node:
-                return None
-        elif node.op == "placeholder" and not at_root or \
-                node.op == "get_attr" and node.target.startswith(given.reference + "."):
-            return None
-        elif node not in seen:
-            seen.add(node)
-            todo += node.all_input_nodes
-    return read
 
 
 def _traced_op(node: fx.Node) -> bool:
