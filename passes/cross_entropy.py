@@ -25,10 +25,10 @@ of its kept targets, and one all-reduce of the two gives the mean.
 from __future__ import annotations
 
 import torch
-
 import torch.nn.functional as F
 
 from .collectives import _all_reduce, all_reduce
+from .local_ops import kept_target_weights
 
 REDUCTIONS = ("none", "mean", "sum")  # the order of aten's Reduction enum
 
@@ -58,9 +58,7 @@ def mean_of_token_shards(logits, target, weight, ignore_index: int, label_smooth
     if target.is_floating_point():
         count = total.new_tensor(target.numel() // target.shape[1 if target.dim() > 1 else 0])
     else:
-        kept = target != ignore_index
-        count = kept.sum() if weight is None else \
-            torch.where(kept, weight[target.where(kept, 0)], 0).sum()
+        count = kept_target_weights(target, weight, ignore_index, total.dtype).sum()
     summed = all_reduce(torch.stack([total, count.to(total.dtype)]), group)
     return summed[0] / summed[1]
 

@@ -107,6 +107,15 @@ def _reached_zero(t: torch.Tensor) -> torch.Tensor:
     return torch.where(t.new_zeros((), dtype=torch.bool), t, 0)
 
 
+def kept_target_weights(target: torch.Tensor, weight, ignore_index: int,
+                        dtype: torch.dtype) -> torch.Tensor:
+    """Each token's share of a mean loss's denominator: its target's class weight (1
+    without ``weight``), 0 where the target is ``ignore_index``."""
+    kept = target != ignore_index
+    return kept.to(dtype) if weight is None else \
+        torch.where(kept, weight[target.where(kept, 0)], 0)
+
+
 def nll_loss_of_shard(x: torch.Tensor, target: torch.Tensor, weight, reduction: int,
                       ignore_index: int, offset: int) -> torch.Tensor:
     """This rank's Partial contribution to ``F.nll_loss(whole, target, weight, ...)``
@@ -118,7 +127,7 @@ def nll_loss_of_shard(x: torch.Tensor, target: torch.Tensor, weight, reduction: 
     kept = target != ignore_index
     safe = target.where(kept, offset)  # an ignored target picks nothing
     picked = gather_of_shard(x, class_dim, safe.unsqueeze(class_dim), offset).squeeze(class_dim)
-    w = kept.to(x.dtype) if weight is None else torch.where(kept, weight[safe], 0)
+    w = kept_target_weights(target, weight, ignore_index, x.dtype)
     terms = torch.where(kept, -picked * w, 0)
     if reduction == 0:
         return terms

@@ -77,15 +77,16 @@ def class_sharded(node: fx.Node, world: int, actual=()):
 def token_sharded(node: fx.Node, world: int, actual=()):
     """The mean of logits split by rows (and targets split alike) -> replicated loss: as
     they arrive (strided, uneven), or in ``world`` equal row shards."""
-    logits, target = _logits_and_target(node)
-    if _options(node)["reduction"] != 1 or logits.dim() < 2:
+    logits, _ = _logits_and_target(node)
+    options = _options(node)
+    if options["reduction"] != 1 or logits.dim() < 2:
         return
     rows = actual[0] if actual and _row_shard(actual[0]) else Shard(0)
     if rows == Shard(0) and not (isinstance(logits.shape[0], int) and
                                  logits.shape[0] % world == 0):
         return
     inputs = (rows, rows)
-    if _options(node)["weight"] is not None:
+    if options["weight"] is not None:
         inputs += (Replicate(),)
     yield inputs, (Replicate(),)
 
