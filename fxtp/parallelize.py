@@ -45,6 +45,7 @@ from .guards import (check_fresh, check_same_on_every_rank, every_rank_or_none,
                      guard_arguments, guard_casts, guard_inputs)
 from .materialize import fake_tensors, materialize, meta_tensors, swapped
 from .mesh import resolve_group
+from .first_call import agree_until_first_success
 from .mode_regions import restore_modes_on_error
 from .modes import keep_programs, meta_copy
 from .plan import Plan, block_fqns, module_fqns, resolve_plan, tied_names
@@ -295,6 +296,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
     guard_casts(gm, param_dtype)
     guard_arguments(gm, model)
     restore_modes_on_error(gm)
+    agree_until_first_success(gm, group)
     hand_out_dtensors(gm)
     return gm
 

@@ -64,9 +64,20 @@ KINDS = {
 """The functional-collective ops that communicate, by kind (each is followed by a
 ``wait_tensor``)."""
 
+BEFORE_ISSUE: list = []
+"""Functions called with the group's name before an eager call issues a collective here
+(:mod:`fxtp.first_call` has the ranks agree on errors so); empty otherwise."""
+
+
+def _communicate(op, *args) -> torch.Tensor:
+    """Issue the functional collective ``op(*args)`` (its group last) and wait for it."""
+    for check in BEFORE_ISSUE:
+        check(args[-1])
+    return _c10d.wait_tensor(op(*args))
+
 
 def _all_reduce(x: torch.Tensor, group: str, op: str = "sum") -> torch.Tensor:
-    return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), op, group))
+    return _communicate(_c10d.all_reduce, x.contiguous(), op, group)
 
 
 def _all_gather(x: torch.Tensor, dim: int, world: int, group: str,
@@ -74,7 +85,7 @@ def _all_gather(x: torch.Tensor, dim: int, world: int, group: str,
     # gathered as laid out (no copy of the input), rank-major; one copy puts each rank's
     # blocks in place along dim
     x = x.contiguous()
-    out = _c10d.wait_tensor(_c10d.all_gather_into_tensor(x, world, group))
+    out = _communicate(_c10d.all_gather_into_tensor, x, world, group)
     if dim % max(x.dim(), 1) == 0 and blocks == 1:
         return out  # rank-major is dim 0's order
     out = out.view(world, *x.shape)
@@ -99,7 +110,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, world: int, group: str,
                        for b in x.split(list(blocks), dim)], dim + 1)
     # the leading (world, s0) merged: each rank's result comes out as its own tensor
     x = x.contiguous().flatten(0, 1)
-    return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(x, "sum", world, group))
+    return _communicate(_c10d.reduce_scatter_tensor, x, "sum", world, group)
 
 
 def _chunk(x: torch.Tensor, dim: int, rank: int, world: int, blocks=1) -> torch.Tensor:
@@ -119,7 +130,7 @@ def _gather_units(x: torch.Tensor, dim: int, units: int, size: int, world: int,
     x = x.movedim(dim, 0)
     padded = torch.cat([x, x.new_zeros(longest - x.shape[0], *x.shape[1:])]) \
         if x.shape[0] < longest else x
-    out = _c10d.wait_tensor(_c10d.all_gather_into_tensor(padded.contiguous(), world, group))
+    out = _communicate(_c10d.all_gather_into_tensor, padded.contiguous(), world, group)
     pieces, covered = [], 0
     for r, (start, length) in enumerate(ranges):
         if start == covered and length:  # the first rank holding these units

@@ -10,6 +10,7 @@ own placements can be constants of generated code.
 """
 from __future__ import annotations
 
+import datetime
 import importlib
 
 import pytest
@@ -18,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxtp
+from fxtp import Shard
 from fxtp.passes.errors import StampMismatch
 from tests.parity import check_parity, example
 
@@ -157,3 +159,50 @@ def test_an_op_failing_on_one_ranks_shapes_fails_parallelize_on_every_rank(ranks
         "[(2, 4, 0)]" in message
     for (name, message), _ in results[:-1]:
         assert name == "ShardingError" and "failed on rank(s) [3]" in message
+
+
+class Tokens(nn.Module):
+    """Each rank embeds its part of the sequence, then the projection gathers it."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.up, self.down = nn.Embedding(10, 8), nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, tokens):
+        return self.down(torch.relu(self.up(self.embed(tokens))))
+
+
+def bad_token_on_last_rank(rank, world):
+    """The first call gets a token id out of range in the last rank's part of the sequence
+    only; the second gets good ids everywhere. A group with a short timeout: a rank left
+    waiting fails in seconds, not at the pool's timeout."""
+    group = torch.distributed.new_group(timeout=datetime.timedelta(seconds=10))
+    plan = {"": fxtp.PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Shard(1)),
+            "up": fxtp.ColwiseParallel(input_layouts=Shard(1)), "down": fxtp.RowwiseParallel()}
+    torch.manual_seed(0)
+    model = Tokens()
+    tokens = torch.randint(0, 10, (2, 4 * world))
+    gm = fxtp.parallelize(model, plan, group, example_inputs=(tokens,))
+    bad = tokens.clone()
+    bad[0, -1] = 10
+    raised = []
+    for ids in (bad, tokens):
+        try:
+            out = gm(ids.chunk(world, 1)[rank])
+        except Exception as e:  # noqa: BLE001 - what each rank raised is the result
+            raised.append((type(e).__name__, str(e)))
+    torch.testing.assert_close(out, model(tokens))
+    torch.distributed.destroy_process_group(group)
+    return raised
+
+
+def test_an_error_at_the_first_call_on_some_ranks_fails_it_on_every_rank(ranks):
+    """Until a call succeeds on every rank, each collective of a call is preceded by the
+    ranks agreeing that none has raised: the failing rank raises its own error, the others
+    a RankError naming it; the next call runs on every rank."""
+    results = ranks.run(bad_token_on_last_rank)
+    world = len(results)
+    [(name, message)] = results[-1]
+    assert name == "IndexError" and "index out of range" in message
+    for [(name, message)] in results[:-1]:
+        assert name == "RankError" and f"failed on rank(s) [{world - 1}]" in message
