@@ -90,12 +90,12 @@ def alias_root(node: fx.Node) -> fx.Node:
 def alias_set(root: fx.Node) -> list[fx.Node]:
     """Every op whose result shares memory with ``root`` through views of it (``root``
     itself not included)."""
-    found, stack = [], [root]
+    found, stack, reached = [], [root], {root}
     while stack:
         for user in stack.pop().users:
-            if user not in found and aliases_first_input(user) and \
-                    user.args[0] in (root, *found):
+            if user not in reached and aliases_first_input(user) and user.args[0] in reached:
                 found.append(user)
+                reached.add(user)
                 stack.append(user)
     return found
 

@@ -20,6 +20,7 @@ argument at position 1 that sums (sharding the reduced dim gives ``Partial``)::
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import operator
 from dataclasses import dataclass, replace
@@ -425,12 +426,18 @@ def _same(a, b) -> bool:
     return sympy.expand(_expr(a) - _expr(b)) == 0
 
 
+@functools.lru_cache(maxsize=4096)
+def _ratio(a: sympy.Expr, b: sympy.Expr) -> sympy.Expr:
+    """``a / b`` with common factors cancelled (a number where they are proportional)."""
+    return sympy.cancel(a / b)
+
+
 def _lt(a, b) -> bool:
     """``a < b`` for sizes that may be symbolic: by their ratio where it is a number (``u1``
     against ``4*u1``: a size known only from values has no hint to compare), else as torch
     decides it, else by their hints."""
     if not (isinstance(a, int) and isinstance(b, int)):
-        ratio = sympy.simplify(_expr(b) / _expr(a))
+        ratio = _ratio(_expr(b), _expr(a))
         if ratio.is_number:
             return bool(ratio > 1)
     try:
