@@ -251,11 +251,10 @@ def _call_stamp(graph: fx.Graph, part: list, fqn: str, reference, target: str,
         raise StampMismatch(f"block '{fqn}' is stamped from '{given.reference}', which "
                             f"{'has nodes of its own' if reference else 'was left inline'}")
     reads, gives = reference
-    if not all(r in given.inputs for r in reads) or \
-            not all(given.outputs[i] in gives for i in outputs):
+    args = [_passed(r, given, stamp) for r in reads]
+    if any(a is None for a in args) or not all(given.outputs[i] in gives for i in outputs):
         raise StampMismatch(f"block '{fqn}' is stamped from '{given.reference}', whose "
                             f"module reads or returns other values than the block's")
-    args = [stamp.args[0][given.inputs.index(r)] for r in reads]
     try:
         graph.owning_module.get_submodule(target)
     except AttributeError:  # a block holding no tensors has no holder: stamp_modules copies
@@ -274,6 +273,36 @@ def _call_stamp(graph: fx.Graph, part: list, fqn: str, reference, target: str,
         graph.erase_node(out)
     graph.erase_node(stamp)
     _rename(records, renamed)
+
+
+def _passed(read: fx.Node, given: Stamp, stamp: fx.Node) -> Optional[fx.Node]:
+    """What ``stamp`` passes where its reference's module reads ``read``: the stamp's own
+    argument for one of the reference's inputs; or ``read`` itself where the caller made it
+    of inputs the stamp is given as they are (the same nodes) by collectives alone (the
+    shard of a mask the root computed) before the stamp's call. ``None`` otherwise."""
+    inputs, args = given.inputs, stamp.args[0]
+    if read in inputs:
+        return args[inputs.index(read)]
+    todo, seen = [read], set()
+    while todo:
+        node = todo.pop()
+        if node in inputs:
+            if args[inputs.index(node)] is not node:
+                return None
+        elif COLLECTIVE not in node.meta and node.target is not operator.getitem or \
+                not node.all_input_nodes:
+            return None
+        elif node not in seen:
+            seen.add(node)
+            todo += node.all_input_nodes
+    return read if _before(read, stamp) else None
+
+
+def _before(node: fx.Node, later: fx.Node) -> bool:
+    """Whether ``node`` comes before ``later`` in their graph."""
+    while node is not later and node.op != "root":
+        node = node.next
+    return node is later
 
 
 def _traced_op(node: fx.Node) -> bool:

@@ -237,17 +237,6 @@ def test_identical_blocks_are_traced_once_into_the_traced_program(fake_group, pl
     assert stamped.fxtp.fallbacks == []
 
 
-SHARDED_INSIDE = pytest.mark.xfail(
-    raises=AssertionError, strict=True, reason="the reference shards the root's mask where "
-    "it reads it, and passes.modules leaves that shard to the caller, so the reference's "
-    "module reads the shard where its stamps pass the mask: each stamp is copied in full")
-
-
-def forms(**marks) -> list:
-    """The calling forms of ``FORMS``, each with its mark in ``marks`` if any."""
-    return [pytest.param(form, marks=marks[form]) if form in marks else form for form in FORMS]
-
-
 @pytest.mark.parametrize("form", FORMS)
 def test_blocks_are_traced_once_whatever_the_root_calls_them_with(fake_group, form):
     """A block's argument is an argument wherever it comes from: a root buffer or
@@ -262,7 +251,7 @@ def test_blocks_are_traced_once_whatever_the_root_calls_them_with(fake_group, fo
     assert stamped.fxtp.fallbacks == []
 
 
-@pytest.mark.parametrize("form", forms(computed=SHARDED_INSIDE))
+@pytest.mark.parametrize("form", FORMS)
 def test_blocks_are_placed_once_whatever_the_root_calls_them_with(fake_group, form):
     """The stamps stay one node each through the passes: every block runs a copy of the
     first one's module."""
