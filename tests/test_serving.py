@@ -194,7 +194,11 @@ def test_a_cache_written_by_slice_assignment_is_sharded_by_heads(ranks2):
     assert ranks2.run(slice_cache_parity)[0] == {"all_reduce": 1}
 
 
-def hf_generation_parity(rank, world, options, make="hf_llama", dtype=torch.float64):
+def hf_generation_parity(rank, world, options, make="hf_llama", dtype=torch.float64,
+                         then=None):
+    """Generate with ``make``'s model and its parallelized one; the decoding step's
+    collectives, the cache elements this rank holds and the whole cache's, the layer count,
+    and ``then(gm)`` where given."""
     import warnings
     from tests import corpus
     warnings.filterwarnings("ignore", message=".*attention mask.*")
@@ -217,7 +221,8 @@ def hf_generation_parity(rank, world, options, make="hf_llama", dtype=torch.floa
                 if "_cache_" in n)
     with fxtp.count_collectives() as decode:
         gm(input_ids=tokens[:, -1:], cache_position=torch.tensor([tokens.shape[1]]))
-    return dict(decode.counts), held, whole, model.config.num_hidden_layers
+    found = dict(decode.counts), held, whole, model.config.num_hidden_layers
+    return found if then is None else (*found, then(gm))
 
 
 @pytest.mark.parametrize("options", [dict(do_sample=False),
@@ -263,18 +268,32 @@ def test_a_length_export_guards_rather_than_proves_still_serves_every_length(ran
     assert held * 2 == whole
 
 
+def programs_share_tensors(gm) -> tuple[bool, bool]:
+    """Whether the decoding program reads the module's own buffers, before and after
+    ``_apply`` (``to`` / ``cuda``) replaced them and its parameters by new tensors."""
+    decode = gm.decode_program
+    shared = lambda: all(decode.get_buffer(n) is b for n, b in gm.named_buffers())  # noqa: E731
+    before = shared()
+    gm._apply(lambda t: t.clone())
+    return before, shared() and all(decode.get_parameter(n) is p
+                                    for n, p in gm.named_parameters())
+
+
 def test_a_hybrid_of_linear_and_full_attention_generates_as_its_own_generate_does(ranks2):
     """Qwen3-Next: its gated delta-net keeps a conv and a recurrent state, which take the
     one-step recurrence for a token and the chunked form for more: one program each,
-    sharing every tensor, each state cleared where a sequence starts. Under its own plan
-    the delta-net's projections gather their outputs (``colwise_gather_output``): a
-    decoding step costs their 3 all-gathers and the logits' one, and all-reduces for the
-    attention's output, the experts of each layer and the embedding; the full-attention
-    layer's cache is sharded by heads, the linear layer's states are whole."""
-    decode, held, whole, layers = ranks2.run(hf_generation_parity, dict(do_sample=False),
-                                             "hf_qwen3_next")[0]
+    sharing every tensor (also once ``to`` / ``cuda`` replaced them: one cache, one set of
+    states), each state cleared where a sequence starts. Under its own plan the delta-net's
+    projections gather their outputs (``colwise_gather_output``): a decoding step costs
+    their 3 all-gathers and the logits' one, and all-reduces for the attention's output,
+    the experts of each layer and the embedding; the full-attention layer's cache is
+    sharded by heads, the linear layer's states are whole."""
+    decode, held, whole, layers, shared = ranks2.run(
+        hf_generation_parity, dict(do_sample=False), "hf_qwen3_next", torch.float64,
+        programs_share_tensors)[0]
     assert decode == {"all_reduce": 1 + layers + 1, "all_gather": 3 + 1}
     assert held * 2 == whole
+    assert shared == (True, True)
 
 
 def test_a_model_whose_forward_fixes_the_length_prefills_token_by_token(ranks2):
@@ -296,19 +315,6 @@ def parity_and_warnings(rank, world, make):
         warnings.simplefilter("always")
         found = hf_generation_parity(rank, world, dict(do_sample=False), make)
     return found, [str(w.message) for w in caught]
-
-
-def test_the_decoding_program_keeps_sharing_the_tensors_the_module_is_given(fake_group):
-    """``to`` / ``cuda`` replace a module's buffers by new tensors: the decoding program
-    of a hybrid model takes them too (one cache, one set of states)."""
-    from tests import corpus
-    fake_group(2)
-    gm = fxtp.parallelize_causal_lm(corpus.hf_qwen3_next(), batch_size=1, max_cache_len=16)
-    decode = gm.decode_program
-    shared = lambda: all(decode.get_buffer(n) is b for n, b in gm.named_buffers())  # noqa: E731
-    assert shared()
-    gm._apply(lambda t: t.clone())
-    assert shared() and all(decode.get_parameter(n) is p for n, p in gm.named_parameters())
 
 
 def test_generation_options_it_does_not_follow_are_an_error(fake_group):
