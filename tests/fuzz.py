@@ -1078,7 +1078,29 @@ def summarize(rows: list[dict]) -> str:
     for b, rs in sorted(buckets.items(), key=lambda kv: -len(kv[1])):
         seeds = ", ".join(f"{r['seed']}@{r['world']}" for r in rs[:12])
         lines.append(f"{len(rs):4d}  {b}\n      seeds: {seeds}")
+    gathers = defaultdict(list)
+    for r in rows:
+        kind = next((f.split("=")[1] for f in r.get("features", ()) if
+                     f.startswith("plan_kind=")), "megatron")
+        mine = "written by users" if kind in ("megatron", "sp") else "random or mutated"
+        for message in dict.fromkeys(_gather_class(m) for m in r.get("fallbacks", ())):
+            gathers[(mine, message)].append(r)
+    if gathers:
+        lines.append("fallbacks by plan (users': defects; random or mutated: often the "
+                     "plan's own redistribution):")
+    for (mine, b), rs in sorted(gathers.items(), key=lambda kv: (kv[0][0], -len(kv[1]))):
+        seeds = ", ".join(f"{r['seed']}@{r['world']}" for r in rs[:12])
+        lines.append(f"{len(rs):4d}  [{mine}] {b}\n      seeds: {seeds}")
     return "\n".join(lines)
+
+
+def _gather_class(message: str) -> str:
+    """A fallback's op, the kind of module it is in and why, without names and sizes."""
+    op = message.split(" ", 1)[0]
+    module = re.search(r"in module '([^']*)'", message)
+    where = re.sub(r"\d+", "N", module.group(1)) if module else "?"
+    why = message.rsplit(": ", 1)[-1] if ": " in message else ""
+    return f"{op} in {where}: {re.sub(r'[0-9]+', 'N', why)[:70]}"
 
 
 def main(argv=None):
