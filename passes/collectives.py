@@ -49,6 +49,8 @@ from typing import Optional, Sequence
 
 import torch
 import torch.fx as fx
+from torch._guards import detect_fake_mode
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from .graph import COLLECTIVE, call_args
 from .placement import UnitShard, local_range
@@ -65,13 +67,20 @@ KINDS = {
 ``wait_tensor``)."""
 
 BEFORE_ISSUE: list = []
-"""Functions called with the group's name before eager code issues a collective here
-(:mod:`fxtp.first_call` has the ranks agree on errors so); empty otherwise."""
+"""Functions called with the group's name before a collective here is issued on real
+tensors outside compiled code (:mod:`fxtp.first_call` has the ranks agree on errors so);
+empty otherwise."""
+
+
+def _tracing() -> bool:
+    """Whether ops are being traced into a graph (``make_fx``: a ``torch.cond`` branch
+    materialized at its call), not run on real tensors."""
+    return get_proxy_mode() is not None or detect_fake_mode() is not None
 
 
 def _communicate(op, *args) -> torch.Tensor:
     """Issue the functional collective ``op(*args)`` (its group last) and wait for it."""
-    if not torch.compiler.is_compiling():  # compiled code issues it unchecked
+    if not torch.compiler.is_compiling() and BEFORE_ISSUE and not _tracing():
         for check in BEFORE_ISSUE:
             check(args[-1])
     return _c10d.wait_tensor(op(*args))
