@@ -295,14 +295,7 @@ def _passed(read: fx.Node, given: Stamp, stamp: fx.Node) -> Optional[fx.Node]:
         elif node not in seen:
             seen.add(node)
             todo += node.all_input_nodes
-    return read if _before(read, stamp) else None
-
-
-def _before(node: fx.Node, later: fx.Node) -> bool:
-    """Whether ``node`` comes before ``later`` in their graph."""
-    while node is not later and node.op != "root":
-        node = node.next
-    return node is later
+    return read if read < stamp else None
 
 
 def _traced_op(node: fx.Node) -> bool:
