@@ -18,7 +18,7 @@ import sys
 import torch
 import torch.fx as fx
 
-from .guards import every_ranks
+from .guards import comm_device, from_every_rank
 from .passes import collectives
 from .passes.errors import RankError
 
@@ -31,8 +31,8 @@ def agree_until_first_success(gm: fx.GraphModule, group) -> None:
         state = {"agreed": False, "outer": None}
 
         def exchange(failed: bool) -> None:
-            device = "cuda" if group.device_type == "cuda" else "cpu"
-            flags = every_ranks(torch.tensor([int(failed)], device=device), group).tolist()
+            flags = from_every_rank(torch.tensor([int(failed)], device=comm_device(group)),
+                                    group).tolist()
             others = [r for r, f in enumerate(flags) if f and r != group.rank]
             if others and not failed:
                 collectives.BEFORE_ISSUE.remove(before_issue)

@@ -77,8 +77,7 @@ def every_rank_or_none(group, stage: str):
         error = e
     kind = 0 if error is None else \
         1 + next(i for i, cls in enumerate(_FAILURES) if isinstance(error, cls))
-    device = "cuda" if group.device_type == "cuda" else "cpu"
-    kinds = every_ranks(torch.tensor([kind], device=device), group).tolist()
+    kinds = from_every_rank(torch.tensor([kind], device=comm_device(group)), group).tolist()
     agreed = max(kinds)  # 0: none failed
     if agreed == 0:
         return
@@ -115,7 +114,7 @@ def check_same_on_every_rank(group, device, plan: dict, model, gm: fx.GraphModul
     mine = torch.tensor([_digest(plan_text), _digest(shapes_text),
                          _digest(repr(sorted(keys)) + repr(inputs)), init_seed,
                          _digest(repr(keys))], device=device)
-    everyone = every_ranks(mine, group).view(group.world, -1).tolist()
+    everyone = from_every_rank(mine, group).view(group.world, -1).tolist()
     problems = []
     for i, item in enumerate(_ITEMS):
         differ = [r for r, row in enumerate(everyone) if row[i] != everyone[0][i]]
@@ -133,7 +132,7 @@ def check_same_on_every_rank(group, device, plan: dict, model, gm: fx.GraphModul
         dist.broadcast_object_list(order, src=dist.get_global_rank(group.pg, 0),
                                    group=group.pg)
         followed = torch.tensor([follow_order(gm, keys, order[0])], device=device)
-        every = every_ranks(followed, group)
+        every = from_every_rank(followed, group)
         if not all(every.tolist()):  # on every rank, or the others would hang
             raise PlanError(
                 f"fxtp.parallelize traced the same program on every rank of group "
@@ -144,7 +143,12 @@ def check_same_on_every_rank(group, device, plan: dict, model, gm: fx.GraphModul
     return int(everyone[0][3])
 
 
-def every_ranks(mine: torch.Tensor, group) -> torch.Tensor:
+def comm_device(group) -> str:
+    """The device a small tensor exchanged over ``group`` lives on: ``cuda`` for NCCL."""
+    return "cuda" if group.device_type == "cuda" else "cpu"
+
+
+def from_every_rank(mine: torch.Tensor, group) -> torch.Tensor:
     """Every rank's ``mine``, concatenated (a fake process group leaves ``mine`` repeated)."""
     everyone = mine.repeat(group.world)
     # all_gather_single is torch >= 2.13's name, all_gather_into_tensor the older one
