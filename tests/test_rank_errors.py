@@ -182,18 +182,20 @@ def bad_token_on_last_rank(rank, world):
     torch.manual_seed(0)
     model = Tokens()
     tokens = torch.randint(0, 10, (2, 4 * world))
-    gm = fxtp.parallelize(model, plan, group, example_inputs=(tokens,))
     bad = tokens.clone()
     bad[0, -1] = 10
     raised = []
-    for ids in (bad, tokens):
-        try:
-            out = gm(ids.chunk(world, 1)[rank])
-        except Exception as e:  # noqa: BLE001 - what each rank raised is the result
-            raised.append((type(e).__name__, str(e)))
-    torch.testing.assert_close(out, model(tokens))
-    torch.distributed.destroy_process_group(group)
-    return raised
+    try:
+        gm = fxtp.parallelize(model, plan, group, example_inputs=(tokens,))
+        for ids in (bad, tokens):
+            try:
+                out = gm(ids.chunk(world, 1)[rank])
+            except Exception as e:  # noqa: BLE001 - what each rank raised is the result
+                raised.append((type(e).__name__, str(e)))
+        torch.testing.assert_close(out, model(tokens))
+    finally:
+        torch.distributed.destroy_process_group(group)
+    return raised, gm.fxtp.fallbacks
 
 
 def test_an_error_at_the_first_call_on_some_ranks_fails_it_on_every_rank(ranks):
@@ -202,7 +204,8 @@ def test_an_error_at_the_first_call_on_some_ranks_fails_it_on_every_rank(ranks):
     a RankError naming it; the next call runs on every rank."""
     results = ranks.run(bad_token_on_last_rank)
     world = len(results)
-    [(name, message)] = results[-1]
+    assert all(fallbacks == [] for _, fallbacks in results)
+    [(name, message)], _ = results[-1]
     assert name == "IndexError" and "index out of range" in message
-    for [(name, message)] in results[:-1]:
+    for [(name, message)], _ in results[:-1]:
         assert name == "RankError" and f"failed on rank(s) [{world - 1}]" in message
