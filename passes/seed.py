@@ -39,10 +39,13 @@ def seed(gm: fx.GraphModule, shardings: dict[str, ModuleSharding],
         _seed_root_inputs(gm, root, world)
     # Inputs first: an output marker then feeds the next module's input marker, so a value
     # passed between two planned modules is redistributed once per boundary, in order. A
-    # module forward never called has no boundary: only its parameters are placed.
+    # module forward never called has no boundary: only its parameters are placed. Inner
+    # modules' inputs are laid out first, so that an enclosing module's marker (the root's
+    # included) wraps theirs: a value passed down is laid out by the outer plan, then the
+    # inner, whatever order the plan lists them in.
     def calls_of_module(fqn):
         return calls_of(calls, fqn) or ([_root_call(gm)] if fqn == "" else [])
-    for fqn, sharding in shardings.items():
+    for fqn, sharding in sorted(shardings.items(), key=lambda item: -_depth(item[0])):
         for call in calls_of_module(fqn):
             _constrain_inputs(graph, fqn, sharding, call, world)
     for fqn, sharding in shardings.items():
@@ -90,6 +93,10 @@ def _deal_indivisible(node, world, what, sharding=None, uneven=True):
                     f"{'is smaller than' if size < world else 'does not divide by'} the world "
                     f"size {world}; choose sizes divisible by {world} or leave this module "
                     f"out of the plan")
+
+
+def _depth(fqn: str) -> int:
+    return fqn.count(".") + 1 if fqn else 0
 
 
 def _root_call(gm) -> ModuleCall:

@@ -8,8 +8,8 @@ import torch.nn as nn
 
 import fxtp
 from fxtp import Replicate, Shard
-from tests import transformer_models as tm
-from tests.parity import check_parity
+from tests import models, transformer_models as tm
+from tests.parity import check_parity, example
 
 TOKENS = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
 DTYPES = pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
@@ -306,3 +306,45 @@ def test_a_pooler_reads_tokens_of_a_sequence_sharded_output(ranks, dtype, pick):
     assert ranks.run(pooled, dtype, pick)[0] == \
         ({"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1},
          {"all_gather": 2, "reduce_scatter": 1, "all_reduce": 1})
+
+
+class Residual(nn.Module):
+    """``x + attention(x)``: the block's input read sequence-sharded by the residual and
+    gathered for the attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention = models.Attention()
+
+    def forward(self, x):
+        return x + self.attention(x)
+
+
+RESIDUAL_PLAN = {
+    "": fxtp.PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Shard(1)),
+    "attention": fxtp.PrepareModuleInput(input_layouts=Shard(1),
+                                         desired_input_layouts=Replicate()),
+    "attention.w[qkv]": fxtp.ColwiseParallel(),
+    "attention.wo": fxtp.RowwiseParallel(output_layouts=Shard(1)),
+}
+
+
+def _no_fallbacks(gm):
+    assert not gm.fxtp.fallbacks, gm.fxtp.fallbacks
+
+
+def residual(rank, world, order):
+    plan = dict(RESIDUAL_PLAN.items() if order == "outer first" else
+                reversed(RESIDUAL_PLAN.items()))
+    return check_parity(rank, world, Residual, plan, [example(2, 8, 16)],
+                        dtype=torch.float64, input_placements=[Shard(1)], post=_no_fallbacks)
+
+
+@pytest.mark.parametrize("order", ["outer first", "inner first"])
+def test_a_value_passed_down_is_laid_out_outer_module_first_whatever_the_plans_order(
+        ranks2, order):
+    """The root's layout of its input wraps the attention's, which wraps each projection's:
+    one gather into the attention, the root's sequence shard kept for the residual."""
+    fwd, bwd = ranks2.run(residual, order)[0]
+    assert fwd == {"all_gather": 1, "reduce_scatter": 1}
+    assert bwd == {"all_gather": 1, "reduce_scatter": 1}
