@@ -959,6 +959,10 @@ def run_case(rank: int, world: int, seed: int, overrides: dict | None = None,
                    fallbacks=report.get("fallbacks", []))
     with contextlib.suppress(Exception):
         dist.destroy_process_group(group)
+    # DeviceMesh equality ignores the group: DTensor's sharding-propagation cache would
+    # hand a later DTensor on the same ranks this destroyed group's mesh
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    _clear_sharding_prop_cache()
     return verdict
 
 
