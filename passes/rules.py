@@ -984,6 +984,34 @@ def _sdpa_spec(node):
     return DimSpec(tuple(specs), tuple(outs))
 
 
+
+def _grouped_kv_heads(node, world, actual=()):
+    """Grouped-query attention (``enable_gqa``) whose key and value heads arrive dealt to
+    groups of ranks (``UnitShard(d, kv)`` with fewer heads than ranks, one whole head in
+    multi-query attention: as the units pass deals their projections), beside query heads
+    sharded: each rank's query heads all read the KV head its group holds, so each rank
+    attends with its own heads. A mask shards with the query heads where it has a dim of
+    them, else stays whole."""
+    if not node.kwargs.get("enable_gqa", False) or len(actual) < 3:
+        return
+    q, k, v, *masks = (val(a) for a in tensor_inputs(node))
+    heads = q.dim() - 3
+    if heads < 0:
+        return
+    h, kv = q.shape[heads], k.shape[heads]
+    dealt = [a for a in actual[1:3] if a == UnitShard(heads, kv) or is_whole(a) and kv == 1]
+    if len(dealt) != 2 or not isinstance(h, int) or kv >= world or world % kv or h % world \
+            or h % kv:
+        return
+    placed = []
+    for mask in masks:
+        d = mask.dim() - (q.dim() - heads)  # the mask dim aligned with the heads, if any
+        size = mask.shape[d] if d >= 0 else 1
+        if size not in (1, h):
+            return
+        placed.append(Shard(d) if size == h and h > 1 else R)
+    yield (Shard(heads), *dealt, *placed), (Shard(heads),)
+
 def _flex_spec(node):
     """``flex_attention(q, k, v, score_mod, block_mask, scale, options, score_buffers,
     mask_buffers)``: batch and head dims shard, as for SDPA; the block mask's tensors
@@ -1401,7 +1429,7 @@ RULES.update({
     aten.einsum.default: Rule(_einsum_spec),
     aten.embedding.default: Rule(_embedding_spec, local_op=_vocab_parallel, strided=False),
     # attention and losses
-    aten.scaled_dot_product_attention.default: Rule(_sdpa_spec),
+    aten.scaled_dot_product_attention.default: Rule(_sdpa_spec, extra=_grouped_kv_heads),
     aten._scaled_dot_product_flash_attention_for_cpu.default: Rule(_sdpa_spec),
     aten._scaled_dot_product_flash_attention.default: Rule(_sdpa_spec),
     aten._scaled_dot_product_efficient_attention.default: Rule(_sdpa_spec),
