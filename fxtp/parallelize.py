@@ -33,6 +33,7 @@ from .passes.recompute import REGION, copy_written_collectives, outline_checkpoi
 from .passes.rewrite import rewrite
 from .passes.seed import seed
 from .passes.strided import stride_fused_splits
+from .passes.unfuse import unfuse_splits
 from .passes.units import deal_consumers, deal_sources
 from .passes.unpin import unpin_layouts
 from .passes.unused import drop_unused
@@ -217,6 +218,9 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
                             fallbacks = propagate(gm, group.world)
                     return fallbacks
                 fallbacks = place()
+                # fused projections whose parts cannot be sharded together, part by part
+                unfused = unfuse_splits(gm, group.world, place)
+                fallbacks = fallbacks if unfused is None else unfused
                 unpinned = unpin_layouts(gm, group.world, place)
                 fallbacks = fallbacks if unpinned is None else unpinned
                 gathered = gather_early(gm, group.world)  # last: propagation would undo it

@@ -135,13 +135,13 @@ def _users_layout(fused: fx.Node, world: int):
 def carried_from_params(node: fx.Node, dim: int, carriers: dict, first: bool = False) -> bool:
     """Whether ``node``'s sharded ``dim`` comes, index for index and through nodes with
     one user each (``first``: the fused output itself may have several, checked by
-    :func:`_all_users_want`), from parameters only; records every node on the way in
-    ``carriers`` (node -> its dim)."""
+    :func:`_all_users_want`), from parameters or layouts of replicated values only; records
+    every node on the way in ``carriers`` (node -> its dim)."""
     if len(node.users) != 1 and not first:
         return False
     carriers[node] = dim
-    if node.op == "get_attr":
-        return True
+    if node.op == "get_attr" or node.target is layout and is_replicate(placement_of(node.args[0])):
+        return True  # a parameter, or a replicated value's layout: any slice of it is free
     p = placement_of(node)
     if node.op != "call_function" or not (isinstance(p, (Shard, UnitShard)) and p.dim == dim):
         return False

@@ -28,6 +28,12 @@ CI_SLICE = {
 }
 
 
+# cases whose plans users write, which once fell back; python -m tests.fuzz show SEED --world 2:
+# fused q / k / v with one KV head, split (6) or q | kv chunked (25), with enable_gqa (57);
+# enable_gqa with separate projections (119); a root layout listed before its blocks' (12)
+NO_FALLBACK = {2: [6, 12, 25, 57, 119]}
+
+
 def _explained(v: dict) -> str:
     return (f"case seed={v['seed']} world={v['world']}: {v['status']}: {v['bucket']}\n"
             f"{v.get('message', '')}\n{v.get('traceback', '')}\n"
@@ -40,6 +46,13 @@ def test_generated_case_matches_single_device(request, world, seed):
     pool = request.getfixturevalue(f"ranks{world}")
     verdict = fuzz.run(pool, seed)
     assert verdict["status"] in ("pass", "fallback"), _explained(verdict)
+
+
+@pytest.mark.parametrize("world,seed", [(w, s) for w, seeds in NO_FALLBACK.items()
+                                        for s in seeds], ids=lambda p: str(p))
+def test_a_case_that_once_fell_back_runs_without_one(request, world, seed):
+    verdict = fuzz.run(request.getfixturevalue(f"ranks{world}"), seed)
+    assert verdict["status"] == "pass", _explained(verdict) + f"\n{verdict['fallbacks']}"
 
 
 @pytest.mark.parametrize("world", [2, 4])

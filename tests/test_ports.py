@@ -38,3 +38,13 @@ def test_mistral_inference_with_fewer_kv_heads_than_ranks(ranks4):
     backward all-reduce per layer."""
     assert ranks4.run(port, "mistral_inference")[0] == ({"all_reduce": 2 * L},
                                                         {"all_reduce": 3 * L})
+
+
+def test_olmo_with_fewer_kv_heads_than_ranks_computes_its_fused_projection_by_parts(ranks4):
+    """OLMo-1's fused ``att_proj`` with 2 KV heads on 4 ranks: q, k and v are computed
+    from row slices of the whole weight (q's sharded, k's and v's each held by the pair of
+    ranks whose query heads read it), with no gather; backward gathers the q slice's
+    gradient and sums the k and v slices' (one all-reduce and one all-gather more per
+    layer)."""
+    assert ranks4.run(port, "olmo")[0] == ({"all_reduce": 2 * L},
+                                           {"all_reduce": 3 * L, "all_gather": L})

@@ -140,6 +140,17 @@ def test_a_gqa_cache_follows_the_kv_head_layout_of_the_plan(ranks4):
     assert held * 2 == whole
 
 
+def test_a_fused_wqkv_with_fewer_kv_heads_than_ranks_is_served_without_a_gather(ranks4):
+    """gpt-fast's fused ``wqkv`` with 2 KV heads at 4 ranks (which ``tp.py`` refuses): q,
+    k and v are computed part by part from the whole fused weight, each rank its query
+    heads and the KV head they use, so each rank's cache is half the whole and decoding
+    issues Megatron's all-reduces only."""
+    decode, prefill, held, whole = ranks4.run(
+        generation_parity, dict(n_heads=8, n_kv_heads=2), 0.0)[0]
+    assert decode == prefill == {"all_reduce": 2 * ServeConfig().n_layers}
+    assert held * 2 == whole
+
+
 def test_the_cache_at_world_8_holds_an_eighth(fake_group):
     fake_group(8)
     model = serving_model(torch.float32, n_heads=8, n_kv_heads=8, dim=64)

@@ -2,11 +2,14 @@
 output is split along its sharded dim. Their weights are laid out in blocks, each sharded
 (each rank holds its piece of every part, as in Megatron's fused QKV and gpt-fast's
 ``wqkv``): ``_StridedShard(d, split_factor=k)`` for equal parts, ``BlockShard(d, sizes)``
-for unequal ones (grouped-query attention), so the split needs no communication. A split
-that cannot be served that way still gathers, and is still correct."""
+for unequal ones (grouped-query attention), so the split needs no communication. Parts
+that cannot be sharded together (fewer KV heads than ranks) are computed part by part on
+slices of the whole fused weight. A split served neither way still gathers, and is still
+correct."""
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import fxtp
@@ -44,14 +47,24 @@ def test_an_unequal_fused_split_issues_the_megatron_minimum(ranks2, dtype):
     assert bwd == {"all_reduce": 2 * L}
 
 
-def test_an_unequal_fused_split_with_fewer_kv_heads_than_ranks_gathers_it(ranks4):
-    """2 KV heads at 4 ranks: sharded k and v parts could not be viewed as heads, so the
-    blocked layout would trade one gather for several; the fused output is gathered (its
-    backward is a local chunk) and the attention output re-chunked for the rowwise wo (its
-    backward all-gathers). SwiGLU's equal split stays minimal."""
-    fwd, bwd = ranks4.run(fused, torch.float64, "gqa")[0]
-    assert fwd == {"all_reduce": 2 * L, "all_gather": L}
-    assert bwd == {"all_reduce": 2 * L, "all_gather": L}
+def fused_without_fallbacks(rank, world, dtype, split):
+    def no_fallbacks(gm):
+        assert not gm.fxtp.fallbacks, gm.fxtp.fallbacks
+        assert gm.fxtp.param_placements["layers.0.attention.qkv.weight"] == Replicate()
+    return check_parity(rank, world, lambda: models.FusedStack(L, split=split),
+                        models.FUSED_PLAN, [example(B, T, D)], dtype=dtype, post=no_fallbacks)
+
+
+@DTYPES
+def test_a_fused_split_with_fewer_kv_heads_than_ranks_is_computed_part_by_part(ranks4, dtype):
+    """2 KV heads at 4 ranks: k and v cannot be sharded with q. The projection is computed
+    as three, on row slices of the whole fused weight: q's sharded, k's and v's dealt to
+    the pairs of ranks whose query heads read them (``enable_gqa``). No activation is
+    gathered; backward gathers the q slices' gradients (weight and bias) and sums the k and
+    v slices' over the ranks, one bucket a layer, beside the colwise input grads."""
+    fwd, bwd = ranks4.run(fused_without_fallbacks, dtype, "gqa")[0]
+    assert fwd == {"all_reduce": 2 * L}
+    assert bwd == {"all_reduce": 3 * L, "all_gather": 2 * L}
 
 
 @DTYPES
