@@ -99,3 +99,30 @@ def test_a_rejected_trial_that_decomposed_a_norm_leaves_a_valid_program(ranks):
     replicated input's gradient gathered from its sequence shards."""
     assert ranks.run(norm_then_head)[0] == (
         {"all_gather": 4}, {"reduce_scatter": 2, "all_reduce": 2, "all_gather": 2})
+
+
+def test_a_rejected_unfuse_trial_restores_the_graph_node_for_node(fake_group, monkeypatch):
+    """2 KV heads at 4 ranks: the unfuse pass computes the fused q / k / v projection by
+    parts; told the result falls back more, it puts the placed graph back as it was."""
+    import importlib
+    from tests import models
+    parallelize_module = importlib.import_module("fxtp.parallelize")
+    unfuse_splits, seen = parallelize_module.unfuse_splits, {}
+
+    def rejected(gm, world, place):
+        seen["before"] = graph_state(gm.graph)
+
+        def falls_back_more():
+            seen["linears"] = len(gm.graph.find_nodes(op="call_function",
+                                                      target=aten.linear.default))
+            return place() + ["more"] * len(gm.graph.nodes)
+        assert unfuse_splits(gm, world, falls_back_more) is None
+        seen["after"] = graph_state(gm.graph)
+        seen["fused"] = len(gm.graph.find_nodes(op="call_function", target=aten.linear.default))
+        return None
+    monkeypatch.setattr(parallelize_module, "unfuse_splits", rejected)
+    fake_group(4)
+    fxtp.parallelize(models.FusedStack(2, split="gqa"), models.FUSED_PLAN,
+                     example_inputs=(example(2, 8, 16),))
+    assert seen["linears"] == seen["fused"] + 2 * 2  # 3 for each fused qkv while tried
+    assert seen["after"] == seen["before"]
