@@ -228,7 +228,8 @@ def draw(seed: int, world: int) -> Config:
         # declaration of at_BFloat16_tmp_acc0_vec", seed 98 at 4 ranks): not fxtp's
         cfg = dataclasses.replace(cfg, compile="aot_eager")
     kind = _pick(rng, {"megatron": 4, "sp": 3, "random": 2, "mutated": 2})
-    plan, root = _draw_plan(rng, cfg, kind)
+    plan, root, redrawn = _draw_plan(rng, cfg, kind)
+    kind = "mutated" if redrawn else kind  # one layer planned otherwise: no longer users'
     return dataclasses.replace(cfg, plan_kind=kind, plan=plan, root_input=root,
                                steps=1 if cfg.low_precision else 3)
 
@@ -308,11 +309,12 @@ def _head_style(cfg: Config, rng: random.Random, sequence_sharded: bool) -> str:
     return f"fxtp.ColwiseParallel({inp}output_layouts=Replicate())"
 
 
-def _draw_plan(rng: random.Random, cfg: Config, kind: str) -> tuple[tuple, str]:
+def _draw_plan(rng: random.Random, cfg: Config, kind: str) -> tuple[tuple, str, bool]:
     """A plan as users write them: Megatron's (colwise q/k/v/up, rowwise o/down, the
     embedding vocab-parallel, the head colwise, maybe loss parallel), torchtitan's sequence
     parallel one, a random choice of legal styles per module, or Megatron's / torchtitan's
-    with one to three entries redrawn."""
+    with one to three entries redrawn. Returns the plan's entries, the root input's layout,
+    and whether one layer's entries were then redrawn (no longer a plan users write)."""
     lay = "layers.*"
     plan: dict[str, str | None] = {}
     base = "sp" if kind == "sp" or (kind == "mutated" and rng.random() < 0.5) else "megatron"
@@ -365,7 +367,8 @@ def _draw_plan(rng: random.Random, cfg: Config, kind: str) -> tuple[tuple, str]:
                 plan.pop(f"{lay}.attn.[qkv]", None)
         if f"{lay}.attn.[qkv]" in plan and any(f"{lay}.attn.{n}" in plan for n in "qkv"):
             del plan[f"{lay}.attn.[qkv]"]
-    if cfg.layers > 1 and rng.random() < 0.15:  # one layer planned on its own
+    redrawn = cfg.layers > 1 and rng.random() < 0.15
+    if redrawn:  # one layer planned on its own
         i = rng.randrange(cfg.layers)
         for name in [n for n in plan if n.startswith(lay + ".")]:
             style = plan.pop(name)
@@ -375,7 +378,7 @@ def _draw_plan(rng: random.Random, cfg: Config, kind: str) -> tuple[tuple, str]:
     root = ""
     if cfg.inputs != "tokens" and base == "sp" and kind != "random" and rng.random() < 0.5:
         root = "Shard(1)" if rng.random() < 0.5 and cfg.seq % cfg.world == 0 else "Replicate()"
-    return tuple((k, v) for k, v in plan.items() if v is not None), root
+    return tuple((k, v) for k, v in plan.items() if v is not None), root, redrawn
 
 
 # --- rendering a case as code ----------------------------------------------------------------

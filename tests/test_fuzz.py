@@ -28,7 +28,8 @@ CI_SLICE = {
 }
 
 
-# cases whose plans users write, which once fell back; python -m tests.fuzz show SEED --world 2:
+# cases that once fell back, with plans users write (one layer's entries redrawn in 6 and
+# 12); python -m tests.fuzz show SEED --world 2:
 # fused q / k / v with one KV head, split (6) or q | kv chunked (25), with enable_gqa (57);
 # enable_gqa with separate projections (119); a root layout listed before its blocks' (12)
 NO_FALLBACK = {2: [6, 12, 25, 57, 119]}
