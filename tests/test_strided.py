@@ -67,6 +67,25 @@ def test_a_fused_split_with_fewer_kv_heads_than_ranks_is_computed_part_by_part(r
     assert bwd == {"all_reduce": 3 * L, "all_gather": 2 * L}
 
 
+def uneven_swiglu(rank, world, dtype):
+    def no_fallbacks(gm):
+        assert not gm.fxtp.fallbacks, gm.fxtp.fallbacks
+    return check_parity(rank, world, lambda: models.FusedSwiGLU(D, hidden=19),
+                        {"w13": fxtp.ColwiseParallel(), "w2": fxtp.RowwiseParallel()},
+                        [example(B, T, D)], dtype=dtype, post=no_fallbacks)
+
+
+@DTYPES
+def test_a_fused_swiglu_whose_width_does_not_divide_is_computed_part_by_part(ranks, dtype):
+    """A hidden width of 19: gate and up cannot be cut in blocks of equal shards, so each
+    is computed from its rows of the whole ``w13``, dealt as ``torch.chunk`` deals them,
+    and ``w2`` takes its input features dealt alike. Forward, the rowwise sum; backward,
+    the input's gradient summed, and ``w13``'s (each rank's rows of it) in one more."""
+    fwd, bwd = ranks.run(uneven_swiglu, dtype)[0]
+    assert fwd == {"all_reduce": 1}
+    assert bwd == {"all_reduce": 2}
+
+
 @DTYPES
 def test_fused_weights_shared_across_layers_are_gathered(ranks, dtype):
     """One block applied L times: each fused weight feeds L projections, so it keeps its
