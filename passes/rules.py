@@ -984,7 +984,6 @@ def _sdpa_spec(node):
     return DimSpec(tuple(specs), tuple(outs))
 
 
-
 def _grouped_kv_heads(node, world, actual=()):
     """Grouped-query attention (``enable_gqa``) whose key and value heads arrive dealt to
     groups of ranks (``UnitShard(d, kv)`` with fewer heads than ranks, one whole head in
@@ -1011,6 +1010,7 @@ def _grouped_kv_heads(node, world, actual=()):
             return
         placed.append(Shard(d) if size == h and h > 1 else R)
     yield (Shard(heads), *dealt, *placed), (Shard(heads),)
+
 
 def _flex_spec(node):
     """``flex_attention(q, k, v, score_mod, block_mask, scale, options, score_buffers,

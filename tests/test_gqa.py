@@ -188,3 +188,42 @@ def test_a_blocked_layout_that_only_moves_the_fused_gather_keeps_it_reported(fak
                                       "c_proj": fxtp.RowwiseParallel()},
                           example_inputs=(torch.randn(2, 256, 256),))
     assert [f.split(" (")[0] for f in gm.fxtp.fallbacks] == ["aten.split_with_sizes.default"]
+
+
+class GQAttention(nn.Module):
+    """q, k and v projected apart, KV heads left to SDPA's ``enable_gqa`` (no repeat)."""
+
+    def __init__(self, kv_heads, heads=8, dim=32):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.q = nn.Linear(dim, dim)
+        self.k = nn.Linear(dim, kv_heads * self.head_dim)
+        self.v = nn.Linear(dim, kv_heads * self.head_dim)
+        self.o = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, -1).transpose(1, 2)
+        k = self.k(x).view(b, s, self.kv_heads, -1).transpose(1, 2)
+        v = self.v(x).view(b, s, self.kv_heads, -1).transpose(1, 2)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                             enable_gqa=True)
+        return x + self.o(a.transpose(1, 2).reshape(b, s, -1))
+
+
+def enable_gqa_parity(rank, world, kv_heads):
+    plan = {"q": fxtp.ColwiseParallel(), "k": fxtp.ColwiseParallel(),
+            "v": fxtp.ColwiseParallel(), "o": fxtp.RowwiseParallel()}
+    return check_parity(rank, world, lambda: GQAttention(kv_heads), plan,
+                        [torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(0))],
+                        dtype=torch.float64, strict=True)
+
+
+@pytest.mark.parametrize("world, kv_heads", [(2, 1), (4, 1), (4, 2)])
+def test_sdpa_reads_kv_heads_dealt_to_groups_of_ranks(pools, world, kv_heads):
+    """SDPA's ``enable_gqa`` with fewer KV heads than ranks: query heads sharded, each
+    rank's KV head computed by its group (no gather); forward the output projection's
+    all-reduce, backward the input gradient's and the KV weights' partial gradients'."""
+    from tests.conftest import pool_of
+    counts = pool_of(pools, world).run(enable_gqa_parity, kv_heads)[0]
+    assert counts == ({"all_reduce": 1}, {"all_reduce": 2})
