@@ -26,7 +26,7 @@ from .cross_entropy import REDUCTIONS, loss_parallel_cross_entropy, mean_of_toke
 from .dimspec import DimSpec
 from .graph import op_arg
 from .local_ops import nll_loss_of_shard
-from .placement import P, UnitShard, is_sharded, local_range
+from .placement import P, UnitShard, dealt_shard, is_sharded, local_range
 
 _ARGS = (("weight", None), ("reduction", 1), ("ignore_index", -100), ("label_smoothing", 0.0))
 
@@ -67,7 +67,7 @@ def class_sharded(node: fx.Node, world: int, actual=()):
     classes = logits.shape[c]
     if not isinstance(classes, int) or -(-classes // world) * (world - 1) >= classes:
         return  # symbolic, or some rank would hold no class
-    shard = Shard(c) if classes % world == 0 else UnitShard(c, classes)
+    shard = dealt_shard(c, classes, world)
     inputs = (shard, shard if target.is_floating_point() else Replicate())
     if _options(node)["weight"] is not None:
         inputs += (Replicate(),)

@@ -102,6 +102,12 @@ def unit_range(units: int, rank: int, world: int) -> tuple[int, int]:
     return start, min(start + per, units)
 
 
+def dealt_shard(dim: int, size: int, world: int):
+    """``Shard(dim)`` of a dim of ``size``, or, where it does not divide by the world size,
+    a :class:`UnitShard` of its elements (dealt as ``torch.chunk`` deals them)."""
+    return Shard(dim) if size % world == 0 else UnitShard(dim, size)
+
+
 def local_range(p, size: int, rank: int, world: int) -> tuple[int, int]:
     """``(start, length)`` of the elements of a dim of ``size`` that ``rank`` holds under
     ``Shard`` or :class:`UnitShard` ``p`` (for ``Shard``, ``torch.chunk``'s)."""

@@ -23,11 +23,11 @@ from typing import Callable, Optional
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate
 
 from .graph import (BOUNDARY, FALLBACK, INPUTS, PLACEMENT, layout, module_fqn, placement_of,
                     tied_attrs, val)
-from .placement import UnitShard, is_replicate, is_sharded
+from .placement import dealt_shard, is_replicate, is_sharded
 from .snapshot import Snapshot
 
 aten = torch.ops.aten
@@ -141,8 +141,7 @@ def _node(graph: fx.Graph, like: fx.Node, target, args, value) -> fx.Node:
 def _sharded(graph: fx.Graph, like: fx.Node, rows: fx.Node, what: str, world: int):
     """``rows`` laid out sharded on dim 0 (dealt as ``torch.chunk`` deals them where they
     do not divide by the world size)."""
-    size = val(rows).shape[0]
-    placement = Shard(0) if size % world == 0 else UnitShard(0, size)
+    placement = dealt_shard(0, val(rows).shape[0], world)
     marker = _node(graph, like, layout, (rows, placement), val(rows))
     marker.meta[BOUNDARY], marker.meta[PLACEMENT] = what, placement
     return marker
