@@ -146,12 +146,12 @@ def test_a_saved_modules_copy_and_original_are_both_split(fake_group):
 
 def fine_tuning_parity(rank, world, reentrant):
     make = lambda: lora_llama(dropout=0.1, checkpointing={"use_reentrant": reentrant})  # noqa: E731
+    programs = []
     counts = check_parity(rank, world, make, "auto", [TOKENS], dtype=torch.float64,
                           strict=True, input_grads=False, kwargs={"use_cache": False},
-                          output=lambda out: out.logits)
-    gm = fxtp.parallelize(make(), "auto", example_inputs=(TOKENS,),
-                          example_kwargs={"use_cache": False})
-    regions = [n for n, _ in gm.named_modules() if n.rpartition(".")[2] == "checkpoint_0"]
+                          output=lambda out: out.logits, post=programs.append)
+    regions = [n for n, _ in programs[0].named_modules()
+               if n.rpartition(".")[2] == "checkpoint_0"]
     return counts, regions
 
 

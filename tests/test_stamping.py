@@ -453,11 +453,10 @@ def test_checkpointed_blocks_are_stamped_with_a_region_each(fake_group):
 
 
 def sliding_window_parity(rank, world):
+    programs = []
     counts = check_parity(rank, world, sliding_window_stack, WINDOW_PLAN, [WINDOW_INPUT],
-                          dtype=torch.float64, strict=True)
-    stamped = fxtp.parallelize(sliding_window_stack(), WINDOW_PLAN,
-                               example_inputs=(WINDOW_INPUT,)).meta[STAMPED]
-    return counts, stamped
+                          dtype=torch.float64, strict=True, post=programs.append)
+    return counts, programs[0].meta[STAMPED]
 
 
 def test_blocks_making_constants_in_forward_are_stamped_and_train_like_single_device(ranks):
@@ -470,11 +469,10 @@ def test_blocks_making_constants_in_forward_are_stamped_and_train_like_single_de
 
 
 def odd_block_parity(rank, world, dtype):
+    programs = []
     counts = check_parity(rank, world, llama_with_an_odd_middle_block, llama_sp_plan(),
-                          [TOKENS], dtype=dtype, input_grads=False)
-    stamped = fxtp.parallelize(llama_with_an_odd_middle_block(), llama_sp_plan(),
-                               example_inputs=(TOKENS,)).meta[STAMPED]
-    return counts, stamped
+                          [TOKENS], dtype=dtype, input_grads=False, post=programs.append)
+    return counts, programs[0].meta[STAMPED]
 
 
 def test_stamped_blocks_train_like_single_device(ranks):
@@ -488,11 +486,11 @@ def test_stamped_blocks_train_like_single_device(ranks):
 
 
 def root_arguments_parity(rank, world, form, stamp):
+    programs = []
     counts = check_parity(rank, world, llama_calling_blocks(form), llama_sp_plan(), [TOKENS],
-                          dtype=torch.float64, input_grads=False, stamp_blocks=stamp)
-    stamped = fxtp.parallelize(llama_calling_blocks(form)(), llama_sp_plan(),
-                               example_inputs=(TOKENS,), stamp_blocks=stamp).meta[STAMPED]
-    return counts, stamped
+                          dtype=torch.float64, input_grads=False, stamp_blocks=stamp,
+                          post=programs.append)
+    return counts, programs[0].meta[STAMPED]
 
 
 @pytest.mark.parametrize("form, stamp", [("buffers", True), ("parameter", True),

@@ -29,11 +29,11 @@ def gpt2_six_heads():
 
 
 def gpt2_parity(rank, world):
+    programs = []
     counts = check_parity(rank, world, gpt2_six_heads, corpus.gpt2_tp_plan(), [TOKENS],
-                          dtype=torch.float64, strict=True, input_grads=False, steps=2)
-    gm = fxtp.parallelize(gpt2_six_heads(), corpus.gpt2_tp_plan(), example_inputs=(TOKENS,),
-                          device="meta")
-    return counts, gm.fxtp.param_placements
+                          dtype=torch.float64, strict=True, input_grads=False, steps=2,
+                          post=programs.append)
+    return counts, programs[0].fxtp.param_placements
 
 
 @pytest.mark.parametrize("world", [2, 4])
