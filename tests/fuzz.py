@@ -147,6 +147,20 @@ class Config:
             tags.append("seq%world")
         return tags
 
+    def beyond_heads(self) -> str:
+        """Why no rank can hold whole heads with every KV head its query heads use, or "":
+        attention then cannot be computed head-parallel as planned, by fxtp (which gathers,
+        and reports it) or by any peer (Megatron and vLLM refuse such head counts; DTensor's
+        local views compute other numbers)."""
+        kv = self.kv_heads
+        if self.heads < self.world:
+            return "fewer query heads than ranks"
+        if kv % self.world and self.world % kv:
+            return "KV heads neither a multiple nor a divisor of the world size"
+        if kv < self.heads and self.gqa_repeat == "repeat":
+            return "KV heads tiled by repeat: each rank's query heads use KV heads of others"
+        return ""
+
 
 # --- drawing a case ------------------------------------------------------------------------
 
@@ -1090,11 +1104,13 @@ def summarize(rows: list[dict]) -> str:
         kind = next((f.split("=")[1] for f in r.get("features", ()) if
                      f.startswith("plan_kind=")), "megatron")
         mine = "written by users" if kind in ("megatron", "sp") else "random or mutated"
+        beyond = case(r["seed"], r["world"]).beyond_heads() if r.get("fallbacks") else ""
+        mine = f"{mine}; {beyond}" if beyond else mine
         for message in dict.fromkeys(_gather_class(m) for m in r.get("fallbacks", ())):
             gathers[(mine, message)].append(r)
     if gathers:
-        lines.append("fallbacks by plan (users': defects; random or mutated: often the "
-                     "plan's own redistribution):")
+        lines.append("fallbacks by plan (users': defects, unless their heads cannot be dealt; "
+                     "random or mutated: often the plan's own redistribution):")
     for (mine, b), rs in sorted(gathers.items(), key=lambda kv: (kv[0][0], -len(kv[1]))):
         seeds = ", ".join(f"{r['seed']}@{r['world']}" for r in rs[:12])
         lines.append(f"{len(rs):4d}  [{mine}] {b}\n      seeds: {seeds}")

@@ -12,6 +12,7 @@ sizes). Cases that fail today are not in it; they are listed in the fuzz finding
 set; the test fails listing every failure class with its seeds. Reproduce a case with
 ``python -m tests.fuzz show SEED --world W`` (its code) and ``python -m tests.fuzz one SEED
 --world W`` (its verdict)."""
+import dataclasses
 import json
 import os
 
@@ -35,6 +36,11 @@ CI_SLICE = {
 NO_FALLBACK = {2: [6, 12, 25, 57, 119]}
 
 
+# cases whose heads no rank can hold whole with the KV heads they use: attention is gathered,
+# reported, and must still match single device (3 KV heads at 2 ranks; KV heads tiled)
+BEYOND_HEADS = {2: [135, 194]}
+
+
 def _explained(v: dict) -> str:
     return (f"case seed={v['seed']} world={v['world']}: {v['status']}: {v['bucket']}\n"
             f"{v.get('message', '')}\n{v.get('traceback', '')}\n"
@@ -54,6 +60,29 @@ def test_generated_case_matches_single_device(request, world, seed):
 def test_a_case_that_once_fell_back_runs_without_one(request, world, seed):
     verdict = fuzz.run(request.getfixturevalue(f"ranks{world}"), seed)
     assert verdict["status"] == "pass", _explained(verdict) + f"\n{verdict['fallbacks']}"
+
+
+@pytest.mark.parametrize("world,seed", [(w, s) for w, seeds in BEYOND_HEADS.items()
+                                        for s in seeds], ids=lambda p: str(p))
+def test_heads_that_cannot_be_dealt_are_gathered_reported_and_right(request, world, seed):
+    assert fuzz.case(seed, world).beyond_heads()
+    verdict = fuzz.run(request.getfixturevalue(f"ranks{world}"), seed)
+    assert verdict["status"] == "fallback", _explained(verdict)
+    assert all("in module 'layers." in f and ".attn" in f for f in verdict["fallbacks"])
+
+
+def test_heads_are_beyond_dealing_only_where_no_layout_holds_them_whole():
+    """Seeds drawn with the head counts of each case: 8 heads / 2 KV at 2 and 4 ranks deal;
+    3 KV heads at 2 or 4, 2 query heads at 4, and tiled KV heads do not."""
+    def why(world, **shape):
+        return dataclasses.replace(fuzz.case(0, world), **shape).beyond_heads()
+    assert why(2, heads=8, kv_heads=2, gqa_repeat="expand") == ""
+    assert why(4, heads=8, kv_heads=2, gqa_repeat="repeat_interleave") == ""
+    assert why(4, heads=8, kv_heads=8, gqa_repeat="repeat") == ""
+    assert "neither a multiple nor a divisor" in why(2, heads=6, kv_heads=3)
+    assert "neither a multiple nor a divisor" in why(4, heads=6, kv_heads=3)
+    assert "fewer query heads" in why(4, heads=2, kv_heads=2)
+    assert "tiled" in why(2, heads=4, kv_heads=2, gqa_repeat="repeat")
 
 
 @pytest.mark.parametrize("world", [2, 4])
