@@ -1,0 +1,188 @@
+"""The facade tax: what ``DTensor`` parameters cost fxtp's hot paths, as ratios to the same
+program on plain local parameters (``dtensor_params=False``) and to gpt-fast's ``tp.py``.
+
+One process, rank 0 of a fake process group of ``--world`` ranks (collectives cost their
+dispatch and nothing else), one thread, small widths: the host-bound regime of a GPU step.
+Variants are timed in alternating rounds in this one process, so that a noisy shared
+machine slows them alike; each figure is the median over rounds of a round's mean.
+
+* ``decode``: :mod:`fxtp.gpt_fast` (fused ``wqkv``), one decode step under
+  ``torch.compile(fullgraph=True)``: fxtp default, fxtp plain, hand-written ``tp.py``
+  (:func:`benchmarks.serving.handwritten_tp`).
+* ``train``: :class:`fxtp.llama.Llama`, forward + backward + ``AdamW(foreach=True)`` step,
+  eager and ``torch.compile(gm)``: fxtp default against plain.
+* ``optimizer``: ``opt.step()`` alone over ``gm.parameters()`` with gradients in place:
+  ``AdamW(foreach=True)``, ``AdamW(fused=True)``, ``SGD``, default against plain.
+
+Targets (issue 49): every default / plain and default / hand-written ratio <= 1.05.
+Results: ``benchmarks/results/facade_tax.json``.
+
+    python -m benchmarks.facade_tax [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+TARGET = 1.05
+
+
+def alternating(variants: dict, rounds: int, calls: int) -> dict:
+    """Median over ``rounds`` of each variant's mean seconds per call, the variants run in
+    turn within every round."""
+    times = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, call in variants.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                call()
+            times[name].append((time.perf_counter() - start) / calls)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def decode_variants(args, world: int) -> dict:
+    import fxtp
+    from benchmarks.serving import handwritten_tp
+    from fxtp.gpt_fast import ServeConfig, Transformer, tp_plan
+    cfg = ServeConfig(vocab_size=512, dim=64 * world, n_layers=args.layers, n_heads=world,
+                      n_kv_heads=world, hidden=128 * world, max_seq_len=64)
+    prompt = torch.randint(0, cfg.vocab_size, (1, 8), generator=torch.Generator().manual_seed(1))
+    token, position = prompt[:, :1], torch.tensor([8])
+    seq = torch.export.Dim("seq", min=1, max=cfg.max_seq_len)
+
+    def fxtp_decode(dtensor_params):
+        torch.manual_seed(0)
+        model = Transformer(cfg)
+        model.setup_caches(1)
+        gm = fxtp.parallelize(model, tp_plan(), example_inputs=(prompt, torch.arange(8)),
+                              dynamic_shapes=({1: seq}, {0: seq}),
+                              dtensor_params=dtensor_params)
+        assert not gm.fxtp.fallbacks, gm.fxtp.fallbacks
+        return torch.compile(gm, fullgraph=True)
+
+    torch.manual_seed(0)
+    model = handwritten_tp(Transformer(cfg), world, 0)
+    model.setup_caches(1)
+    handwritten = torch.compile(model, fullgraph=True)
+    steps = {"default": fxtp_decode(True), "plain": fxtp_decode(False),
+             "handwritten": handwritten}
+    return {name: (lambda m=m: m(token, position)) for name, m in steps.items()}
+
+
+def llama_and_batch(args, world: int):
+    from fxtp.llama import Llama, LlamaConfig
+    cfg = LlamaConfig(vocab_size=512, dim=32 * world, n_layers=args.train_layers,
+                      n_heads=world, n_kv_heads=world, max_seq_len=32)
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=g)
+    targets = torch.randint(0, cfg.vocab_size, (2, 16), generator=g)
+    return (lambda: Llama(cfg)), tokens, targets
+
+
+def parallel_llama(make, tokens, dtensor_params: bool):
+    import fxtp
+    from fxtp.llama import llama_tp_plan
+    torch.manual_seed(0)
+    gm = fxtp.parallelize(make(), llama_tp_plan(), example_inputs=(tokens,),
+                          dtensor_params=dtensor_params)
+    assert not gm.fxtp.fallbacks, gm.fxtp.fallbacks
+    return gm
+
+
+def train_variants(args, world: int, compiled: bool) -> dict:
+    make, tokens, targets = llama_and_batch(args, world)
+
+    def step_of(dtensor_params):
+        gm = parallel_llama(make, tokens, dtensor_params)
+        run = torch.compile(gm) if compiled else gm
+        opt = torch.optim.AdamW(gm.parameters(), lr=1e-4, foreach=True)
+
+        def step():
+            loss = F.cross_entropy(run(tokens).flatten(0, 1), targets.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return step
+    return {"default": step_of(True), "plain": step_of(False)}
+
+
+def optimizer_variants(args, world: int, kind: str) -> dict:
+    make, tokens, targets = llama_and_batch(args, world)
+    options = {"adamw_foreach": (torch.optim.AdamW, {"foreach": True}),
+               "adamw_fused": (torch.optim.AdamW, {"fused": True}),
+               "sgd": (torch.optim.SGD, {"momentum": 0.9})}
+    cls, kwargs = options[kind]
+
+    def step_of(dtensor_params):
+        gm = parallel_llama(make, tokens, dtensor_params)
+        F.cross_entropy(gm(tokens).flatten(0, 1), targets.flatten()).backward()
+        return cls(gm.parameters(), lr=1e-6, **kwargs).step
+    return {"default": step_of(True), "plain": step_of(False)}
+
+
+def measure(args) -> dict:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    world = args.world
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    results = {"world": world, "torch": torch.__version__, "sections": {}}
+    try:
+        sections = {"decode_compiled": lambda: decode_variants(args, world),
+                    "train_eager": lambda: train_variants(args, world, False),
+                    "train_compiled": lambda: train_variants(args, world, True),
+                    **{f"optimizer_{k}": (lambda k=k: optimizer_variants(args, world, k))
+                       for k in ("adamw_foreach", "adamw_fused", "sgd")}}
+        for name, build in sections.items():
+            if args.only and name not in args.only:
+                continue
+            variants = build()
+            for call in variants.values():  # warm up: compiles, optimizer state
+                for _ in range(3):
+                    call()
+            seconds = alternating(variants, args.rounds, args.calls)
+            ratios = {f"default/{other}": seconds["default"] / seconds[other]
+                      for other in seconds if other != "default"}
+            results["sections"][name] = {
+                "ms": {k: 1e3 * v for k, v in seconds.items()},
+                "ratios": ratios, "met": all(r <= TARGET for r in ratios.values())}
+            print(f"{name:24s} " + "  ".join(f"{k} {1e3 * v:8.3f} ms" for k, v in seconds.items())
+                  + "   " + "  ".join(f"{k} {r:.2f}x" for k, r in ratios.items()), flush=True)
+    finally:
+        dist.destroy_process_group()
+    return results
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=16, help="decode model layers")
+    parser.add_argument("--train-layers", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--calls", type=int, default=20, help="calls per variant per round")
+    parser.add_argument("--only", nargs="*", help="sections to run")
+    parser.add_argument("--quick", action="store_true", help="2 layers, 3 rounds of 3")
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "facade_tax.json")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.layers, args.train_layers, args.rounds, args.calls = 2, 2, 3, 3
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", "/tmp/fxtp_inductor_bench")
+    torch.set_num_threads(1)
+    results = measure(args)
+    results["date"] = datetime.date.today().isoformat()
+    if not args.quick:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+    return results
+
+
+if __name__ == "__main__":
+    main()
