@@ -128,7 +128,7 @@ def test_features_dealt_unevenly_meet_a_decomposed_norm(ranks4):
 def six_heads_localized_with_minus_one(rank, world):
     """:class:`SixHeads` with the ``-1`` of its views kept on the rank holding no heads, as
     fxtp once localized them: that rank's reshape is ambiguous for its empty shard."""
-    rules = importlib.import_module("fxtp.passes.rules")
+    rules = importlib.import_module("fxtp.passes.rules.base")
     original = rules.localize_shape
 
     def minus_one_kept(shape, placement, group, graph, before):

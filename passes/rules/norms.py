@@ -1,0 +1,80 @@
+"""Normalizations: layer and RMS norms, group norm and batch norm."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Shard
+
+from ..dimspec import DimSpec, fixed_label
+from ..graph import op_arg, output_vals, tensor_inputs, val
+from ..sharded_norm import layer_norm_rule_parts
+from .base import Rule, _local_groups, _parts, _rank
+
+aten = torch.ops.aten
+
+
+def _norm_spec(node):
+    """``layer_norm`` / ``rms_norm`` (and ``native_layer_norm``'s mean and rstd, shaped
+    (batch..., 1...)): normalized trailing dims never shard, batch dims do."""
+    k = len(node.args[1])
+    n = _rank(node.args[0])
+    x = tuple(f"d{j}!" if j >= n - k else f"d{j}" for j in range(n))
+    params = tuple(x[n - k:] for _ in tensor_inputs(node)[1:])
+    outs = [x]
+    for v in output_vals(node)[1:]:
+        outs.append(x[:n - k] + tuple(fixed_label() for _ in range(v.dim() - (n - k))))
+    return DimSpec((x,) + params, tuple(outs))
+
+
+def _group_norm_spec(node):
+    """``group_norm(x (N, C, *), groups, weight, bias)``: the batch dim shards; channels by
+    :func:`_whole_groups`."""
+    n = _rank(node.args[0])
+    x = ("n",) + tuple(fixed_label() for _ in range(n - 1))
+    params = tuple((x[1],) for _ in tensor_inputs(node)[1:])
+    return DimSpec((x,) + params, (x,))
+
+
+def _whole_groups(node: fx.Node, world: int, actual=()):
+    """``group_norm`` on channel shards holding whole groups (the groups divide by the
+    world size: RWKV's and RetNet's norm over heads, read on head shards), weight and bias
+    sharded alike: each rank normalizes its own groups."""
+    channels, groups = val(node.args[0]).shape[1], node.args[1]
+    if isinstance(channels, int) and groups % world == 0:
+        yield (Shard(1),) + (Shard(0),) * (len(tensor_inputs(node)) - 1), (Shard(1),)
+
+
+def _batch_norm_spec(training_arg: Optional[int]):
+    """``batch_norm`` / ``native_batch_norm(x (N, C, *), weight, bias, running_mean,
+    running_var, training, ...)`` and the eval form: channels are independent, so the
+    channel dim shards with every per-channel tensor (the running statistics it updates
+    included) and the saved per-channel statistics; the batch and spatial dims, which
+    statistics are taken over in training, never shard then (in eval, given
+    ``training_arg`` None, they shard freely)."""
+    def spec(node):
+        n = _rank(node.args[0])
+        training = training_arg is not None and op_arg(node, training_arg, "training", True)
+        x = tuple("c" if j == 1 else f"d{j}!" if training else f"d{j}" for j in range(n))
+        params = tuple(("c",) for _ in tensor_inputs(node)[1:])
+        outs = [x] + [("c",) if getattr(v, "shape", None) == val(node.args[0]).shape[1:2]
+                      else tuple(fixed_label() for _ in range(v.dim()))
+                      if isinstance(v, torch.Tensor) else None
+                      for v in output_vals(node)[1:]]
+        return DimSpec((x,) + params, tuple(outs))
+    return Rule(spec)
+
+
+RULES: dict = {
+    # normalizations
+    aten.layer_norm.default: Rule(_norm_spec, **_parts(layer_norm_rule_parts())),
+    aten.rms_norm.default: Rule(_norm_spec),
+    aten.native_layer_norm.default: Rule(_norm_spec),
+    aten._fused_rms_norm.default: Rule(_norm_spec),
+    aten.group_norm.default: Rule(_group_norm_spec, extra=_whole_groups, local_op=_local_groups(1),
+                                  strided=False, units=False),
+    aten.batch_norm.default: _batch_norm_spec(training_arg=5),
+    aten.native_batch_norm.default: _batch_norm_spec(training_arg=5),
+    aten._native_batch_norm_legit_no_training.default: _batch_norm_spec(training_arg=None),
+}
