@@ -152,12 +152,11 @@ class Config:
         attention then cannot be computed head-parallel as planned, by fxtp (which gathers,
         and reports it) or by any peer (Megatron and vLLM refuse such head counts; DTensor's
         local views compute other numbers)."""
-        kv = self.kv_heads
         if self.heads < self.world:
             return "fewer query heads than ranks"
-        if kv % self.world and self.world % kv:
+        if self.kv_heads % self.world and self.world % self.kv_heads:
             return "KV heads neither a multiple nor a divisor of the world size"
-        if kv < self.heads and self.gqa_repeat == "repeat":
+        if self.kv_heads < self.heads and self.gqa_repeat == "repeat":
             return "KV heads tiled by repeat: each rank's query heads use KV heads of others"
         return ""
 

@@ -72,8 +72,9 @@ def test_heads_that_cannot_be_dealt_are_gathered_reported_and_right(request, wor
 
 
 def test_heads_are_beyond_dealing_only_where_no_layout_holds_them_whole():
-    """Seeds drawn with the head counts of each case: 8 heads / 2 KV at 2 and 4 ranks deal;
-    3 KV heads at 2 or 4, 2 query heads at 4, and tiled KV heads do not."""
+    """Head counts set on a drawn case: 8 heads / 2 KV heads at 2 and 4 ranks (and 8 KV
+    heads tiled, which is no tiling) deal; 3 KV heads at 2 or 4 ranks, 2 query heads at 4,
+    and 2 KV heads tiled for 4 query heads do not."""
     def why(world, **shape):
         return dataclasses.replace(fuzz.case(0, world), **shape).beyond_heads()
     assert why(2, heads=8, kv_heads=2, gqa_repeat="expand") == ""

@@ -11,6 +11,7 @@ import torch.nn as nn
 import fxtp
 from fxtp.passes.modules import inline_program
 from tests import corpus
+from tests.conftest import pool_of
 from tests.corpus import L, TOKENS
 from tests.parity import check_parity
 
@@ -224,6 +225,5 @@ def test_sdpa_reads_kv_heads_dealt_to_groups_of_ranks(pools, world, kv_heads):
     """SDPA's ``enable_gqa`` with fewer KV heads than ranks: query heads sharded, each
     rank's KV head computed by its group (no gather); forward the output projection's
     all-reduce, backward the input gradient's and the KV weights' partial gradients'."""
-    from tests.conftest import pool_of
     counts = pool_of(pools, world).run(enable_gqa_parity, kv_heads)[0]
     assert counts == ({"all_reduce": 1}, {"all_reduce": 2})

@@ -48,11 +48,11 @@ def test_an_unequal_fused_split_issues_the_megatron_minimum(ranks2, dtype):
 
 
 def fused_without_fallbacks(rank, world, dtype, split):
-    def no_fallbacks(gm):
-        assert not gm.fxtp.fallbacks, gm.fxtp.fallbacks
+    def held_whole(gm):
         assert gm.fxtp.param_placements["layers.0.attention.qkv.weight"] == Replicate()
     return check_parity(rank, world, lambda: models.FusedStack(L, split=split),
-                        models.FUSED_PLAN, [example(B, T, D)], dtype=dtype, post=no_fallbacks)
+                        models.FUSED_PLAN, [example(B, T, D)], dtype=dtype, strict=True,
+                        post=held_whole)
 
 
 @DTYPES
@@ -68,11 +68,9 @@ def test_a_fused_split_with_fewer_kv_heads_than_ranks_is_computed_part_by_part(r
 
 
 def uneven_swiglu(rank, world, dtype):
-    def no_fallbacks(gm):
-        assert not gm.fxtp.fallbacks, gm.fxtp.fallbacks
     return check_parity(rank, world, lambda: models.FusedSwiGLU(D, hidden=19),
                         {"w13": fxtp.ColwiseParallel(), "w2": fxtp.RowwiseParallel()},
-                        [example(B, T, D)], dtype=dtype, post=no_fallbacks)
+                        [example(B, T, D)], dtype=dtype, strict=True)
 
 
 @DTYPES
