@@ -26,28 +26,15 @@ import datetime
 import json
 import os
 import pathlib
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from benchmarks.timing import alternating
+
 RESULTS = pathlib.Path(__file__).parent / "results"
 TARGET = 1.05
-
-
-def alternating(variants: dict, rounds: int, calls: int) -> dict:
-    """Median over ``rounds`` of each variant's mean seconds per call, the variants run in
-    turn within every round."""
-    times = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, call in variants.items():
-            start = time.perf_counter()
-            for _ in range(calls):
-                call()
-            times[name].append((time.perf_counter() - start) / calls)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def decode_variants(args, world: int) -> dict:

@@ -17,11 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
+
+from benchmarks.timing import alternating
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 VARIANTS = ("complex", "stack", "real")
@@ -60,16 +60,11 @@ def main(argv=None) -> dict:
         runs = {rope: build(rope, args.world) for rope in VARIANTS}
         for run in runs.values():
             step(*run)  # warm-up
-        times = {rope: [] for rope in VARIANTS}
-        for _ in range(args.rounds):
-            for rope, run in runs.items():
-                start = time.perf_counter()
-                for _ in range(args.steps):
-                    step(*run)
-                times[rope].append((time.perf_counter() - start) / args.steps * 1e3)
+        seconds = alternating({rope: (lambda run=run: step(*run)) for rope, run in runs.items()},
+                              args.rounds, args.steps)
     finally:
         dist.destroy_process_group()
-    ms = {rope: statistics.median(t) for rope, t in times.items()}
+    ms = {rope: 1e3 * s for rope, s in seconds.items()}
     result = {"shape": SHAPE, "world": args.world, "ms_per_step": ms,
               "stack_vs_complex": ms["stack"] / ms["complex"],
               "real_vs_complex": ms["real"] / ms["complex"], "target": TARGET}
