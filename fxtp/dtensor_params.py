@@ -1,15 +1,13 @@
-"""Parameters as ``DTensor`` s on the tensor-parallel mesh; the graph computes on their local
-tensors.
+"""Parameters as ``DTensor`` s on the tensor-parallel mesh; the graph computes on plain
+local reads of them.
 
 After the passes each parameter of the result holds this rank's shard. :func:`as_dtensors`
-wraps every one in a ``DTensor`` of its global shape and placement, and has the graph read
-it through :func:`local_tensor` (``to_local``, whose backward hands the local gradient back
-as a ``DTensor`` of the same placement; eagerly a leaner one that wraps the gradient in the
-parameter's own spec). So the ecosystem's own tools see the global
-tensors: ``torch.nn.utils.clip_grad_norm_`` reduces sharded norms across ranks, DCP saves
-each shard once under the model's keys, FSDP2 shards the TP shards further on a 2-D mesh.
-Sharded buffers (a KV cache written with sharded heads) stay plain local tensors for the
-graph and are handed out by ``state_dict()`` as ``DTensor`` s, too.
+wraps every one in a ``DTensor`` of its global shape and placement, and has the graphs
+read it through its owner's plain reads (:mod:`fxtp.local_reads`). So the ecosystem's own
+tools see the global tensors: ``torch.nn.utils.clip_grad_norm_`` reduces sharded norms
+across ranks, DCP saves each shard once under the model's keys, FSDP2 shards the TP shards
+further on a 2-D mesh. Sharded buffers (a KV cache written with sharded heads) stay plain
+local tensors for the graph and are handed out by ``state_dict()`` as ``DTensor`` s, too.
 
 Layouts DTensor cannot describe as one chunk per rank are handed out re-laid by
 ``state_dict()`` (and laid back by ``load_state_dict()``, which also accepts full tensors
@@ -23,52 +21,20 @@ all-gather).
 """
 from __future__ import annotations
 
-import copy
+import warnings
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_global_tensor_info
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .passes.collectives import _all_gather, _gather_units
-from .passes.graph import attr, keep_on_copy, recompile_alone
+from .local_reads import LEAVES, keep_reads, read_parameter
+from .local_steps import step_locally
+from .passes.graph import READS, keep_on_copy, recompile_alone
 from .passes.placement import (BlockShard, UnitShard, dtensor_placement, is_sharded, is_whole,
                                local_part)
-
-
-def local_tensor(p):
-    """What the graph computes with: a ``DTensor`` parameter's local tensor (differentiable)."""
-    if not isinstance(p, DTensor):
-        return p
-    return p.to_local() if torch.compiler.is_compiling() else _LocalTensor.apply(p)
-
-
-class _LocalTensor(torch.autograd.Function):
-    """``DTensor.to_local`` for a parameter, cheaper backward: a gradient laid out like the
-    local tensor becomes a ``DTensor`` of the parameter's own spec directly, where
-    ``to_local``'s backward re-derives the spec and goes through ``from_local`` (about
-    100 us a parameter a step, most of fxtp's per-parameter cost in eager training). Any
-    other gradient, or one that needs a graph of its own (double backward), takes
-    ``from_local``'s way."""
-
-    @staticmethod
-    def forward(ctx, p):
-        ctx.spec, ctx.local_stride = p._spec, p._local_tensor.stride()
-        ctx.set_materialize_grads(False)
-        return p._local_tensor.view_as(p._local_tensor)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if grad is None:
-            return None
-        spec = ctx.spec
-        if grad.stride() == ctx.local_stride and not grad.requires_grad:
-            return DTensor(grad, copy.copy(spec), requires_grad=False)
-        _, stride = compute_global_tensor_info(grad, spec.mesh, spec.placements)
-        return DTensor.from_local(grad, spec.mesh, spec.placements, run_check=False,
-                                  shape=spec.shape, stride=tuple(stride))
 
 
 def as_dtensors(gm: fx.GraphModule, placements: dict, shapes: dict, mesh, world: int) -> None:
@@ -76,6 +42,7 @@ def as_dtensors(gm: fx.GraphModule, placements: dict, shapes: dict, mesh, world:
     by a ``DTensor`` parameter sharing its local tensor, read through :func:`local_tensor`
     by every graph of ``gm``'s module tree."""
     made: dict[int, nn.Parameter] = {}
+    read: dict[str, list[str]] = {}  # owner FQN -> its DTensor parameters' names
     plain: dict[int, tuple] = {}  # id(local) -> (placement, global shape, mesh)
     for fqn, local in list(gm.named_parameters(remove_duplicate=False)):
         placement, shape = placements.get(fqn) or Replicate(), shapes.get(fqn, local.shape)
@@ -87,9 +54,13 @@ def as_dtensors(gm: fx.GraphModule, placements: dict, shapes: dict, mesh, world:
                                            requires_grad=local.requires_grad)
         owner, _, name = fqn.rpartition(".")
         gm.get_submodule(owner)._parameters[name] = made[id(local)]
+        read.setdefault(owner, []).append(name)
     sharded_buffers = {fqn: (placements[fqn], torch.Size(shapes[fqn]), mesh)
                        for fqn, _ in gm.named_buffers(remove_duplicate=False)
                        if is_sharded(placements.get(fqn))}
+    for owner, names in read.items():
+        keep_reads(gm.get_submodule(owner), names)
+    step_locally()
     for owner_fqn, module in gm.named_modules(remove_duplicate=False):
         if isinstance(module, fx.GraphModule):
             _read_locally(module)
@@ -180,29 +151,33 @@ def local_shard(value: torch.Tensor, placement, mesh) -> torch.Tensor:
 
 
 def _read_locally(gm: fx.GraphModule) -> None:
-    """Each ``DTensor`` read becomes a :func:`local_tensor` call, all of them at the top of
+    """Each parameter read whose owner keeps reads (:mod:`fxtp.local_reads`) becomes a
+    :func:`~fxtp.local_reads.read_parameter` of its owner's reads, all of them at the top of
     the graph (outside checkpointed regions, which then take plain tensors)."""
     graph = gm.graph
     top = next(n for n in graph.nodes if n.op not in ("placeholder", "get_attr"))
+    owners: dict[str, fx.Node] = {}
     for node in list(graph.nodes):
-        if node.op == "get_attr" and _holds_dtensor(gm, node.target):
-            top.prepend(node)
-            with graph.inserting_before(top):
-                local = graph.call_function(local_tensor, (node,))
-            local.meta = {k: v for k, v in node.meta.items() if k != "custom"}
-            users = [u for u in node.users if u is not local]
-            if users:  # reported in the module that reads it
-                local.meta["nn_module_stack"] = dict(users[0].meta.get("nn_module_stack", {}))
-            node.replace_all_uses_with(local, delete_user_cb=lambda u: u is not local)
+        if node.op != "get_attr":
+            continue
+        owner, _, name = node.target.rpartition(".")
+        if name not in gm.get_submodule(owner).__dict__.get(LEAVES, {}):
+            continue
+        if owner not in owners:
+            with graph.inserting_before(top), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "Attempted to insert a get_attr Node")
+                owners[owner] = graph.get_attr(f"{owner}.{LEAVES}" if owner else LEAVES)
+        with graph.inserting_before(top):
+            local = graph.call_function(read_parameter, (owners[owner], name))
+        local.meta = {k: v for k, v in node.meta.items() if k != "custom"}
+        local.meta[READS] = node.target
+        users = list(node.users)
+        if users:  # reported in the module that reads it
+            local.meta["nn_module_stack"] = dict(users[0].meta.get("nn_module_stack", {}))
+        node.replace_all_uses_with(local)
+        graph.erase_node(node)
     graph.lint()
     recompile_alone(gm)
-
-
-def _holds_dtensor(gm: fx.GraphModule, target: str) -> bool:
-    try:
-        return isinstance(attr(gm, target), DTensor)
-    except AttributeError:
-        return False
 
 
 def _on_tp_mesh(p) -> bool:

@@ -28,6 +28,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
+from .local_reads import LEAVES
 from .passes.errors import TraceError
 from .passes.graph import PLACEMENT, attr, keep_on_copy, own_method
 
@@ -137,12 +138,12 @@ def _below(path: str, within: str) -> bool:
 
 
 def _state(module: nn.Module, target: str) -> bool:
-    """Is ``target`` one of ``module``'s parameters, buffers or submodules (which the
-    module here holds at the same path)?"""
+    """Is ``target`` one of ``module``'s parameters, buffers or submodules, or the reads of
+    its parameters (which the module here holds at the same path)?"""
     owner, _, name = target.rpartition(".")
     holder = _submodule(module, owner)
     return holder is not None and (name in holder._parameters or name in holder._buffers or
-                                   name in holder._modules)
+                                   name in holder._modules or name == LEAVES)
 
 
 def _submodule(module: nn.Module, path: str) -> Optional[nn.Module]:

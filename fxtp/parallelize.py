@@ -41,6 +41,7 @@ from .passes.unused import drop_unused
 from .dump import Dumper
 from .dtensor_outputs import dtensor_positions, hand_out_dtensors
 from .dtensor_params import as_dtensors
+from .local_reads import follow_parameters
 from .passes.errors import InputError, PlanError, ShardingError, StampMismatch
 from .guards import (check_fresh, check_same_on_every_rank, every_rank_or_none,
                      guard_arguments, guard_casts, guard_inputs)
@@ -148,11 +149,14 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
     traces every block (the same program, slower to get).
 
     ``dtensor_params``: parameters are ``DTensor`` s on the mesh (global shape, this rank's
-    shard inside) that the graph reads locally (:mod:`fxtp.dtensor_params`), so
-    ``torch.nn.utils.clip_grad_norm_``, ``state_dict()`` with DCP and FSDP2 see the global
-    model. ``False`` keeps plain local tensors (``fxtp.state_dict`` / ``clip_grad_norm_``
-    still give global results; torch's own tools would see one rank's shard): whole-program
-    ``torch.compile`` of a graph with checkpointed regions needs it in torch 2.13.
+    shard inside), so ``torch.nn.utils.clip_grad_norm_``, ``state_dict()`` with DCP and
+    FSDP2 see the global model, while the program computes on plain local tensors and
+    optimizers step them locally (:mod:`fxtp.local_reads`, :mod:`fxtp.local_steps`).
+    ``False`` makes each parameter this rank's shard itself, a plain tensor: for code that
+    differentiates with respect to the parameters (``torch.autograd.grad(loss,
+    gm.parameters())``), which the reads do not pass through. torch's own tools then see
+    one rank's shard (``fxtp.clip_grad_norm_`` and ``fxtp.state_dict`` still give global
+    results).
     """
     if not example_inputs and not example_kwargs:
         raise InputError(f"parallelize({type(model).__name__}) traces the model on example "
@@ -302,6 +306,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
     restore_modes_on_error(gm)
     agree_until_first_success(gm, group)
     hand_out_dtensors(gm)
+    follow_parameters(gm)
     return gm
 
 

@@ -27,9 +27,9 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .backend import NO_BUFFER_REUSE
-from .dtensor_params import local_tensor
+from .local_reads import read_attribute
 from .passes.errors import InputError
-from .passes.graph import attr
+
 from .passes.complex_pairs import Unpaired, pair_complex
 from .passes.stateless import Stateful, stateless
 from .plan import block_fqns
@@ -103,7 +103,7 @@ def _calling(region, copy: fx.GraphModule, tensors: list[str]):
     their FQNs), local, then the block's arguments; complex tensors cross the region's
     boundary as real pairs (:mod:`fxtp.passes.complex_pairs`)."""
     def forward(self, *args, **kwargs):
-        inputs = (*(local_tensor(attr(self, t)) for t in tensors), *args)
+        inputs = (*(read_attribute(self, t) for t in tensors), *args)
         return region(copy, *map(_pairs, inputs), **{k: _pairs(v) for k, v in kwargs.items()})
     return forward
 

@@ -24,6 +24,8 @@ passes (:class:`ModuleSharding`, :class:`ModuleCall`). Imports no pass.
                 a replicated operand into a partial one (on one rank). unpin
 ``UNPLANNED``   on a parameter's ``get_attr`` that no style places: whole as far as the plan
                 goes, though propagation may hold it as the shard its readers take. seed
+``READS``       on a node computing with a parameter through its owner's plain reads: the
+                parameter's path (relative to the graph's module). ``fxtp.dtensor_params``
 ==============  ==========================================================================
 
 Every node also keeps export's ``val`` (a fake tensor with the *global* shape) and
@@ -52,6 +54,7 @@ STAMP = "fxtp_stamp"
 PINNED = "fxtp_pinned"
 INTO_PARTIAL = "fxtp_into_partial"
 UNPLANNED = "fxtp_unplanned"
+READS = "fxtp_reads"
 
 Layouts = Optional[tuple[Optional[Placement], ...]]
 

@@ -355,7 +355,7 @@ def stamp_modules(gm: nn.Module, stamped: dict[str, str], model: nn.Module) -> N
 
 
 _HELD = ("_parameters", "_buffers", "_non_persistent_buffers_set", "_fxtp_plain",
-         "_fxtp_buffers")  # a module's own tensors and what fxtp keeps about them
+         "_fxtp_buffers", "_fxtp_leaves")  # a module's own tensors and what fxtp keeps about them
 
 
 def _copy_module(like: nn.Module, holder: nn.Module, fqn: str,

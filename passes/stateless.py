@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .graph import attr
+from .graph import READS, attr
 from .recompute import call_submodule, run_checkpointed
 
 MODULE_ARGUMENT = (run_checkpointed, call_submodule)
@@ -48,7 +48,10 @@ def stateless(gm: fx.GraphModule, bound: Optional[dict[int, nn.Module]] = None
         modules[placeholders[i]] = (f"<arg{i}>", module)
     sites: dict[fx.Node, tuple[fx.GraphModule, list[str]]] = {}  # a call -> (copy, its tensors)
     for node in gm.graph.nodes:
-        if node.op == "get_attr":
+        if READS in node.meta:  # a parameter, read through its owner's reads
+            lifted[node.meta[READS]] = None
+            metas.setdefault(node.meta[READS], node.meta)
+        elif node.op == "get_attr":
             value = attr(gm, node.target)
             if isinstance(value, torch.Tensor):
                 lifted[node.target] = None
@@ -87,7 +90,11 @@ def stateless(gm: fx.GraphModule, bound: Optional[dict[int, nn.Module]] = None
     for node in gm.graph.nodes:
         if node in modules:
             continue
-        if node.op == "get_attr" and node.target in tensors:
+        if READS in node.meta:
+            env[node] = tensors[node.meta[READS]]
+        elif node.op == "get_attr" and node.users and all(READS in u.meta for u in node.users):
+            continue  # the reads: the copy takes the parameters instead
+        elif node.op == "get_attr" and node.target in tensors:
             env[node] = tensors[node.target]
         elif node in sites:
             copy, names = sites[node]

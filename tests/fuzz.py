@@ -808,10 +808,7 @@ def differential(rank: int, world: int, cfg: Config, group, report: dict) -> Non
     twin = copy.deepcopy(ref).double() if tol_dtype == torch.bfloat16 and not (
         cfg.embed_dropout or cfg.attn_dropout or cfg.mlp_dropout) else None
     report["phase"] = "parallelize"
-    # whole-program compile of checkpointed regions needs dtensor_params=False (README)
-    extra = {"dtensor_params": False} if cfg.compile != "none" and cfg.checkpoint != "none" \
-        else {}
-    gm = fxtp.parallelize(model, ns["PLAN"], group, example_inputs=xs, **extra)
+    gm = fxtp.parallelize(model, ns["PLAN"], group, example_inputs=xs)
     report["fallbacks"] = [str(f) for f in gm.fxtp.fallbacks]
     run = gm
     if cfg.compile != "none":

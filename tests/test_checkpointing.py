@@ -121,8 +121,7 @@ def test_a_checkpoint_pattern_matching_nothing_is_an_error(fake_group):
 
 def compiled(rank, world):
     from tests.compiled import check_compiled
-    return check_compiled(rank, world, lambda: Stack(True), PLAN, [example(2, 8, models.DIM)],
-                          dtensor_params=False)  # torch 2.13 fails on DTensor inputs here
+    return check_compiled(rank, world, lambda: Stack(True), PLAN, [example(2, 8, models.DIM)])
 
 
 def test_checkpointed_program_compiles_whole_and_matches_eager(ranks2):

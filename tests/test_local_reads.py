@@ -1,0 +1,246 @@
+"""fxtp's parameters are ``DTensor`` s, its programs compute on plain local tensors
+(:mod:`fxtp.local_reads`) and optimizers step them locally (:mod:`fxtp.local_steps`):
+gradients, optimizer steps and state are those of the same program over plain parameters
+(``dtensor_params=False``) bit for bit, a compiled call never sees a ``DTensor``, and the
+reads follow the parameters through copies, conversions and ``requires_grad``."""
+import copy
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+import fxtp
+from fxtp.llama import Llama, LlamaConfig, llama_tp_plan
+from fxtp.passes.graph import attr
+
+CFG = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16)
+TOKENS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+TARGETS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+OPTIMIZERS = {
+    "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),
+    "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+}
+
+
+def parallel(dtensor_params=True, dtype=torch.float32):
+    torch.manual_seed(0)
+    return fxtp.parallelize(Llama(CFG).to(dtype), llama_tp_plan(), example_inputs=(TOKENS,),
+                            dtensor_params=dtensor_params)
+
+
+def backward(model):
+    F.cross_entropy(model(TOKENS).flatten(0, 1), TARGETS.flatten()).backward()
+
+
+def local(t):
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def assert_same(got: dict, want: dict, what: str):
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(local(got[name]), local(want[name])), f"{what} of {name}"
+
+
+def grads(gm):
+    return {n: p.grad for n, p in gm.named_parameters()}
+
+
+def values(gm):
+    return {n: p.detach() for n, p in gm.named_parameters()}
+
+
+def test_the_program_reads_no_dtensor_while_the_parameters_are_dtensors(fake_group):
+    fake_group(2)
+    gm = parallel()
+    assert all(isinstance(p, DTensor) for p in gm.parameters())
+    graphs = [m for m in gm.modules() if isinstance(m, fx.GraphModule)]
+    read = [n.target for m in graphs for n in m.graph.nodes
+            if n.op == "get_attr" and isinstance(attr(m, n.target), DTensor)]
+    assert read == []
+
+
+def _recording(seen: list):
+    def backend(graph, example_inputs):
+        seen.append(example_inputs)
+        return graph.forward
+    return backend
+
+
+def test_a_compiled_call_guards_and_runs_on_plain_tensors(fake_group):
+    fake_group(2)
+    gm = parallel()
+    explained = torch._dynamo.explain(gm)(TOKENS)
+    assert explained.graph_break_count == 0
+    assert [str(g) for g in explained.out_guards if "DTENSOR" in str(g)] == []
+    seen = []
+    torch.compile(gm, backend=_recording(seen), fullgraph=True)(TOKENS)
+    assert len(seen) == 1
+    assert not [t for t in seen[0] if isinstance(t, DTensor)]
+
+
+def test_compiled_blocks_take_plain_tensors(fake_group):
+    fake_group(2)
+    gm = parallel()
+    seen = []
+    fxtp.compile_blocks(gm, backend=_recording(seen), fullgraph=True)
+    gm(TOKENS)
+    assert seen and not [t for inputs in seen for t in inputs if isinstance(t, DTensor)]
+
+
+def test_a_compiled_decode_step_compiles_once_across_positions(fake_group):
+    from fxtp.gpt_fast import ServeConfig, Transformer, tp_plan
+    fake_group(2)
+    cfg = ServeConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, n_kv_heads=2, hidden=64,
+                      max_seq_len=16)
+    model = Transformer(cfg)
+    model.setup_caches(1)
+    seq = torch.export.Dim("seq", min=1, max=cfg.max_seq_len)
+    prompt = TOKENS[:1]
+    gm = fxtp.parallelize(model, tp_plan(), example_inputs=(prompt, torch.arange(8)),
+                          dynamic_shapes=({1: seq}, {0: seq}))
+    seen = []
+    step = torch.compile(gm, backend=_recording(seen), fullgraph=True)
+    with torch.no_grad():
+        for position in (8, 9, 10, 11):
+            step(prompt[:, :1], torch.tensor([position]))
+    assert len(seen) == 1
+
+
+def test_gradients_accumulate_and_restart_after_zero_grad_as_over_plain_parameters(
+        fake_group):
+    fake_group(2)
+    gm, plain = parallel(), parallel(dtensor_params=False)
+    calls = []
+    for p in gm.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: calls.append(p))
+    for model in (gm, plain):
+        backward(model)
+        backward(model)
+    assert len(calls) == 2 * len(list(gm.parameters()))
+    assert all(isinstance(g, DTensor) for g in grads(gm).values())
+    assert_same(grads(gm), grads(plain), "accumulated gradient")
+    for model in (gm, plain):
+        model.zero_grad(set_to_none=True)
+        backward(model)
+    assert_same(grads(gm), grads(plain), "gradient after zero_grad")
+    for model in (gm, plain):
+        model.zero_grad(set_to_none=False)
+        backward(model)
+    assert_same(grads(gm), grads(plain), "gradient after zeroing in place")
+
+
+@pytest.mark.parametrize("kind", OPTIMIZERS)
+def test_optimizer_steps_are_those_over_plain_parameters_bit_for_bit(fake_group, kind):
+    fake_group(2)
+    gm, plain = parallel(), parallel(dtensor_params=False)
+    opts = {id(m): OPTIMIZERS[kind](m.parameters()) for m in (gm, plain)}
+    for _ in range(3):
+        for model in (gm, plain):
+            backward(model)
+            opts[id(model)].step()
+            opts[id(model)].zero_grad()
+    assert_same(values(gm), values(plain), f"{kind} after 3 steps")
+    opt = opts[id(gm)]
+    for p in gm.parameters():
+        for value in opt.state[p].values():
+            if value.ndim:
+                assert isinstance(value, DTensor) and value.placements == p.placements
+    assert all(isinstance(p, DTensor) for g in opt.param_groups for p in g["params"])
+    again = OPTIMIZERS[kind](gm.parameters())  # the state handed out resumes the run
+    again.load_state_dict(opt.state_dict())
+    for model, o in ((gm, again), (plain, opts[id(plain)])):
+        backward(model)
+        o.step()
+    assert_same(values(gm), values(plain), f"{kind} resumed from its state_dict")
+
+
+def test_a_step_with_a_closure_and_one_after_a_step_that_raised_are_right(fake_group):
+    fake_group(2)
+    gm, plain = parallel(), parallel(dtensor_params=False)
+    opts = {id(m): torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9) for m in (gm, plain)}
+    for model in (gm, plain):
+        opt = opts[id(model)]
+
+        def closure(model=model, opt=opt):
+            opt.zero_grad()
+            backward(model)
+        opt.step(closure)
+    assert_same(values(gm), values(plain), "after a step with a closure")
+
+    def fail(optimizer, args, kwargs):
+        raise RuntimeError("a hook failing mid-step")
+    opt = opts[id(gm)]
+    handle = opt.register_step_pre_hook(fail)
+    backward(gm)
+    with pytest.raises(RuntimeError, match="mid-step"):
+        opt.step()
+    handle.remove()
+    backward(plain)
+    for model in (gm, plain):  # the next step hands back what the failed one was handed
+        opts[id(model)].step()
+    assert_same(values(gm), values(plain), "after a failed step and a good one")
+    assert all(isinstance(p, DTensor) for p in opt.param_groups[0]["params"])
+    assert all(isinstance(v, DTensor) for s in opt.state.values() for v in s.values())
+
+
+def test_requires_grad_set_on_the_module_or_the_parameter_is_followed(fake_group):
+    fake_group(2)
+    gm = parallel()
+    compiled = torch.compile(gm, backend="aot_eager")
+    gm.layers[0].requires_grad_(False)
+    backward(compiled)
+    assert all(p.grad is None for p in gm.layers[0].parameters())
+    assert all(p.grad is not None for p in gm.layers[1].parameters())
+    gm.zero_grad()
+    gm.output.weight.requires_grad_(False)  # set directly: followed by an eager call
+    backward(gm)
+    assert gm.output.weight.grad is None and gm.norm.weight.grad is not None
+
+
+def test_a_deep_copy_reads_and_trains_its_own_parameters(fake_group):
+    fake_group(2)
+    gm = parallel()
+    before = gm(TOKENS).detach()
+    twin = copy.deepcopy(gm)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)
+    assert not torch.equal(twin(TOKENS), before)
+    assert torch.equal(gm(TOKENS), before)
+    backward(twin)
+    assert all(p.grad is None for p in gm.parameters())
+    assert all(p.grad is not None for p in twin.parameters())
+
+
+def test_a_module_moved_to_new_storage_is_read_there_compiled(fake_group):
+    """``to_empty`` swaps every parameter's tensors (``nn.Module._apply``); a compiled
+    program reads the new ones, as loaded afterwards."""
+    fake_group(2)
+    gm, other = parallel(), parallel()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    compiled = torch.compile(gm, backend="aot_eager")
+    compiled(TOKENS)
+    gm.to_empty(device="cpu")
+    gm.load_state_dict(other.state_dict())
+    with torch.no_grad():  # the rotary tables, not in the state dict
+        for mine, theirs in zip(gm.buffers(), other.buffers()):
+            mine.copy_(theirs)
+    assert torch.equal(compiled(TOKENS), other(TOKENS))
+
+
+def test_parameters_assigned_by_load_state_dict_are_read(fake_group):
+    fake_group(2)
+    gm, other = parallel(), parallel()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    gm.load_state_dict(other.state_dict(), assign=True)
+    assert torch.equal(gm(TOKENS), other(TOKENS))
+    backward(gm)
+    assert all(isinstance(p.grad, DTensor) for p in gm.parameters())
