@@ -13,6 +13,10 @@ machine slows them alike; each figure is the median over rounds of a round's mea
   eager and ``torch.compile(gm)``: fxtp default against plain.
 * ``optimizer``: ``opt.step()`` alone over ``gm.parameters()`` with gradients in place:
   ``AdamW(foreach=True)``, ``AdamW(fused=True)``, ``SGD``, default against plain.
+* ``--cuda``: instead, rank 0 of 8 on a GPU, the decode step at Llama-3-8B's width (8
+  layers, bf16) under ``torch.compile(mode="reduce-overhead")`` (CUDA graphs) at batch 1
+  and 8 (target: default <= 1.0x hand-written). The compiled training step against
+  DTensor TP's is ``python -m benchmarks.cuda`` (target: <= 0.7x).
 
 Targets (issue 49): every default / plain and default / hand-written ratio <= 1.05.
 Results: ``benchmarks/results/facade_tax.json``.
@@ -37,33 +41,53 @@ RESULTS = pathlib.Path(__file__).parent / "results"
 TARGET = 1.05
 
 
-def decode_variants(args, world: int) -> dict:
+def decode_variants(args, world: int, cfg=None, batch: int = 1, device: str = "cpu",
+                    dtype=torch.float32, mode=None) -> dict:
+    """One decode step of :mod:`fxtp.gpt_fast` at ``batch``, compiled (``mode``:
+    ``torch.compile``'s), fxtp default / plain against hand-written ``tp.py``."""
     import fxtp
     from benchmarks.serving import handwritten_tp
     from fxtp.gpt_fast import ServeConfig, Transformer, tp_plan
-    cfg = ServeConfig(vocab_size=512, dim=64 * world, n_layers=args.layers, n_heads=world,
-                      n_kv_heads=world, hidden=128 * world, max_seq_len=64)
-    prompt = torch.randint(0, cfg.vocab_size, (1, 8), generator=torch.Generator().manual_seed(1))
-    token, position = prompt[:, :1], torch.tensor([8])
+    cfg = cfg or ServeConfig(vocab_size=512, dim=64 * world, n_layers=args.layers,
+                             n_heads=world, n_kv_heads=world, hidden=128 * world,
+                             max_seq_len=64)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, cfg.vocab_size, (batch, 8), generator=g).to(device)
+    token, position = prompt[:, :1], torch.tensor([8], device=device)
     seq = torch.export.Dim("seq", min=1, max=cfg.max_seq_len)
 
-    def fxtp_decode(dtensor_params):
+    def model():
         torch.manual_seed(0)
-        model = Transformer(cfg)
-        model.setup_caches(1)
-        gm = fxtp.parallelize(model, tp_plan(), example_inputs=(prompt, torch.arange(8)),
+        with torch.device(device):
+            made = Transformer(cfg).to(dtype)
+        return made
+
+    def fxtp_decode(dtensor_params):
+        made = model()
+        made.setup_caches(batch)
+        gm = fxtp.parallelize(made, tp_plan(), example_inputs=(prompt, torch.arange(8)),
                               dynamic_shapes=({1: seq}, {0: seq}),
                               dtensor_params=dtensor_params)
         assert not gm.fxtp.fallbacks, gm.fxtp.fallbacks
-        return torch.compile(gm, fullgraph=True)
+        return torch.compile(gm, fullgraph=True, mode=mode)
 
-    torch.manual_seed(0)
-    model = handwritten_tp(Transformer(cfg), world, 0)
-    model.setup_caches(1)
-    handwritten = torch.compile(model, fullgraph=True)
+    handwritten = handwritten_tp(model(), world, 0)
+    handwritten.setup_caches(batch)
     steps = {"default": fxtp_decode(True), "plain": fxtp_decode(False),
-             "handwritten": handwritten}
-    return {name: (lambda m=m: m(token, position)) for name, m in steps.items()}
+             "handwritten": torch.compile(handwritten, fullgraph=True, mode=mode)}
+
+    def call(m):
+        with torch.no_grad():
+            return m(token, position)
+    return {name: (lambda m=m: call(m)) for name, m in steps.items()}
+
+
+def cuda_decode_variants(args, world: int, batch: int) -> dict:
+    """The GPU check of issue 49: Llama-3-8B's width (8 layers), bf16, CUDA graphs."""
+    from fxtp.gpt_fast import ServeConfig
+    cfg = ServeConfig(vocab_size=128256, dim=4096, n_layers=8, n_heads=32, n_kv_heads=8,
+                      hidden=14336, max_seq_len=256, rope_theta=500000.0)
+    return decode_variants(args, world, cfg, batch, "cuda", torch.bfloat16, "reduce-overhead")
 
 
 def llama_and_batch(args, world: int):
@@ -128,6 +152,9 @@ def measure(args) -> dict:
                     "train_compiled": lambda: train_variants(args, world, True),
                     **{f"optimizer_{k}": (lambda k=k: optimizer_variants(args, world, k))
                        for k in ("adamw_foreach", "adamw_fused", "sgd")}}
+        if args.cuda:  # the 8B-shaped decode under CUDA graphs alone
+            sections = {f"cuda_decode_batch{b}": (lambda b=b: cuda_decode_variants(args, world, b))
+                        for b in (1, 8)}
         for name, build in sections.items():
             if args.only and name not in args.only:
                 continue
@@ -157,6 +184,8 @@ def main(argv=None):
     parser.add_argument("--calls", type=int, default=20, help="calls per variant per round")
     parser.add_argument("--only", nargs="*", help="sections to run")
     parser.add_argument("--quick", action="store_true", help="2 layers, 3 rounds of 3")
+    parser.add_argument("--cuda", action="store_true",
+                        help="the 8B-shaped decode with CUDA graphs at batch 1 and 8 instead")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "facade_tax.json")
     args = parser.parse_args(argv)
     if args.quick:
@@ -165,6 +194,8 @@ def main(argv=None):
     torch.set_num_threads(1)
     results = measure(args)
     results["date"] = datetime.date.today().isoformat()
+    if args.cuda and args.out == RESULTS / "facade_tax.json":
+        args.out = RESULTS / "facade_tax_cuda.json"
     if not args.quick:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1) + "\n")

@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
+from .local_reads import renewing_apply
 from .passes.graph import PLACEMENT, keep_on_copy, own_method
 from .passes.placement import describe, is_sharded
 from .passes.effects import returns_alias, writes_first_input
@@ -469,4 +470,4 @@ def _apply_keeping_dtypes(self, fn, recurse=True):
                 f"{made}. Parallelize a {made} model instead (model.to({made}) before "
                 f"fxtp.parallelize); for FSDP2's mixed precision, pass "
                 f"param_dtype={made} to fxtp.parallelize.")
-    return nn.Module._apply(self, fn, recurse)
+    return renewing_apply(self, fn, recurse)

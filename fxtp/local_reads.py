@@ -220,7 +220,8 @@ def follow_parameters(gm: nn.Module) -> None:
     for module in gm.modules():
         if isinstance(module, fx.GraphModule) and \
                 renew not in module.__dict__.get("_deepcopy_hooks", ()):
-            own_method(module, "_apply", renewing_apply)
+            if "_apply" not in vars(type(module)):  # the root's guards renew in theirs
+                own_method(module, "_apply", renewing_apply)
             own_method(module, "requires_grad_", renewing_requires_grad_)
             module._register_deepcopy_hook(renew)
     renew(gm)
@@ -228,17 +229,13 @@ def follow_parameters(gm: nn.Module) -> None:
 
 def renewing_apply(self, fn, recurse=True):
     """``nn.Module._apply``, then :func:`renew` (a graph module's own)."""
-    result = super(_defining(self, renewing_apply), self)._apply(fn, recurse)
+    result = nn.Module._apply(self, fn, recurse)
     renew(self)
     return result
 
 
 def renewing_requires_grad_(self, requires_grad=True):
     """``nn.Module.requires_grad_``, then :func:`renew` (a graph module's own)."""
-    result = super(_defining(self, renewing_requires_grad_), self).requires_grad_(requires_grad)
+    result = nn.Module.requires_grad_(self, requires_grad)
     renew(self)
     return result
-
-
-def _defining(module: nn.Module, function) -> type:
-    return next(c for c in type(module).__mro__ if function in vars(c).values())

@@ -93,3 +93,33 @@ def test_compiling_each_block_on_its_own_matches_the_eager_blocks(fake_group):
     for p, q in zip(eager.parameters(), regional.parameters(), strict=True):
         torch.testing.assert_close(local_of(q.grad), local_of(p.grad))
     assert all(type(m).__name__ == "OptimizedModule" for m in regional.layers)
+
+
+def test_cuda_graphs_decode_reads_the_parameters_in_place(nccl_group):
+    """``mode="reduce-overhead"``: the plain reads are static inputs of the CUDA graph, so
+    an in-place update of a DTensor parameter (an optimizer step, a load) shows in the next
+    replay; one compile across decode positions."""
+    from fxtp.gpt_fast import ServeConfig, Transformer, tp_plan
+    cfg = ServeConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden=128,
+                      max_seq_len=32)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Transformer(cfg).to(torch.bfloat16)
+    model.setup_caches(1)
+    prompt = torch.randint(0, 64, (1, 8), device="cuda")
+    seq = torch.export.Dim("seq", min=1, max=cfg.max_seq_len)
+    gm = fxtp.parallelize(model, tp_plan(), example_inputs=(prompt, torch.arange(8)),
+                          dynamic_shapes=({1: seq}, {0: seq}))
+    torch._dynamo.utils.counters.clear()
+    step = torch.compile(gm, fullgraph=True, mode="reduce-overhead")
+    token = prompt[:, :1]
+    with torch.no_grad():
+        for position in range(8, 12):
+            step(token, torch.tensor([position], device="cuda"))
+        before = step(token, torch.tensor([12], device="cuda")).clone()
+        gm.output.weight.mul_(2.0)
+        after = step(token, torch.tensor([13], device="cuda"))
+        eager = gm(token, torch.tensor([13], device="cuda"))
+    torch.testing.assert_close(after, eager)
+    assert not torch.equal(before, after)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
