@@ -167,15 +167,14 @@ def _read_locally(gm: fx.GraphModule) -> None:
             with graph.inserting_before(top), warnings.catch_warnings():
                 warnings.filterwarnings("ignore", "Attempted to insert a get_attr Node")
                 owners[owner] = graph.get_attr(f"{owner}.{LEAVES}" if owner else LEAVES)
-        with graph.inserting_before(top):
-            local = graph.call_function(read_parameter, (owners[owner], name))
-        local.meta = {k: v for k, v in node.meta.items() if k != "custom"}
-        local.meta[READS] = node.target
         users = list(node.users)
         if users:  # reported in the module that reads it
-            local.meta["nn_module_stack"] = dict(users[0].meta.get("nn_module_stack", {}))
-        node.replace_all_uses_with(local)
-        graph.erase_node(node)
+            node.meta["nn_module_stack"] = dict(users[0].meta.get("nn_module_stack", {}))
+        node.meta.pop("custom", None)
+        node.meta[READS] = node.target
+        top.prepend(node)  # the node itself, keeping its name (explain, dumps)
+        node.op, node.target = "call_function", read_parameter
+        node.args = (owners[owner], name)
     graph.lint()
     recompile_alone(gm)
 

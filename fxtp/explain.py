@@ -41,8 +41,8 @@ from torch.distributed.tensor import DTensor
 
 from .passes.collectives import conjugates
 from .passes.gradients import gradient_carriers
-from .passes.graph import (COLLECTIVE, FALLBACK, PLACEMENT, attr, call_args, list_block,
-                           module_fqn, val)
+from .passes.graph import (COLLECTIVE, FALLBACK, PLACEMENT, READS, attr, call_args,
+                           list_block, module_fqn, val)
 from .passes.placement import (UnitShard, blocks, describe, is_sharded, local_range,
                               size_hint)
 from .passes.modules import inline_program
@@ -238,7 +238,10 @@ def _carry_grad(gm: fx.GraphModule, graph: fx.Graph, input_grads: bool) -> froze
         if node.op == "placeholder":
             return input_grads and isinstance(v, torch.Tensor) and \
                 (v.dtype.is_floating_point or v.dtype.is_complex)
-        return getattr(attr(gm, node.target), "requires_grad", False)
+        if READS in node.meta:  # a parameter, read through its owner's reads
+            owner = node.args[0].target.rpartition(".")[0]
+            return attr(gm, f"{owner}.{node.args[1]}" if owner else node.args[1]).requires_grad
+        return node.op == "get_attr" and getattr(attr(gm, node.target), "requires_grad", False)
     return gradient_carriers(graph, is_root)
 
 

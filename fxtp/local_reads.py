@@ -105,7 +105,7 @@ def read_of(param: DTensor) -> torch.Tensor:
     leaf._fxtp_param, leaf._fxtp_local, leaf._fxtp_live = param, local, _LIVE
     if param.requires_grad:
         leaf.register_post_accumulate_grad_hook(_publish_gradient)
-    torch._dynamo.mark_static_address(leaf, guard=True)  # CUDA graphs read it in place
+    torch._dynamo.mark_static_address(leaf, guard=False)  # as parameters: CUDA graphs read it
     param.__dict__[_READ] = leaf
     epoch += 1
     return leaf

@@ -7,7 +7,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from .graph import val
+from .graph import READS, val
 
 aten = torch.ops.aten
 
@@ -19,13 +19,13 @@ NO_GRAD = {aten.detach.default, aten.zeros_like.default, aten.ones_like.default,
 
 def gradient_carriers(graph: fx.Graph, is_root: Callable[[fx.Node, object], bool]
                       ) -> frozenset:
-    """Nodes whose value carries a gradient: the placeholders and ``get_attr`` nodes for
-    which ``is_root(node, value)`` holds, and floating values computed from them by ops
-    other than :data:`NO_GRAD`."""
+    """Nodes whose value carries a gradient: the placeholders, ``get_attr`` nodes and
+    parameter reads (``READS``) for which ``is_root(node, value)`` holds, and floating
+    values computed from them by ops other than :data:`NO_GRAD`."""
     found: set[fx.Node] = set()
     for node in graph.nodes:
         v = val(node)
-        if node.op in ("placeholder", "get_attr"):
+        if node.op in ("placeholder", "get_attr") or READS in node.meta:
             carries = is_root(node, v)
         else:
             carries = node.op != "output" and node.target not in NO_GRAD and _floating(v) and \
