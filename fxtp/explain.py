@@ -52,6 +52,7 @@ from .passes.sharded_norm import layer_norm_bytes, layer_norm_of_shards, norm_of
 from .passes.sharded_softmax import (any_of_shards, arg_of_shards, collective_bytes,
                                      cumsum_of_shards, extremum_of_shards, logsumexp_of_shards,
                                      pick_of_shards, softmax_of_shards, topk_of_shards)
+from .local_reads import LEAVES
 from .names import model_fqn
 from .report import Comm, Fallback, Layer, NodeInfo, Report, Summary, Totals
 
@@ -68,11 +69,13 @@ def explain(gm: fx.GraphModule, *, input_grads: bool = False) -> Report:
     graph = inline_program(gm)  # the whole program: modules and checkpointed regions inlined
     grads = _carry_grad(gm, graph, input_grads)
     hints: dict[str, int] = {}
-    nodes = [node_info(n, rank, world, hints, grads) for n in graph.nodes]
+    rows = [n for n in graph.nodes  # a parameter read stands for its parameter: not its table
+            if not (n.op == "get_attr" and n.target.rpartition(".")[2] == LEAVES)]
+    nodes = [node_info(n, rank, world, hints, grads) for n in rows]
     params = _param_bytes(gm, info.param_shapes)
     forward, backward, layers = _rollup(nodes, params)
     fallbacks = [Fallback(n.name, row.op, row.module, n.meta[FALLBACK])
-                 for n, row in zip(graph.nodes, nodes) if n.meta.get(FALLBACK)]
+                 for n, row in zip(rows, nodes) if n.meta.get(FALLBACK)]
     summary = Summary(world, forward, backward, forward.total_bytes() + backward.total_bytes(),
                       sum(p[0] for p in params.values()), sum(p[1] for p in params.values()),
                       layers, fallbacks, hints)
@@ -108,9 +111,12 @@ def node_info(node: fx.Node, rank: int, world: int, hints: dict,
     tensor = isinstance(v, torch.Tensor)
     kind = collective_of(node)
     forward, backward = _comms(node, kind, rank, world, grads) if kind else ([], [])
-    owner = node.target.rpartition(".")[0] if node.op == "get_attr" else ""
+    read = READS in node.meta  # a parameter, read through its owner's reads: as get_attr
+    owner = node.target.rpartition(".")[0] if node.op == "get_attr" else \
+        node.args[0].target.rpartition(".")[0] if read else ""
     return NodeInfo(
-        name=node.name, op=op_name(node), module=module_fqn(node) or owner,
+        name=node.name, op="get_attr" if read else op_name(node),
+        module=module_fqn(node) or owner,
         dtype=str(v.dtype).removeprefix("torch.") if tensor else None,
         global_shape=[_dim(s, hints)[0] for s in v.shape] if tensor else None,
         local_shape=[d for d, _ in _local_dims(v, p, rank, world, hints)] if tensor else None,
