@@ -39,8 +39,8 @@ from .passes.placement import (BlockShard, UnitShard, dtensor_placement, is_shar
 
 def as_dtensors(gm: fx.GraphModule, placements: dict, shapes: dict, mesh, world: int) -> None:
     """Replace each parameter of ``gm`` (FQN in ``placements``, global shape in ``shapes``)
-    by a ``DTensor`` parameter sharing its local tensor, read through :func:`local_tensor`
-    by every graph of ``gm``'s module tree."""
+    by a ``DTensor`` parameter sharing its local tensor, read through its owner's plain
+    reads (:mod:`fxtp.local_reads`) by every graph of ``gm``'s module tree."""
     made: dict[int, nn.Parameter] = {}
     read: dict[str, list[str]] = {}  # owner FQN -> its DTensor parameters' names
     plain: dict[int, tuple] = {}  # id(local) -> (placement, global shape, mesh)

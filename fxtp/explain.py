@@ -113,7 +113,7 @@ def node_info(node: fx.Node, rank: int, world: int, hints: dict,
     forward, backward = _comms(node, kind, rank, world, grads) if kind else ([], [])
     read = READS in node.meta  # a parameter, read through its owner's reads: as get_attr
     owner = node.target.rpartition(".")[0] if node.op == "get_attr" else \
-        node.args[0].target.rpartition(".")[0] if read else ""
+        _read_target(node).rpartition(".")[0] if read else ""
     return NodeInfo(
         name=node.name, op="get_attr" if read else op_name(node),
         module=module_fqn(node) or owner,
@@ -245,10 +245,16 @@ def _carry_grad(gm: fx.GraphModule, graph: fx.Graph, input_grads: bool) -> froze
             return input_grads and isinstance(v, torch.Tensor) and \
                 (v.dtype.is_floating_point or v.dtype.is_complex)
         if READS in node.meta:  # a parameter, read through its owner's reads
-            owner = node.args[0].target.rpartition(".")[0]
-            return attr(gm, f"{owner}.{node.args[1]}" if owner else node.args[1]).requires_grad
+            return attr(gm, _read_target(node)).requires_grad
         return node.op == "get_attr" and getattr(attr(gm, node.target), "requires_grad", False)
     return gradient_carriers(graph, is_root)
+
+
+def _read_target(node: fx.Node) -> str:
+    """The path of the parameter a read node of the inlined program reads (its ``READS``
+    path is relative to the graph module it came from)."""
+    owner, name = node.args[0].target.rpartition(".")[0], node.args[1]
+    return f"{owner}.{name}" if owner else name
 
 
 def _param_bytes(gm: fx.GraphModule, shapes: dict) -> dict[str, tuple[int, int]]:

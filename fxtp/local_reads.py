@@ -86,7 +86,7 @@ class _LocalTensor(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return None if grad is None else _as_gradient(grad, ctx.spec, ctx.local_stride)
+        return None if grad is None else as_dtensor(grad, ctx.spec, ctx.local_stride)
 
 
 def is_ours(value) -> bool:
@@ -139,24 +139,26 @@ def _publish_gradient(leaf: torch.Tensor) -> None:
     leaf.grad = None
     held = param.grad
     if held is None:
-        param.grad = _as_gradient(grad, param._spec, param._local_tensor.stride())
+        param.grad = as_dtensor(grad, param._spec, param._local_tensor.stride())
     elif not grad.requires_grad and laid_out_like(held, param):
         held._local_tensor.add_(grad)
     else:
-        param.grad = held + _as_gradient(grad, param._spec, param._local_tensor.stride())
+        param.grad = held + as_dtensor(grad, param._spec, param._local_tensor.stride())
     for hook in (param._post_accumulate_grad_hooks or {}).values():
         hook(param)
 
 
-def _as_gradient(grad: torch.Tensor, spec, local_stride) -> DTensor:
-    """A parameter's local gradient ``grad`` as a ``DTensor`` of the parameter's ``spec``
-    (its local tensor's strides: ``local_stride``); differentiable where ``grad`` has a
-    graph (double backward)."""
-    if not grad.requires_grad and grad.stride() == local_stride:
+def as_dtensor(local: torch.Tensor, spec, local_stride) -> DTensor:
+    """``local``, laid out as a parameter's local tensor (its ``spec``; ``local_stride``:
+    its local tensor's strides), as a ``DTensor`` of that layout: a gradient, an optimizer
+    state. Differentiable where ``local`` has a graph (double backward)."""
+    meta = spec.tensor_meta
+    if not local.requires_grad and local.stride() == local_stride and \
+            meta is not None and local.dtype == meta.dtype:
         # DTensor's __init__ adds nothing to __new__ but a dynamo-disabling wrapper (3 us)
-        return DTensor.__new__(DTensor, grad, spec, requires_grad=False)
-    _, stride = compute_global_tensor_info(grad, spec.mesh, spec.placements)
-    return DTensor.from_local(grad, spec.mesh, spec.placements, run_check=False,
+        return DTensor.__new__(DTensor, local, spec, requires_grad=False)
+    _, stride = compute_global_tensor_info(local, spec.mesh, spec.placements)
+    return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False,
                               shape=spec.shape, stride=tuple(stride))
 
 
@@ -178,17 +180,11 @@ class ParameterTable(dict):
         return dict, (dict(self),)
 
 
-def keep_reads(module: nn.Module, names) -> dict:
+def keep_reads(module: nn.Module, names) -> None:
     """Give ``module`` reads of its ``DTensor`` parameters ``names`` and the table that keeps
-    them; return its reads."""
-    leaves = module.__dict__.setdefault(LEAVES, {})
-    for name in names:
-        param = module._parameters[name]
-        param.__dict__.setdefault(_READ, None)
-        leaves[name] = read_of(param)
-    if not isinstance(module._parameters, ParameterTable):
-        module.__dict__["_parameters"] = ParameterTable(module._parameters, leaves)
-    return leaves
+    them."""
+    module.__dict__.setdefault(LEAVES, {}).update(dict.fromkeys(names))
+    _renew_module(module)
 
 
 def renew(root: nn.Module) -> None:
@@ -196,21 +192,25 @@ def renew(root: nn.Module) -> None:
     copy or a conversion, where the parameters are fxtp's own (at rest, any ``DTensor``
     parameter of a 1-D mesh is)."""
     for module in root.modules():
-        leaves = module.__dict__.get(LEAVES)
-        if leaves is None:
+        _renew_module(module)
+
+
+def _renew_module(module: nn.Module) -> None:
+    leaves = module.__dict__.get(LEAVES)
+    if leaves is None:
+        return
+    for name in leaves:
+        param = module._parameters.get(name)
+        if param is None:
             continue
-        for name in leaves:
-            param = module._parameters.get(name)
-            if param is None:
-                continue
-            if isinstance(param, DTensor) and param.device_mesh.ndim == 1 and param.is_leaf:
-                param.__dict__.setdefault(_READ, None)
-                leaves[name] = read_of(param)
-            else:
-                leaves[name] = param
-        if not isinstance(module._parameters, ParameterTable) or \
-                module._parameters.leaves is not leaves:
-            module.__dict__["_parameters"] = ParameterTable(module._parameters, leaves)
+        if isinstance(param, DTensor) and param.device_mesh.ndim == 1 and param.is_leaf:
+            param.__dict__.setdefault(_READ, None)
+            leaves[name] = read_of(param)
+        else:
+            leaves[name] = param
+    if not isinstance(module._parameters, ParameterTable) or \
+            module._parameters.leaves is not leaves:
+        module.__dict__["_parameters"] = ParameterTable(module._parameters, leaves)
 
 
 def follow_parameters(gm: nn.Module) -> None:

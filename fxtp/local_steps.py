@@ -21,7 +21,6 @@ which hands them back first.
 """
 from __future__ import annotations
 
-import copy
 from collections import defaultdict
 from operator import is_
 from typing import Optional
@@ -32,7 +31,7 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
 from . import local_reads
-from .local_reads import is_ours, laid_out_like, read_of
+from .local_reads import as_dtensor, is_ours, laid_out_like, read_of
 
 _HANDOVER = "_fxtp_handover"  # on an optimizer: its _Handover
 _installed = False
@@ -160,8 +159,5 @@ def _as_state(value, p: DTensor, before):
     if isinstance(before, DTensor) and before._local_tensor is value:
         return before
     if isinstance(value, torch.Tensor) and value.shape == p._local_tensor.shape:
-        if value.dtype == p.dtype and value.stride() == p._local_tensor.stride():
-            return DTensor(value, copy.copy(p._spec), requires_grad=False)
-        return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False,
-                                  shape=p.shape, stride=p.stride())
+        return as_dtensor(value, p._spec, p._local_tensor.stride())
     return value
