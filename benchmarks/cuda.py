@@ -76,9 +76,9 @@ def run(layers: int = 2, batch: int = 1, seq: int = 2048, world: int = 8, steps:
     import fxtp
     from benchmarks.dtensor_tp import dtensor_tp
     from fxtp.llama import LlamaConfig, llama_layer_plan
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from fxtp.kernels.torch_compat import init_fake_process_group
     if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+        init_fake_process_group(world, rank=0)
     torch.cuda.set_device(0)
     cfg = LlamaConfig(dim=4096, n_layers=layers, n_heads=32, n_kv_heads=8, vocab_size=128256,
                       multiple_of=1024, ffn_dim_multiplier=1.3, max_seq_len=seq)

@@ -142,9 +142,9 @@ def optimizer_variants(args, world: int, kind: str) -> dict:
 
 
 def measure(args) -> dict:
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from fxtp.kernels.torch_compat import init_fake_process_group
     world = args.world
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    init_fake_process_group(world, rank=0)
     results = {"world": world, "torch": torch.__version__, "sections": {}}
     try:
         sections = {"decode_compiled": lambda: decode_variants(args, world),

@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 
 from fxtp.llama import Llama, LlamaConfig, TransformerBlock
-from fxtp.stamping import STAMPED
+from fxtp.passes.graph import STAMPED
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 SHAPES = {  # Meta's Llama-3 configurations
@@ -115,12 +115,10 @@ def one(shape: str, layers: int, form: str = "sliced", world: int = 8,
     import resource
     import time
 
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     import fxtp
+    from fxtp.kernels.torch_compat import init_fake_process_group
     from fxtp.llama import llama_sp_plan
-    dist.init_process_group("fake", store=FakeStore(), rank=world - 1, world_size=world)
+    init_fake_process_group(world, rank=world - 1)
     tokens = torch.randint(0, 100, (1, 16))
     start = time.perf_counter()  # first use in a process: torch.export's one-time set-up
     with torch.device("meta"):

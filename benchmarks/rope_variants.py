@@ -53,8 +53,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=3, help="steps timed per round")
     parser.add_argument("--world", type=int, default=8)
     args = parser.parse_args(argv)
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
+    from fxtp.kernels.torch_compat import init_fake_process_group
+    init_fake_process_group(args.world, rank=0)
     torch.set_num_threads(1)
     try:
         runs = {rope: build(rope, args.world) for rope in VARIANTS}

@@ -244,10 +244,10 @@ def _rank(rank, world, port, variant, size, args, out):
     torch.set_num_threads(1)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", "/tmp/fxtp_inductor_bench")
     if args.fake:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
+        from fxtp.kernels.torch_compat import init_fake_process_group
         if args.cuda:
             torch.cuda.set_device(0)
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        init_fake_process_group(world, rank=rank)
     else:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=600))

@@ -27,7 +27,8 @@ from typing import Optional
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
+
+from .kernels.torch_compat import disable_current_modes, pytree
 
 _FUNCTION_APPLY = torch.autograd.Function.apply.__func__
 
@@ -53,8 +54,7 @@ class Apply:
 def keeping_functions(kept: dict):
     """While ``torch.export`` traces, keep each custom function's call as one node;
     ``kept`` gets the functions by the name the node holds."""
-    from torch._export.wrappers import allow_in_pre_dispatch_graph
-    from torch._higher_order_ops.flat_apply import is_graphable
+    from .kernels.torch_compat import allow_in_pre_dispatch_graph, is_graphable
     keep = allow_in_pre_dispatch_graph(_FUNCTION_APPLY)
 
     def apply(cls, *args, **kwargs):
@@ -127,11 +127,11 @@ def _function_called(module: fx.GraphModule, func: fx.Node, args: tuple, kept: d
         return None
     if args[0] in kept:
         return kept[args[0]]
-    from torch.export.custom_ops import _call_custom_autograd_function_in_pre_dispatch
+    from .kernels.torch_compat import call_custom_autograd_function_in_pre_dispatch
     constant = getattr(module, func.target, None)  # the spec of a _ConstantFunction
     if isinstance(constant, pytree.TreeSpec) and constant.num_leaves == 0:
         constant = pytree.tree_unflatten([], constant)
-    if getattr(constant, "func", None) is not _call_custom_autograd_function_in_pre_dispatch:
+    if getattr(constant, "func", None) is not call_custom_autograd_function_in_pre_dispatch:
         return None
     owner, _, name = args[0].rpartition(".")
     function = getattr(importlib.import_module(owner), name, None)
@@ -185,7 +185,6 @@ def is_elementwise(function: type[torch.autograd.Function], args: list, kwargs: 
     and a shard computes its part of the whole. Anything else (another shape, a reduction, a view, a
     function that cannot be traced so) is ``False``."""
     from torch.fx.experimental.proxy_tensor import make_fx
-    from torch.utils._python_dispatch import _disable_current_modes
     from .passes.rules import is_tagged_pointwise
     positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     shapes = {tuple(map(str, args[i].shape)) for i in positions}  # dims may be symbols
@@ -211,7 +210,7 @@ def is_elementwise(function: type[torch.autograd.Function], args: list, kwargs: 
         grads = function.backward(ctx, *[torch.ones_like(o) for o in outs])
         return outs, grads if isinstance(grads, tuple) else (grads,)
     try:
-        with _disable_current_modes(), torch.enable_grad():
+        with disable_current_modes(), torch.enable_grad():
             meta = [torch.empty(shape, dtype=args[i].dtype, device="meta") for i in positions]
             traced = make_fx(forward_and_backward, tracing_mode="fake")(*meta)
     except Exception:  # noqa: BLE001 - a function that cannot be traced so is not shown

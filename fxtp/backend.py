@@ -45,7 +45,7 @@ def fxtp_backend(gm: fx.GraphModule, example_inputs, options=None, mode=None):
         from .in_compile import parallelize_dynamo_graph
         gm = parallelize_dynamo_graph(gm, example_inputs, plan, mesh)
     optimize(gm)
-    from torch._inductor.compile_fx import compile_fx  # slow imports: only when compiling
+    from .kernels.torch_compat import compile_fx  # slow to import: only when compiling
 
     from .passes.schedule import OverlapCollectives
     return compile_fx(gm, example_inputs, config_patches=INDUCTOR_CONFIG | {

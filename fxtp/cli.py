@@ -31,6 +31,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from .kernels.torch_compat import init_fake_process_group
 from .passes.errors import FxtpError
 from .explain import explain
 from .parallelize import parallelize
@@ -128,11 +129,10 @@ def example_input(spec: str) -> torch.Tensor:
 @contextmanager
 def fake_group(world_size: int, rank: int = 0):
     """A fake process group of ``world_size`` ranks in this process (shapes only)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
     if dist.is_initialized():
         raise SystemExit("a process group is already initialized; run the fxtp command "
                          "line in a fresh process")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    init_fake_process_group(world_size, rank)
     try:
         yield
     finally:

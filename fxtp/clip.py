@@ -8,6 +8,7 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import get_total_norm
 
+from .kernels.torch_compat import foreach_mul_
 from .passes.placement import is_sharded
 
 from .passes.collectives import _all_reduce
@@ -54,5 +55,5 @@ def clip_grad_norm_(gm: fx.GraphModule, max_norm: float, norm_type: float = 2.0,
                            f"`parameters` is non-finite, so it cannot be clipped. To disable "
                            f"this error and scale the gradients by the non-finite norm "
                            f"anyway, set `error_if_nonfinite=False`")
-    torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
     return total

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from .kernels.torch_compat import TorchDispatchMode
 from .passes.collectives import KINDS
 
 

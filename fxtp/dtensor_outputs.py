@@ -16,8 +16,8 @@ import warnings
 import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .kernels.torch_compat import pytree
 from .passes.graph import calls_of
 from .styles import returns_dtensors
 
@@ -52,8 +52,8 @@ def hand_out_dtensors(gm: nn.Module) -> None:
 
 def _as_dtensors(gm: nn.Module, args, output):
     info = gm.fxtp
-    leaves, spec = tree_flatten(output)
+    leaves, spec = pytree.tree_flatten(output)
     for i in info.dtensor_outputs:
         leaves[i] = DTensor.from_local(leaves[i], info.mesh, (info.output_placements[i],),
                                        run_check=False)
-    return tree_unflatten(leaves, spec)
+    return pytree.tree_unflatten(leaves, spec)

@@ -27,8 +27,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from .kernels.torch_compat import StridedShard
 from .passes.collectives import _all_gather, _gather_units
 from .local_reads import LEAVES, keep_reads, read_parameter
 from .local_steps import step_locally
@@ -70,7 +70,7 @@ def as_dtensors(gm: fx.GraphModule, placements: dict, shapes: dict, mesh, world:
             module._fxtp_strided = {name: (p.placements[0], p.shape, mesh)
                                     for name, p in module._parameters.items()
                                     if isinstance(p, DTensor) and
-                                    isinstance(p.placements[0], _StridedShard)}
+                                    isinstance(p.placements[0], StridedShard)}
             prefix = owner_fqn + "." if owner_fqn else ""
             module._fxtp_buffers = {name: sharded_buffers[prefix + name]
                                     for name in module._buffers
@@ -112,7 +112,7 @@ def full_tensor(local: torch.Tensor, placement, mesh, shape) -> torch.Tensor:
     ``local``, the same on every rank. Blocks and units are gathered by fxtp's own
     collectives (torch 2.11's ``redistribute`` cannot read ``_StridedShard``)."""
     group, world = mesh.get_group().group_name, mesh.size()
-    if isinstance(placement, (BlockShard, _StridedShard)):
+    if isinstance(placement, (BlockShard, StridedShard)):
         blocks = placement.blocks if isinstance(placement, BlockShard) else \
             placement.split_factor
         return _all_gather(local, placement.dim, world, group, blocks)
@@ -125,7 +125,7 @@ def full_tensor(local: torch.Tensor, placement, mesh, shape) -> torch.Tensor:
 def checkpoint_view(local: torch.Tensor, placement, mesh, shape) -> DTensor:
     """:func:`global_view` as checkpoints hold it, one chunk per rank: a fused projection's
     ``_StridedShard`` weight is re-laid as ``Shard(d)`` (an all-gather)."""
-    if not isinstance(placement, _StridedShard):
+    if not isinstance(placement, StridedShard):
         return global_view(local, placement, mesh, shape)
     full = full_tensor(local, placement, mesh, shape)
     return DTensor.from_local(full, mesh, [Replicate()], run_check=False).redistribute(
@@ -143,8 +143,8 @@ def local_shard(value: torch.Tensor, placement, mesh) -> torch.Tensor:
     if isinstance(value, DTensor):
         as_dtensor = (dtensor_placement(placement, value.shape[placement.dim], world)
                       if is_sharded(placement) else placement)
-        # not to _StridedShard: torch 2.11's redistribute cannot take Shard there
-        if as_dtensor is not None and not isinstance(as_dtensor, _StridedShard):
+        # not to StridedShard: torch 2.11's redistribute cannot take Shard there
+        if as_dtensor is not None and not isinstance(as_dtensor, StridedShard):
             return value.redistribute(mesh, [as_dtensor]).to_local()
         value = value.redistribute(mesh, [Replicate()]).to_local()
     return local_part(value, placement, rank, world)
@@ -195,7 +195,7 @@ def fsdp_shard_placement(param: nn.Parameter):
     other parameter, and for a 1-D fused bias, which has no other dim. The model's state
     dict is whole either way (fxtp's state-dict hooks go by what FSDP2 holds)."""
     if isinstance(param, DTensor):
-        blocked = {p.dim for p in param.placements if isinstance(p, _StridedShard)}
+        blocked = {p.dim for p in param.placements if isinstance(p, StridedShard)}
         free = [d for d in range(param.ndim) if d not in blocked]
         if blocked and free:
             return Shard(max(free, key=lambda d: param.shape[d]))
@@ -228,7 +228,7 @@ def _dp_cut(p: DTensor, mesh):
     ``None``: the dim of ``p``'s mesh that is not TP's and shards."""
     tp_index = _tp_index(p.device_mesh, mesh)
     for i, placement in enumerate(p.placements):
-        if i != tp_index and isinstance(placement, (Shard, _StridedShard)):
+        if i != tp_index and isinstance(placement, (Shard, StridedShard)):
             return i, placement.dim
     return None
 
@@ -289,7 +289,7 @@ def _checkpoint_view_further(p: DTensor, placement, shape, mesh) -> DTensor:
     whole = full_tensor(tp_shard(p, mesh), placement, mesh, shape)
     full_mesh, tp_index = p.device_mesh, _tp_index(p.device_mesh, mesh)
     target = [Replicate()] * full_mesh.ndim
-    if isinstance(placement, _StridedShard) and tp_index is not None:
+    if isinstance(placement, StridedShard) and tp_index is not None:
         target[tp_index] = Shard(placement.dim)
     return DTensor.from_local(whole, full_mesh, [Replicate()] * full_mesh.ndim,
                               run_check=False).redistribute(full_mesh, target)

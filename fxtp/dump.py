@@ -32,8 +32,8 @@ from typing import Optional
 
 import torch.distributed as dist
 import torch.fx as fx
-from torch.distributed.distributed_c10d import _resolve_process_group
 
+from .kernels.torch_compat import resolve_process_group
 from .passes.graph import BOUNDARY, INPUTS
 from .passes.placement import describe
 
@@ -124,7 +124,7 @@ class Dumper:
 
 
 def _process_group(group: Group) -> dist.ProcessGroup:
-    return _resolve_process_group(group.name)
+    return resolve_process_group(group.name)
 
 
 def _write(path: pathlib.Path, text: str) -> None:

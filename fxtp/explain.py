@@ -39,6 +39,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
+from .kernels.torch_compat import OperatorBase
 from .passes.collectives import conjugates
 from .passes.gradients import gradient_carriers
 from .passes.graph import (COLLECTIVE, FALLBACK, PLACEMENT, READS, attr, call_args,
@@ -143,7 +144,7 @@ def op_name(node: fx.Node) -> str:
     if node.op != "call_function":
         return node.op
     target = node.target
-    if isinstance(target, torch._ops.OperatorBase):
+    if isinstance(target, OperatorBase):
         return str(target)
     name = getattr(target, "__name__", str(target))
     package = (getattr(target, "__module__", None) or "").split(".")[0]

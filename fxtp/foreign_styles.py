@@ -25,8 +25,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from .kernels.torch_compat import TorchDispatchMode
 from .modes import meta_copy
 from .passes.errors import PlanError
 from .passes.graph import ModuleSharding

@@ -36,21 +36,15 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
+from .kernels.torch_compat import OpOverload
 from .local_reads import renewing_apply
-from .passes.graph import PLACEMENT, keep_on_copy, own_method
+from .passes.graph import EXPORT_GUARDS, PLACEMENT, keep_on_copy, own_method
 from .passes.placement import describe, is_sharded
 from .passes.effects import returns_alias, writes_first_input
 
 from .passes.errors import InputError, PlanError, RankError, ShardingError, StampMismatch
 
 _ITEMS = ("plan", "model parameters and buffers", "traced graph")
-
-EXPORT_GUARDS = "fxtp_export_guards"
-"""``gm.meta`` key of the traced module: torch.export's guards on its inputs and the names
-of the inputs they read (``(guards, names)``, or ``None``). With dynamic dims, export
-guards what the program assumes of their sizes (``x.size()[1] >= 5`` where the model
-branched on it)."""
-
 
 def check_fresh(model) -> None:
     if type(getattr(model, "fxtp", None)).__name__ == "ParallelInfo":
@@ -173,7 +167,7 @@ def structure_keys(graph: fx.Graph) -> list[str]:
             keys[node] = keys[node.args[0]]
             continue
         target = node.target if isinstance(node.target, str) else \
-            str(node.target) if isinstance(node.target, torch._ops.OpOverload) else \
+            str(node.target) if isinstance(node.target, OpOverload) else \
             f"{getattr(node.target, '__module__', '')}." \
             f"{getattr(node.target, '__qualname__', node.target)}"
         reads = fx.map_arg((node.args, node.kwargs), lambda a: _Key(keys[a]))
@@ -188,7 +182,7 @@ def structure_keys(graph: fx.Graph) -> list[str]:
 def _converts_nothing(node: fx.Node) -> bool:
     """A ``Tensor.to`` whose result has its input's dtype, device and layout (Hugging Face's
     masks convert the cache position once or twice, by the order a ``set`` iterates)."""
-    if not (isinstance(node.target, torch._ops.OpOverload) and
+    if not (isinstance(node.target, OpOverload) and
             node.target._schema.name == "aten::to" and node.args and
             isinstance(node.args[0], fx.Node)):
         return False
@@ -212,7 +206,7 @@ def _base(node: fx.Node) -> fx.Node:
 def _pure(node: fx.Node) -> bool:
     """An op whose value its key determines: no in-place write, no random numbers."""
     return node.op == "call_function" and (node.target is operator.getitem or
-        isinstance(node.target, torch._ops.OpOverload) and
+        isinstance(node.target, OpOverload) and
         not writes_first_input(node.target) and
         torch.Tag.nondeterministic_seeded not in node.target.tags)
 

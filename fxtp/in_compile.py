@@ -22,9 +22,9 @@ import inspect
 import torch
 import torch.fx as fx
 import torch.nn as nn
-import torch.utils._pytree as pytree
 from torch.distributed.tensor import Replicate
 
+from .kernels.torch_compat import compiled_frame, pytree
 from .passes.graph import PLACEMENT
 from .passes.modules import inline_program
 from .passes.placement import UnitShard, blocks, is_sharded
@@ -89,19 +89,18 @@ def _shard(graph: fx.Graph, full: fx.Node, placement, info) -> fx.Node:
 
 def _compiled_call() -> tuple[nn.Module, list, dict]:
     """The module whose ``forward`` dynamo is compiling, and the arguments of the call."""
-    from torch._dynamo.symbolic_convert import InstructionTranslator
-    tx = InstructionTranslator.current_tx()
-    model = tx.f_locals.get("self")
-    if not isinstance(model, nn.Module) or tx.f_code is not type(model).forward.__code__:
+    f_locals, f_code, one_graph = compiled_frame()
+    model = f_locals.get("self")
+    if not isinstance(model, nn.Module) or f_code is not type(model).forward.__code__:
         raise FxtpError("backend='fxtp' with a plan compiles a model: call "
                         "torch.compile(model, backend='fxtp', options={'plan': ...}) on the "
                         "nn.Module itself")
-    if not tx.one_graph:
+    if not one_graph:
         raise FxtpError("backend='fxtp' with a plan needs the whole forward in one graph: pass "
                         "fullgraph=True to torch.compile")
     args, kwargs = [], {}
     for name, param in inspect.signature(model.forward).parameters.items():
-        value = tx.f_locals[name]
+        value = f_locals[name]
         if param.kind is param.VAR_POSITIONAL:
             args.extend(value)
         elif param.kind is param.VAR_KEYWORD:

@@ -32,8 +32,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_global_tensor_info
 
+from .kernels.torch_compat import compute_global_tensor_info, dtensor_of, mark_static_address
 from .passes.graph import own_method
 
 LEAVES = "_fxtp_leaves"
@@ -105,7 +105,7 @@ def read_of(param: DTensor) -> torch.Tensor:
     leaf._fxtp_param, leaf._fxtp_local, leaf._fxtp_live = param, local, _LIVE
     if param.requires_grad:
         leaf.register_post_accumulate_grad_hook(_publish_gradient)
-    torch._dynamo.mark_static_address(leaf, guard=False)  # as parameters: CUDA graphs read it
+    mark_static_address(leaf)  # as parameters: CUDA graphs read it
     param.__dict__[_READ] = leaf
     epoch += 1
     return leaf
@@ -155,8 +155,7 @@ def as_dtensor(local: torch.Tensor, spec, local_stride) -> DTensor:
     meta = spec.tensor_meta
     if not local.requires_grad and local.stride() == local_stride and \
             meta is not None and local.dtype == meta.dtype:
-        # DTensor's __init__ adds nothing to __new__ but a dynamo-disabling wrapper (3 us)
-        return DTensor.__new__(DTensor, local, spec, requires_grad=False)
+        return dtensor_of(local, spec)
     _, stride = compute_global_tensor_info(local, spec.mesh, spec.placements)
     return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False,
                               shape=spec.shape, stride=tuple(stride))

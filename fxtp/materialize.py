@@ -41,10 +41,9 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from .kernels.torch_compat import FakeTensorMode, compute_local_shape_and_global_offset
 from .mesh import resolve_group
 from .names import named_tensors
 from .passes.placement import dtensor_placement, is_sharded

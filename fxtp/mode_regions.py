@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from torch.amp.autocast_mode import _enter_autocast
 
+from .kernels.torch_compat import enter_autocast
 from .trace import _enter_grad_mode
 
 
@@ -46,7 +46,7 @@ def _autocast_devices(gm: fx.GraphModule):
     for module in gm.modules():
         if isinstance(module, fx.GraphModule):
             for node in module.graph.nodes:
-                if node.target is _enter_autocast:
+                if node.target is enter_autocast:
                     found = (*(found or ()), node.args[0])
                 elif node.target is _enter_grad_mode:
                     found = found or ()

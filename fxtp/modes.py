@@ -24,10 +24,9 @@ from typing import Callable, Optional
 
 import torch
 import torch.fx as fx
-from torch.fx._lazy_graph_module import _LazyGraphModule
 import torch.nn as nn
-from torch.utils._pytree import tree_leaves
 
+from .kernels.torch_compat import LazyGraphModule, pytree
 from .local_reads import LEAVES
 from .passes.errors import TraceError
 from .passes.graph import PLACEMENT, attr, keep_on_copy, own_method
@@ -81,7 +80,7 @@ class Programs:
             module.__class__ = next(c for c in wrapped.__mro__ if "forward" in vars(c))
             try:  # the code goes on fx's class: written on a subclass, it would call itself
                 module.graph = graph
-                _LazyGraphModule.force_recompile(module)
+                LazyGraphModule.force_recompile(module)
             finally:
                 module.__class__ = wrapped
 
@@ -127,7 +126,7 @@ class Programs:
 def _boundary(graph: fx.Graph) -> tuple:
     """The placements of ``graph``'s inputs and of what it returns."""
     nodes = list(graph.nodes)
-    outputs = [a for a in tree_leaves(nodes[-1].args)
+    outputs = [a for a in pytree.tree_leaves(nodes[-1].args)
                if isinstance(a, fx.Node)]
     return tuple(str(n.meta.get(PLACEMENT)) for n in nodes if n.op == "placeholder"), \
         tuple(str(n.meta.get(PLACEMENT)) for n in outputs)

@@ -25,11 +25,11 @@ from .passes.buffers import shard_written_buffers
 from .passes.localize import localize
 from .passes.modules import generate_code, outline_modules, scope_of, stamp_modules
 from .passes.gather_early import gather_early
-from .passes.graph import PLACEMENT, calls_of, keep_on_copy
+from .passes.graph import PLACEMENT, REGION, STAMPED, calls_of, keep_on_copy
 from .passes.posing import copy_data_attributes, give_parameter_properties
 from .passes.propagate import propagate
 from .passes.rehearse import rehearse
-from .passes.recompute import REGION, copy_written_collectives, outline_checkpoints
+from .passes.recompute import copy_written_collectives, outline_checkpoints
 from .passes.rewrite import rewrite
 from .passes.seed import seed
 from .passes.strided import stride_fused_splits
@@ -51,7 +51,7 @@ from .first_call import agree_until_first_success
 from .mode_regions import restore_modes_on_error
 from .modes import keep_programs, meta_copy
 from .plan import Plan, block_fqns, module_fqns, resolve_plan, tied_names
-from .stamping import STAMPED, copied_fallbacks
+from .stamping import copied_fallbacks
 from .trace import trace
 from .unplanned_outputs import unplanned_sharded_outputs
 

@@ -49,14 +49,12 @@ from typing import Iterable, Optional
 import torch
 import torch.fx as fx
 import torch.nn as nn
-import torch.utils._pytree as pytree
 
+from .kernels.torch_compat import pytree
 from .hooks import GradientHooks
-from .passes.graph import FALLBACK, STAMP, Stamp, attr, module_fqn, stamp_edge
+from .passes.graph import FALLBACK, REGION, STAMP, Stamp, attr, module_fqn, stamp_edge
 from .passes.modules import hold, moved_stack
-from .passes.recompute import REGION
 
-STAMPED = "fxtp_stamped"  # gm.meta key: block FQN -> the FQN of the block it was copied from
 _OUTPUTS: dict[str, list[tuple]] = {}  # stamp key -> the reference's output tensor metadata
 # nn.Module's bookkeeping (``training`` is an attribute a forward reads)
 _MODULE_STATE = frozenset(nn.Module().__dict__) - {"training"}

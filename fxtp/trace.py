@@ -18,19 +18,17 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch.fx.operator_schemas import normalize_function
 import torch.utils.checkpoint as cp
-import torch.utils._pytree as pytree
 
-from .passes.errors import TraceError
-from torch.amp.autocast_mode import _enter_autocast, _exit_autocast
 from torch.fx.node import has_side_effect
 
+from .kernels.torch_compat import HigherOrderOperator, enter_autocast, exit_autocast, pytree
+from .passes.errors import TraceError
 from .autograd_functions import call_kept_functions, keeping_functions
 from .forward_state import judge_state_changes, watching_state
-from .guards import EXPORT_GUARDS
 from .hooks import call_gradient_hooks, check_model_hooks, keeping_gradient_hooks
-from .passes.graph import AUTOCAST, MODE_REGION, ModuleCall, call_key
-from .passes.recompute import REGION
-from .stamping import STAMPED, Shown, Stamper, Unstampable
+from .passes.graph import (AUTOCAST, EXPORT_GUARDS, MODE_REGION, REGION, STAMPED, ModuleCall,
+                           call_key)
+from .stamping import Shown, Stamper, Unstampable
 
 
 @torch.library.custom_op("fxtp::boundary", mutates_args=())
@@ -405,7 +403,7 @@ def _inline_regions(gm: fx.GraphModule) -> None:
             enter_fn, exit_fn, mode = _enter_grad_mode, _exit_grad_mode, (enabled,)
         elif node.target is _HOP.wrap_with_autocast:
             state, submod, operands = node.args[:4], node.args[4], node.args[5:]
-            enter_fn, exit_fn, mode = _enter_autocast, _exit_autocast, tuple(state)
+            enter_fn, exit_fn, mode = enter_autocast, exit_autocast, tuple(state)
         else:
             continue
         region = getattr(gm, submod.target)
@@ -447,13 +445,13 @@ def _inline_regions(gm: fx.GraphModule) -> None:
 def _enter_grad_mode(enabled: bool) -> bool:
     """Enter an inlined ``no_grad`` / ``enable_grad`` region; returns the mode to restore."""
     previous = torch.is_grad_enabled()
-    torch._C._set_grad_enabled(enabled)
+    torch.set_grad_enabled(enabled)
     return previous
 
 
 @has_side_effect
 def _exit_grad_mode(previous: bool) -> None:
-    torch._C._set_grad_enabled(previous)
+    torch.set_grad_enabled(previous)
 
 
 _RETURN_SELF = {torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout,
@@ -518,7 +516,7 @@ def _reject_higher_order_ops(gm: fx.GraphModule) -> None:
     and the module, never a crash inside a pass."""
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target not in (_HOP.cond, _HOP.flex_attention) \
-                and isinstance(node.target, torch._ops.HigherOrderOperator):
+                and isinstance(node.target, HigherOrderOperator):
             stack = node.meta.get("nn_module_stack") or {}
             fqn = next((path for path, _ in reversed(list(stack.values())) if path), "<root>")
             raise TraceError(

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import operator
 
-import torch
 import torch.fx as fx
 
+from ..kernels.torch_compat import OpOverload
 from .effects import alias_root, alias_set, returns_alias, written_args
 from .errors import ShardingError
 from .graph import (BOUNDARY, INPUTS, PINNED, layout, module_fqn, placement_of, stamp_edge,
@@ -97,7 +97,7 @@ def _may_alias(node: fx.Node) -> bool:
         return _may_alias(node.args[0])
     if node.target in (layout, stamp_edge):  # identity marks: the value they mark
         return observed(node.args[0])
-    return not isinstance(node.target, torch._ops.OpOverload) or returns_alias(node.target)
+    return not isinstance(node.target, OpOverload) or returns_alias(node.target)
 
 
 def _redistributes(node: fx.Node) -> bool:

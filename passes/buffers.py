@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from typing import Iterator, Optional
 
-import torch
 import torch.fx as fx
 from torch.distributed.tensor import Shard
 
+from ..kernels.torch_compat import OpOverload
 from .effects import written_args, written_inputs
 from .graph import PINNED, PLACEMENT, placement_of, tensor_inputs
 from .placement import is_replicate, is_sharded
@@ -63,7 +63,7 @@ def writes_into(node: fx.Node) -> Iterator[tuple[fx.Node, tuple[fx.Node, ...], i
     while stack:
         source, views = stack.pop()
         for user in source.users:
-            if not isinstance(user.target, torch._ops.OpOverload) or not user.args:
+            if not isinstance(user.target, OpOverload) or not user.args:
                 continue
             inputs = tensor_inputs(user)
             written = [i for i in written_inputs(user) if inputs[i] is source]

@@ -49,13 +49,13 @@ from typing import Optional, Sequence
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
+from ..kernels.torch_compat import c10d_functional, detect_fake_mode
 from .graph import COLLECTIVE, call_args
 from .placement import UnitShard, local_range
 
-_c10d = torch.ops._c10d_functional
+_c10d = c10d_functional
 
 KINDS = {
     _c10d.all_reduce.default: "all_reduce",

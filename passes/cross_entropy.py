@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kernels.torch_compat import assert_async
 from .collectives import _all_reduce, all_reduce
 from .local_ops import kept_target_weights
 
@@ -106,7 +107,7 @@ def _check(logits, target, weight, reduction, ignore_index, smoothing, class_dim
                          f"{hint}")
     else:
         bad = (target != ignore_index) & ((target < 0) | (target >= n_classes))
-        torch._assert_async(~bad.any(), f"{where}: a target is outside [0, {n_classes}) and "
+        assert_async(~bad.any(), f"{where}: a target is outside [0, {n_classes}) and "
                                         f"is not ignore_index={ignore_index}")
     if weight is not None:
         if weight.shape != (n_classes,):

@@ -20,11 +20,10 @@ import operator
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
-from torch._decomp import decomposition_table
 from torch.distributed.tensor import Replicate
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from ..kernels.torch_compat import OpOverload, decomposition_table, has_kernel_for, pytree
 from .graph import AUTOCAST, op_arg, placement_of
 from .placement import is_blocked, is_grouped, is_sharded
 from .rules import rule_for
@@ -72,7 +71,7 @@ def decompose_sharded_unruled(gm: fx.GraphModule, world: int) -> bool:
 
 
 def _decomposable(target) -> bool:
-    return isinstance(target, torch._ops.OpOverload) and target in decomposition_table and \
+    return isinstance(target, OpOverload) and target in decomposition_table and \
         torch.Tag.nondeterministic_seeded not in target.tags
 
 
@@ -213,9 +212,8 @@ _NORMS = {  # op -> (its decomposition, the dims it reduces)
 def is_composite(target) -> bool:
     """An ATen op with a ``CompositeImplicitAutograd`` kernel: torch defines it by other
     ops."""
-    return isinstance(target, torch._ops.OpOverload) and target.namespace == "aten" and \
-        torch._C._dispatch_has_kernel_for_dispatch_key(target.name(),
-                                                       "CompositeImplicitAutograd")
+    return isinstance(target, OpOverload) and target.namespace == "aten" and \
+        has_kernel_for(target, "CompositeImplicitAutograd")
 
 
 def _autocast_of(node: fx.Node):

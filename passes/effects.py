@@ -9,6 +9,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from ..kernels.torch_compat import OpOverload
 from .graph import COLLECTIVE, MODE_REGION, tensor_inputs
 
 aten = torch.ops.aten
@@ -17,7 +18,7 @@ aten = torch.ops.aten
 def returns_alias(target) -> bool:
     """Whether an ATen op's result shares memory with an input, as its schema says (a view
     such as ``slice``, ``split``'s results, an in-place op's return)."""
-    return isinstance(target, torch._ops.OpOverload) and \
+    return isinstance(target, OpOverload) and \
         any(r.alias_info is not None for r in target._schema.returns)
 
 
@@ -29,7 +30,7 @@ def written_args(target) -> tuple[int, ...]:
     """The positions of the arguments an ATen op writes in place (``add_``'s first,
     ``native_batch_norm``'s running statistics, 3 and 4): those inputs must keep their
     placements, so the op writes the caller's tensors, not redistributed copies."""
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, OpOverload):
         return ()
     return _UNMARKED_WRITES.get(target) or tuple(
         i for i, a in enumerate(target._schema.arguments)
@@ -38,7 +39,7 @@ def written_args(target) -> tuple[int, ...]:
 
 def is_pure(target) -> bool:
     """The op draws no random numbers and writes nothing (``getitem`` of a result too)."""
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, OpOverload):
         return target is operator.getitem
     return torch.Tag.nondeterministic_seeded not in target.tags and not written_args(target)
 

@@ -26,7 +26,20 @@ passes (:class:`ModuleSharding`, :class:`ModuleCall`). Imports no pass.
                 goes, though propagation may hold it as the shard its readers take. seed
 ``READS``       on a node computing with a parameter through its owner's plain reads: the
                 parameter's path (relative to the graph's module). ``fxtp.dtensor_params``
+``REGION``      in ``node.meta["custom"]``: the number of the activation-checkpoint region
+                the node is in (:mod:`~fxtp.passes.recompute`); trace
 ==============  ==========================================================================
+
+``gm.meta`` keys of the traced module (all written by the trace, ``fxtp.trace``):
+
+=================  =======================================================================
+``REGION``         each activation-checkpoint region's ``checkpoint`` options, by number
+``STAMPED``        a stamped block's FQN -> the FQN of the block it was copied from
+``EXPORT_GUARDS``  ``torch.export``'s guards on the inputs and the names of the inputs
+                   they read (``(guards, names)``, or ``None``): with dynamic dims, what
+                   the program assumes of their sizes (``x.size()[1] >= 5`` where the
+                   model branched on it)
+=================  =======================================================================
 
 Every node also keeps export's ``val`` (a fake tensor with the *global* shape) and
 ``nn_module_stack`` (module FQNs).
@@ -43,6 +56,8 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Placement
 
+from ..kernels.torch_compat import OpOverload
+
 PLACEMENT = "fxtp_placement"
 INPUTS = "fxtp_input_placements"
 BOUNDARY = "fxtp_boundary"
@@ -55,6 +70,9 @@ PINNED = "fxtp_pinned"
 INTO_PARTIAL = "fxtp_into_partial"
 UNPLANNED = "fxtp_unplanned"
 READS = "fxtp_reads"
+REGION = "fxtp_checkpoint"
+STAMPED = "fxtp_stamped"
+EXPORT_GUARDS = "fxtp_export_guards"
 
 Layouts = Optional[tuple[Optional[Placement], ...]]
 
@@ -186,7 +204,7 @@ def op_arg(node: fx.Node, i: int, name: str, default=None):
 def call_args(node: fx.Node) -> Optional[dict]:
     """A Python function call's arguments by parameter name, defaults filled (``None`` for
     ops without a Python signature: read those through their schema)."""
-    if node.op != "call_function" or isinstance(node.target, torch._ops.OpOverload):
+    if node.op != "call_function" or isinstance(node.target, OpOverload):
         return None
     sig = _signature(node.target)
     if sig is None:

@@ -22,8 +22,8 @@ from typing import Optional
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensor
 
+from ..kernels.torch_compat import FakeTensor, OpOverload
 from .graph import INPUTS, PLACEMENT, branches
 from .placement import is_sharded, local_part
 from .rules import rule_for
@@ -52,7 +52,7 @@ def localize(gm: fx.GraphModule, group, copies: Optional[dict[str, str]] = None)
                 op = node.target
                 node.target, node.args, node.kwargs = rule.localize(
                     node, node.meta[INPUTS], node.meta[PLACEMENT], group, graph)
-                if node.target is not op and not isinstance(node.target, torch._ops.OpOverload):
+                if node.target is not op and not isinstance(node.target, OpOverload):
                     _cast_inputs_as_traced(graph, node)
             if node.target is aten.view.default:
                 node.target = aten.reshape.default

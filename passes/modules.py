@@ -30,9 +30,8 @@ from typing import AbstractSet, Iterable, Optional
 
 import torch.fx as fx
 import torch.nn as nn
-from torch.nn.modules.module import _WrappedHook
-from torch.fx._lazy_graph_module import _LazyGraphModule
 
+from ..kernels.torch_compat import LazyGraphModule, WrappedHook
 from .effects import made_of_held_tensors
 from .errors import StampMismatch
 from .graph import COLLECTIVE, STAMP, Stamp, attr, recompile_alone, stamp_edge
@@ -98,7 +97,7 @@ def generate_code(gm: nn.Module) -> None:
     """Generate the code of every outlined module below ``gm`` whose graph changed since
     (each once: a parent's recompile only marks its children)."""
     for module in gm.modules():
-        if isinstance(module, _LazyGraphModule):
+        if isinstance(module, LazyGraphModule):
             module.real_recompile()
 
 
@@ -220,7 +219,7 @@ def _extract(gm: fx.GraphModule, part: list, base: str, fqn: str, names: dict,
     # the stamps called in the block read and give ``body``'s values
     _rename(_stamps(part), env)
     cls = type(original)  # code: see generate_code
-    sub = (posing_class(cls) or _LazyGraphModule)(attrs, body, class_name=cls.__name__)
+    sub = (posing_class(cls) or LazyGraphModule)(attrs, body, class_name=cls.__name__)
     relative = fqn[len(base) + 1:] if base else fqn
     try:  # the holder it replaces: its tensors move along
         held = gm.get_submodule(relative)
@@ -369,8 +368,8 @@ def _copy_module(like: nn.Module, holder: nn.Module, fqn: str,
                           for k, v in like.__dict__.items() if k not in copied})
     for key, hooks in copy.__dict__.items():
         if key.endswith("hooks") and isinstance(hooks, dict):
-            hooks.update({k: _WrappedHook(h.hook, copy) for k, h in hooks.items()
-                          if isinstance(h, _WrappedHook) and h.with_module and
+            hooks.update({k: WrappedHook(h.hook, copy) for k, h in hooks.items()
+                          if isinstance(h, WrappedHook) and h.with_module and
                           h.module() is like})
     for key in _HELD:
         if key in holder.__dict__:

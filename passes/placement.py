@@ -18,7 +18,8 @@ from typing import Optional
 
 import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+
+from ..kernels.torch_compat import StridedShard
 
 R = Replicate()
 P = Partial()
@@ -132,7 +133,7 @@ def dtensor_placement(p, size: int, world: int):
 def is_sharded(p) -> bool:
     """``Shard``, ``_StridedShard`` (which is not a ``Shard`` subclass), :class:`BlockShard`
     or :class:`UnitShard`."""
-    return isinstance(p, (Shard, _StridedShard, BlockShard, UnitShard))
+    return isinstance(p, (Shard, StridedShard, BlockShard, UnitShard))
 
 
 def shardings_over(dims, shape, world: int, arrived) -> list:
@@ -150,7 +151,7 @@ def shardings_over(dims, shape, world: int, arrived) -> list:
 
 def is_blocked(p) -> bool:
     """A dim cut into blocks, each sharded: ``_StridedShard`` or :class:`BlockShard`."""
-    return isinstance(p, (_StridedShard, BlockShard))
+    return isinstance(p, (StridedShard, BlockShard))
 
 
 def blocks(p):
@@ -159,7 +160,7 @@ def blocks(p):
     sizes for :class:`BlockShard`."""
     if isinstance(p, BlockShard):
         return p.blocks
-    return p.split_factor if isinstance(p, _StridedShard) else 1
+    return p.split_factor if isinstance(p, StridedShard) else 1
 
 
 def cut_in_blocks(dim: int, sizes) -> Placement:
@@ -168,7 +169,7 @@ def cut_in_blocks(dim: int, sizes) -> Placement:
     :class:`BlockShard`."""
     sizes = tuple(sizes)
     if len(set(sizes)) == 1:
-        return _StridedShard(dim, split_factor=len(sizes))
+        return StridedShard(dim, split_factor=len(sizes))
     return BlockShard(dim, sizes)
 
 
@@ -194,7 +195,7 @@ def with_dim(p, dim: int):
     if isinstance(p, BlockShard):
         return BlockShard(dim, p.blocks)
     k = blocks(p)
-    return _StridedShard(dim, split_factor=k) if k > 1 else Shard(dim)
+    return StridedShard(dim, split_factor=k) if k > 1 else Shard(dim)
 
 
 def normalize(p: Optional[Placement], ndim: int) -> Optional[Placement]:

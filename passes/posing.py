@@ -29,8 +29,8 @@ from typing import Optional
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.fx._lazy_graph_module import _LazyGraphModule
 
+from ..kernels.torch_compat import LazyGraphModule
 from .graph import keep_on_copy, own_method
 
 _KEPT = frozenset({"__module__", "__qualname__", "__doc__", "__dict__", "__weakref__",
@@ -59,8 +59,8 @@ def _no_subclass_hook(cls, **kwargs) -> None:
 
 @functools.lru_cache(maxsize=None)
 def posing_class(original: type) -> Optional[type]:
-    """A subclass of ``_LazyGraphModule`` and of ``original`` that behaves as
-    ``_LazyGraphModule`` does, or ``None`` where Python cannot combine the two (an
+    """A subclass of ``LazyGraphModule`` and of ``original`` that behaves as
+    ``LazyGraphModule`` does, or ``None`` where Python cannot combine the two (an
     ``original`` with ``__slots__`` or a protocol of its own).
 
     Between them in the method resolution order sits a class holding, for every name
@@ -86,7 +86,7 @@ def posing_class(original: type) -> Optional[type]:
                 shield[name] = _Hidden(name)
     try:
         shielded = type(f"Shielded{original.__name__}", (nn.Module,), shield)
-        return type(original.__name__, (_LazyGraphModule, shielded, original),
+        return type(original.__name__, (LazyGraphModule, shielded, original),
                     {"__module__": original.__module__, "__qualname__": original.__qualname__})
     except TypeError:
         return None

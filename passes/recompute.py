@@ -29,14 +29,14 @@ import torch.nn as nn
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts, noop_context_fn)
 
+from ..kernels.torch_compat import c10d_functional
 from .collectives import KINDS
 from .effects import written_through
-from .graph import COLLECTIVE, recompile_alone
+from .graph import COLLECTIVE, REGION, recompile_alone
 
-REGION = "fxtp_checkpoint"
 PREFIX = "checkpoint_"
 
-_COLLECTIVE_OPS = set(KINDS) | {torch.ops._c10d_functional.wait_tensor.default}
+_COLLECTIVE_OPS = set(KINDS) | {c10d_functional.wait_tensor.default}
 
 
 def _policy(ctx, op, *args, **kwargs):

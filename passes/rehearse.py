@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_leaves
 
+from ..kernels.torch_compat import OpOverload, pytree
 from .errors import ShardingError
 from .graph import AUTOCAST, PLACEMENT, module_fqn
 from .placement import is_sharded
@@ -42,7 +42,8 @@ def rehearse(gm: fx.GraphModule, group) -> fx.GraphModule:
         except NotImplementedError:  # no meta kernel: nothing to learn
             continue
         except Exception as e:  # noqa: BLE001 - raised as what it means for this rank
-            shapes = [tuple(a.shape) for a in tree_leaves(args) if isinstance(a, torch.Tensor)]
+            shapes = [tuple(a.shape) for a in pytree.tree_leaves(args)
+                      if isinstance(a, torch.Tensor)]
             fqn = module_fqn(node) or "<root>"
             raise ShardingError(
                 f"{node.target} (node '{node.name}' in module '{fqn}') fails on rank "
@@ -56,7 +57,7 @@ def rehearse(gm: fx.GraphModule, group) -> fx.GraphModule:
 def _rehearsed(node: fx.Node) -> bool:
     op = node.target
     autocast = node.meta.get(AUTOCAST)
-    return node.op == "call_function" and isinstance(op, torch._ops.OpOverload) and \
+    return node.op == "call_function" and isinstance(op, OpOverload) and \
         op.namespace == "aten" and not any(tag in op.tags for tag in _UNSEEN) and \
         not (autocast and autocast[2]) and \
         any(isinstance(a.meta.get("val"), torch.Tensor) for a in node.all_input_nodes)

@@ -11,11 +11,11 @@ or moved across. Inductor's fusion can still merge a moved node back across a co
 """
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-_c10d = torch.ops._c10d_functional
+from ..kernels.torch_compat import CustomGraphPass, c10d_functional, get_hash_for_files
+
+_c10d = c10d_functional
 STARTS = frozenset({_c10d.all_reduce.default, _c10d.all_gather_into_tensor.default,
                     _c10d.reduce_scatter_tensor.default, _c10d.all_to_all_single.default})
 WAIT = _c10d.wait_tensor.default

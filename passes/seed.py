@@ -100,7 +100,7 @@ def _depth(fqn: str) -> int:
 
 
 def _root_call(gm) -> ModuleCall:
-    import torch.utils._pytree as pytree
+    from ..kernels.torch_compat import pytree
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     args, kwargs = pytree.tree_unflatten(placeholders, gm.graph._codegen.pytree_info.in_spec)
     outputs = tuple(next(iter(reversed(gm.graph.nodes))).args[0])

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Iterable
 
-import torch
 import torch.fx as fx
 
+from ..kernels.torch_compat import OpOverload
 from .graph import STAMP
 
 
@@ -21,7 +21,7 @@ def drop_unused(graph: fx.Graph, kept: Iterable[fx.Node] = ()) -> int:
     dropped = 0
     for node in reversed(list(graph.nodes)):
         if node.op == "call_function" and not node.users and node not in kept and \
-                isinstance(node.target, torch._ops.OpOverload) and STAMP not in node.meta \
+                isinstance(node.target, OpOverload) and STAMP not in node.meta \
                 and not node.is_impure():
             graph.erase_node(node)
             dropped += 1

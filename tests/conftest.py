@@ -49,11 +49,9 @@ def ranks4(pools):
 def fake_group():
     """``fake_group(world)``: a fake process group in this process (shapes only, no data)."""
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    def init(world, rank=0):
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    yield init
+    from fxtp.kernels.torch_compat import init_fake_process_group
+    yield init_fake_process_group
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -63,8 +63,8 @@ def explained(world, case, rank=0):
     """The report of a case (a name in CASES, or such a function) on one rank of a fake
     group (no run)."""
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    from fxtp.kernels.torch_compat import init_fake_process_group
+    init_fake_process_group(world, rank=rank)
     try:
         torch.manual_seed(0)
         model, plan, inputs, options = (CASES.get(case) or case)()

@@ -6,7 +6,7 @@ checks need no collective. Skipped without CUDA."""
 import pytest
 import torch
 import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
+from fxtp.kernels.torch_compat import init_fake_process_group
 
 import fxtp
 from fxtp import Shard
@@ -26,7 +26,7 @@ class Heads(FlexAttention):
 
 def test_flex_attention_heads_forward_and_backward_on_cuda():
     torch.cuda.set_device(0)
-    dist.init_process_group("fake", store=FakeStore(), rank=RANK, world_size=WORLD)
+    init_fake_process_group(WORLD, rank=RANK)
     try:
         torch.manual_seed(0)
         model = Heads(dim=64, n_heads=8).cuda()

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 import fxtp
@@ -141,8 +140,8 @@ def parallelize_8b_and_measure(layers=32, world=8, rank=3):
     """Run in a fresh process: parallelize a meta Llama-3-8B (of ``layers`` blocks) at
     ``world``; print JSON."""
     import time
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    from fxtp.kernels.torch_compat import init_fake_process_group
+    init_fake_process_group(world, rank=rank)
     start = time.perf_counter()
     config = tm.LlamaConfig(**{**LLAMA_3_8B, "n_layers": layers})
     model = on_meta(lambda: tm.Llama(config)).to(torch.bfloat16)
@@ -207,8 +206,8 @@ def shard_further_and_measure(world=8, rank=3, layers=8):
     ``layers`` blocks on a (dp 2, tp 4) mesh of a fake group; print JSON."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    from fxtp.kernels.torch_compat import init_fake_process_group
+    init_fake_process_group(world, rank=rank)
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
     config = tm.LlamaConfig(**{**LLAMA_3_8B, "n_layers": layers})
     model = on_meta(lambda: tm.Llama(config)).to(torch.bfloat16)

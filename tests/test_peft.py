@@ -10,7 +10,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 import fxtp
-from fxtp.stamping import STAMPED
+from fxtp.passes.graph import STAMPED
 from tests import corpus
 from tests.corpus import L, TOKENS
 from tests.parity import check_parity

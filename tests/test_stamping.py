@@ -10,7 +10,7 @@ import fxtp
 from benchmarks.passes_scale import FORMS, ArgsLlama
 from fxtp.llama import (Llama, LlamaConfig, TransformerBlock, llama_sp_plan,
                         llama_tp_plan)
-from fxtp.stamping import STAMPED
+from fxtp.passes.graph import STAMPED
 from tests.models import Layers
 from tests.parity import check_parity
 

@@ -26,6 +26,7 @@ from typing import Optional
 
 import torch
 
+from ...kernels.torch_compat import OpOverload, OpOverloadPacket
 from ..effects import writes_first_input
 from ..graph import stamp_edge, tensor_inputs
 from . import (attention, elementwise, factories, indexing, losses, matmul, norms, planes,
@@ -61,7 +62,7 @@ def rule_for(target) -> Optional[Rule]:
     if getattr(target, "elementwise", False) is True:
         return _POINTWISE
     rule = RULES.get(target)
-    if rule is None and isinstance(target, torch._ops.OpOverload):
+    if rule is None and isinstance(target, OpOverload):
         rule = LIBRARY_RULES.get(target._schema.name) if target.namespace != "aten" else None
     if rule is None and is_tagged_pointwise(target):
         return _POINTWISE
@@ -73,13 +74,13 @@ def is_tagged_pointwise(target) -> bool:
     one (torch leaves 25 of those untagged: ``masked_fill_.Scalar``, ``gelu_``,
     ``threshold_``, ...); ``out=`` forms excluded, random ones too (``rrelu``: a shard
     would draw other numbers than the whole)."""
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, OpOverload):
         return False
     tags = target.tags
     if torch.Tag.pointwise not in tags and writes_first_input(target):
         functional = getattr(aten, target._schema.name.split("::")[1].rstrip("_"), None)
         overload = target._overloadname
-        if isinstance(functional, torch._ops.OpOverloadPacket) and \
+        if isinstance(functional, OpOverloadPacket) and \
                 overload in functional.overloads():
             tags = getattr(functional, overload).tags
     return torch.Tag.pointwise in tags and torch.Tag.nondeterministic_seeded not in tags and \
@@ -91,7 +92,7 @@ def tagged_pointwise_ops() -> list:
     found = []
     for name in dir(aten):
         packet = getattr(aten, name, None)
-        if isinstance(packet, torch._ops.OpOverloadPacket):
+        if isinstance(packet, OpOverloadPacket):
             # getattr, not packet.__getattr__: that makes a new OpOverload and caches it
             # in place of the one RULES is keyed by (``aten.x.y in RULES`` turns False)
             found += [op for op in (getattr(packet, o) for o in packet.overloads())
