@@ -1,12 +1,28 @@
-"""``parallelize``: trace -> (same on every rank?) -> seed -> propagate -> strided, heads
-dealt whole (re-propagate) -> rewrite -> localize -> (materialize meta tensors) -> guard inputs ->
-checkpoint regions, each stage's result optionally dumped to files (:mod:`fxtp.dump`)."""
+"""``parallelize``: a model and a plan in, this rank's program out, in six stages over one
+:class:`Build` (each stage's files, with ``dump_dir``: :mod:`fxtp.dump`):
+
+============  =================================================================================
+trace         the model to one graph, equal blocks stamped (:mod:`fxtp.trace`), and every
+              rank holding the same plan, model and graph
+seed          the plan's layouts at module boundaries (:mod:`fxtp.passes.seed`)
+place         placements propagated over every op, with the relayouts that spare a gather
+              (:mod:`fxtp.passes.propagate` and the passes :func:`_propagate_and_relayout` names)
+rewrite       collectives where placements change (:mod:`fxtp.passes.rewrite`)
+localize      global shapes made local, checked on fake tensors (:mod:`fxtp.passes.localize`)
+assemble      tensors in, inputs guarded, modules and checkpoint regions outlined, parameters
+              as ``DTensor`` s, ``gm.fxtp`` (:class:`ParallelInfo`)
+============  =================================================================================
+
+What the stages write on nodes and on the graph module is listed in :mod:`fxtp.passes.graph`.
+Blocks are kept stamped where they can stand for themselves; where they cannot
+(:func:`_program` says so), every block is traced in full.
+"""
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import itertools
-
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence, Union
@@ -158,156 +174,275 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
     one rank's shard (``fxtp.clip_grad_norm_`` and ``fxtp.state_dict`` still give global
     results).
     """
-    if not example_inputs and not example_kwargs:
+    options = Options(example_inputs, example_kwargs, dynamic_shapes, strict, init_fn, device,
+                      dump_dir, checkpoint, modules, dtensor_params, param_dtype, stamp_blocks)
+    job = _resolve(model, plan, mesh, options)
+    with _collector_paused():  # blocks stamped where they can be, else traced in full
+        gm = (stamp_blocks and _program(job, keep_stamps=True)) or \
+            _program(job, keep_stamps=False)
+    for message in [*gm.fxtp.fallbacks, *gm.fxtp.unplanned_outputs, *gm.fxtp.uncalled.values()]:
+        warnings.warn("fxtp: " + message, stacklevel=2)
+    _attach_run_time(gm, job)
+    return gm
+
+
+@dataclass(frozen=True)
+class Options:
+    """``parallelize``'s keyword arguments, as given."""
+
+    example_inputs: Sequence
+    example_kwargs: Optional[dict]
+    dynamic_shapes: object
+    strict: bool
+    init_fn: Optional[Callable[[nn.Module], None]]
+    device: Union[str, torch.device, None]
+    dump_dir: Optional[str]
+    checkpoint: Sequence[str]
+    modules: Sequence[str]
+    dtensor_params: bool
+    param_dtype: Optional[torch.dtype]
+    stamp_blocks: bool
+
+
+@dataclass
+class Job:
+    """What every attempt at the program starts from: the inputs, resolved once."""
+
+    model: nn.Module
+    plan: Plan
+    mesh: object
+    options: Options
+    shardings: dict  # FQN -> ModuleSharding
+    checkpointed: list  # FQNs of modules checkpointed as if wrapped
+    repeated: list  # FQNs of blocks (elements of ModuleLists / ModuleDicts)
+    blocks: list  # FQNs kept as submodules: blocks, checkpointed and named modules
+    group: object  # the resolved process group (fxtp.mesh)
+    device: torch.device  # where the result's tensors live
+    meta: dict  # FQN -> the model's meta-device tensors
+    recast: dict  # FQN -> meta stand-ins of param_dtype
+
+
+@dataclass
+class Build:
+    """One attempt at the program: what each stage leaves for the next."""
+
+    job: Job
+    keep_stamps: bool
+    dump: Optional[Dumper] = None
+    gm: Optional[fx.GraphModule] = None
+    calls: dict = field(default_factory=dict)  # module FQN -> its traced calls
+    stamped: dict = field(default_factory=dict)  # block FQN -> its reference's FQN
+    outside: dict = field(default_factory=dict)  # the plan's modules outside stamped blocks
+    tied: dict = field(default_factory=dict)
+    uncalled: dict = field(default_factory=dict)
+    called: dict = field(default_factory=dict)
+    dtensor_outputs: tuple = ()
+    init_seed: int = 0
+    fallbacks: list = field(default_factory=list)
+    unplanned: list = field(default_factory=list)
+    copies: dict = field(default_factory=dict)  # a stamped block's tensor -> its reference's
+    placements: dict = field(default_factory=dict)  # tensor FQN -> placement
+    shapes: dict = field(default_factory=dict)  # tensor FQN -> global shape
+
+
+def _resolve(model: nn.Module, plan: Plan, mesh, options: Options) -> Job:
+    if not options.example_inputs and not options.example_kwargs:
         raise InputError(f"parallelize({type(model).__name__}) traces the model on example "
                          "inputs: pass example_inputs=(...) and / or example_kwargs={...} "
                          "as the model is called")
     allow_in_dynamo_graphs()  # the result may be compiled: its collectives stay calls
     check_fresh(model)
-    shardings = resolve_plan(model, plan, strict, lambda: resolve_group(mesh).device_mesh())
-    checkpointed = module_fqns(model, checkpoint, "checkpoint pattern")
+    shardings = resolve_plan(model, plan, options.strict,
+                             lambda: resolve_group(mesh).device_mesh())
+    checkpointed = module_fqns(model, options.checkpoint, "checkpoint pattern")
     repeated = block_fqns(model)
-    blocks = [*repeated, *checkpointed, *module_fqns(model, modules, "modules pattern")]
-    kept = [*shardings, *blocks]
+    blocks = [*repeated, *checkpointed, *module_fqns(model, options.modules, "modules pattern")]
     group = resolve_group(mesh)
-    device = _device(device, group, model)
-    meta = meta_tensors(model)
-    recast = _recast(model, param_dtype)
-    def passes(keep_stamps: bool) -> fx.GraphModule:
-        with Dumper(dump_dir, group) as dump:
-            # a trace records the devices its factory calls ask for (HF's position ids: the
-            # embeddings' device): traced for the device the tensors will have, which for
-            # shards kept on meta is the group's (where to_empty is expected to allocate them)
-            runs_on = _device(None, group) if device.type == "meta" else device
-            with every_rank_or_none(group, "tracing the model"):
-                with swapped(model, fake_tensors({**meta, **recast}, runs_on)):
-                    gm, calls = trace(model, _cast(example_inputs, param_dtype), example_kwargs,
-                                      shardings, dynamic_shapes, checkpointed,
-                                      repeated if stamp_blocks else (),
-                                      {k: s.style for k, s in shardings.items()}, keep_stamps)
-                boundaries = [n for c in calls.values()
-                              for n in (*c.args, *c.kwargs.values(), *c.outputs)]
-                if drop_unused(gm.graph, boundaries):
-                    gm.recompile()
-                decompose_unruled(gm)  # composite ops without a rule of their own
-                for fqn in recast.keys() - meta.keys():  # the model's own, not the recast
-                    owner, _, name = fqn.rpartition(".")
-                    gm.get_submodule(owner)._parameters[name] = model.get_parameter(fqn)
-                dump.code("traced", gm)
-                stamped = gm.meta[STAMPED] if keep_stamps else {}
-                outside = _outside(shardings, stamped)
-                tied = tied_names(model)  # a tied weight read is no sign of its own module's
-                read = {n.target for n in gm.graph.nodes if n.op == "get_attr" and n.users} - \
-                    tied.keys()
-                uncalled = _uncalled(outside, calls, strict, read)
-                called = {k: s for k, s in shardings.items() if k not in uncalled}
-                handed_on = dtensor_positions(gm, calls, called)
-            draw = int(torch.randint(2 ** 62, (), device="cpu")) if meta else 0  # init seed
-            init_seed = check_same_on_every_rank(group, _device(None, group), shardings,
-                                                 model, gm, draw)
-            with every_rank_or_none(group, "placing and rewriting the program"):
-                seed(gm, outside, calls, group.world, tied)
-                def place() -> list:
-                    fallbacks = propagate(gm, group.world)
-                    # layouts that serve what would be gathered: ops without a rule as torch
-                    # decomposes them, fused projections strided, heads that do not divide by
-                    # the world size dealt whole (and their consumers alike), buffers written
-                    # in place (KV caches) placed as what is written into them, norms over
-                    # sharded dims taken as partial sums, and values written through views
-                    # that take them redistributed made whole
-                    for relayout in (decompose_sharded_unruled, stride_fused_splits,
-                                     deal_sources, deal_consumers, shard_written_buffers,
-                                     decompose_sharded_norms, pin_written_aliases):
-                        if relayout(gm, group.world):
-                            fallbacks = propagate(gm, group.world)
-                    return fallbacks
-                fallbacks = place()
-                # fused projections whose parts cannot be sharded together, part by part
-                unfused = unfuse_splits(gm, group.world, place)
-                fallbacks = fallbacks if unfused is None else unfused
-                unpinned = unpin_layouts(gm, group.world, place)
-                fallbacks = fallbacks if unpinned is None else unpinned
-                gathered = gather_early(gm, group.world)  # last: propagation would undo it
-                fallbacks = fallbacks if gathered is None else gathered
-                fallbacks += copied_fallbacks(gm, stamped)
-                if strict and fallbacks:  # raises on the first
-                    propagate(gm, group.world, strict=True)
-                unplanned = unplanned_sharded_outputs(gm, calls, called)
-                dump.placements(gm)
-                outlined = frozenset(blocks)
-                rewrite(gm, group.name, group.rank, group.world, lambda n: scope_of(n, outlined))
-                dump.code("rewritten", gm)
-                copies = _copied_tensors(gm, stamped)
-                localize(gm, group, copies)
-                rehearse(gm, group)
-            attrs = [n for n in gm.graph.nodes if n.op == "get_attr" and PLACEMENT in n.meta]
-            placements = {n.target: n.meta[PLACEMENT] for n in attrs}
-            shapes = {n.target: tuple(n.meta["val"].shape) for n in attrs}
-            placements.update({t: placements[like] for t, like in copies.items()})
-            shapes.update({t: shapes[like] for t, like in copies.items()})
-            device_mesh = group.device_mesh(device.type)
-            if meta:  # on the meta device: shapes only, for init_weights after to_empty
-                materialize(gm, model, meta, placements, group, device_mesh, device, init_fn,
-                            init_seed)
-            guard_inputs(gm, group.world)
-            if gm.meta[REGION]:
-                copy_written_collectives(gm)
-            inlined = outline_modules(gm, kept, model, stamped)
-            if dtensor_params:
-                as_dtensors(gm, placements, shapes, device_mesh, group.world)
-            recomputed: set[int] = set()  # modules a region of their caller recomputes whole
-            for module in [m for m in gm.modules() if isinstance(m, fx.GraphModule)]:
-                if id(module) not in recomputed:
-                    for called in outline_checkpoints(module, gm.meta[REGION]):
-                        recomputed.update(id(m) for m in called.modules())
-            generate_code(gm)
-            stamp_modules(gm, stamped, model)
-            copy_data_attributes(gm, model)
-            give_parameter_properties(gm, model)
-            dump.code("localized", gm)
-            gm.fxtp = _info(gm, model, shardings, group, fallbacks, placements, shapes,
-                            device_mesh)
-            gm.fxtp.inlined = tuple(inlined)
-            gm.fxtp.dtensor_outputs = handed_on
-            gm.fxtp.unplanned_outputs = unplanned
-            gm.fxtp.uncalled = uncalled
-            keep_on_copy(gm, "fxtp")
-            dump.report(gm)
-        return gm
+    return Job(model, plan, mesh, options, shardings, checkpointed, repeated, blocks, group,
+               _device(options.device, group, model), meta_tensors(model),
+               _recast(model, options.param_dtype))
 
-    gm = None
-    with _collector_paused():
-        if stamp_blocks:
-            try:  # stamped blocks kept as one call each through the passes
-                gm = passes(keep_stamps=True)
-            except StampMismatch:  # one cannot run its reference's program: each is copied
-                pass
-            except ShardingError:  # placed each on its own, blocks traced in full may need
-                pass  # no fallback (an unplanned patch embedding held sharded for block 0)
-        gm = gm or passes(keep_stamps=False)
-    for message in [*gm.fxtp.fallbacks, *gm.fxtp.unplanned_outputs, *gm.fxtp.uncalled.values()]:
-        warnings.warn("fxtp: " + message, stacklevel=2)
+
+def _program(job: Job, keep_stamps: bool) -> Optional[fx.GraphModule]:
+    """This rank's program: trace -> seed -> place -> rewrite -> localize -> assemble.
+    With ``keep_stamps``, ``None`` where the stamped blocks cannot stand for themselves (a
+    block whose inputs arrive placed unlike its reference's, or that its reference's
+    module cannot run: :class:`StampMismatch`; under ``strict``, a fallback, which blocks
+    placed each on its own may not need): the caller then traces every block in full."""
+    build = Build(job, keep_stamps)
+    group = job.group
     try:
-        shadow, unbuildable = meta_copy(model), ""
+        with Dumper(job.options.dump_dir, group) as build.dump:
+            with every_rank_or_none(group, "tracing the model"):
+                _trace(build)
+            _agree(build)
+            with every_rank_or_none(group, "placing and rewriting the program"):
+                _seed(build)
+                _place(build)
+                _rewrite(build)
+                _localize(build)
+            _assemble(build)
+    except (StampMismatch, ShardingError):
+        if keep_stamps:
+            return None
+        raise
+    return build.gm
+
+
+def _trace(b: Build) -> None:
+    """The model traced to one graph (:mod:`fxtp.trace`), its blocks stamped, unused and
+    composite ops dropped; what the plan's modules were called with."""
+    job, options = b.job, b.job.options
+    # a trace records the devices its factory calls ask for (HF's position ids: the
+    # embeddings' device): traced for the device the tensors will have, which for shards
+    # kept on meta is the group's (where to_empty is expected to allocate them)
+    runs_on = _device(None, job.group) if job.device.type == "meta" else job.device
+    with swapped(job.model, fake_tensors({**job.meta, **job.recast}, runs_on)):
+        gm, b.calls = trace(job.model, _cast(options.example_inputs, options.param_dtype),
+                            options.example_kwargs, job.shardings, options.dynamic_shapes,
+                            job.checkpointed, job.repeated if options.stamp_blocks else (),
+                            {k: s.style for k, s in job.shardings.items()}, b.keep_stamps)
+    boundaries = [n for c in b.calls.values() for n in (*c.args, *c.kwargs.values(), *c.outputs)]
+    if drop_unused(gm.graph, boundaries):
+        gm.recompile()
+    decompose_unruled(gm)  # composite ops without a rule of their own
+    for fqn in job.recast.keys() - job.meta.keys():  # the model's own, not the recast
+        owner, _, name = fqn.rpartition(".")
+        gm.get_submodule(owner)._parameters[name] = job.model.get_parameter(fqn)
+    b.dump.code("traced", gm)
+    b.gm, b.stamped = gm, gm.meta[STAMPED] if b.keep_stamps else {}
+    b.outside = _outside(job.shardings, b.stamped)
+    b.tied = tied_names(job.model)  # a tied weight read is no sign of its own module's
+    read = {n.target for n in gm.graph.nodes if n.op == "get_attr" and n.users} - b.tied.keys()
+    b.uncalled = _uncalled(b.outside, b.calls, options.strict, read)
+    b.called = {k: s for k, s in job.shardings.items() if k not in b.uncalled}
+    b.dtensor_outputs = dtensor_positions(gm, b.calls, b.called)
+
+
+def _agree(b: Build) -> None:
+    """Every rank holds the same plan, model and graph; rank 0's seed for initializing a
+    meta-device model."""
+    job = b.job
+    draw = int(torch.randint(2 ** 62, (), device="cpu")) if job.meta else 0
+    b.init_seed = check_same_on_every_rank(job.group, _device(None, job.group), job.shardings,
+                                           job.model, b.gm, draw)
+
+
+def _seed(b: Build) -> None:
+    seed(b.gm, b.outside, b.calls, b.job.group.world, b.tied)
+
+
+def _place(b: Build) -> None:
+    """Placements propagated from the seeds, with the relayouts that serve what would be
+    gathered; the fallbacks left."""
+    gm, world = b.gm, b.job.group.world
+    place = functools.partial(_propagate_and_relayout, gm, world)
+    fallbacks = place()
+    # placed again where fused projections whose parts cannot be sharded together are
+    # split part by part, and where a pinned layout can be let go; gathers moved early
+    # last (propagation would undo it)
+    for redone in (unfuse_splits(gm, world, place), unpin_layouts(gm, world, place),
+                   gather_early(gm, world)):
+        fallbacks = fallbacks if redone is None else redone
+    b.fallbacks = fallbacks + copied_fallbacks(gm, b.stamped)
+    if b.job.options.strict and b.fallbacks:  # raises on the first
+        propagate(gm, world, strict=True)
+    b.unplanned = unplanned_sharded_outputs(gm, b.calls, b.called)
+    b.dump.placements(gm)
+
+
+def _propagate_and_relayout(gm: fx.GraphModule, world: int) -> list:
+    """Propagate; then, each time one of the layouts that serve what would be gathered
+    changes the graph, again: ops without a rule as torch decomposes them, fused
+    projections strided, heads that do not divide by the world size dealt whole (and their
+    consumers alike), buffers written in place (KV caches) placed as what is written into
+    them, norms over sharded dims taken as partial sums, and values written through views
+    that take them redistributed made whole. Returns the fallbacks."""
+    fallbacks = propagate(gm, world)
+    for relayout in (decompose_sharded_unruled, stride_fused_splits, deal_sources,
+                     deal_consumers, shard_written_buffers, decompose_sharded_norms,
+                     pin_written_aliases):
+        if relayout(gm, world):
+            fallbacks = propagate(gm, world)
+    return fallbacks
+
+
+def _rewrite(b: Build) -> None:
+    group, outlined = b.job.group, frozenset(b.job.blocks)
+    rewrite(b.gm, group.name, group.rank, group.world, lambda n: scope_of(n, outlined))
+    b.dump.code("rewritten", b.gm)
+
+
+def _localize(b: Build) -> None:
+    """Local shapes, checked by running the program once on fake tensors."""
+    b.copies = _copied_tensors(b.gm, b.stamped)
+    localize(b.gm, b.job.group, b.copies)
+    rehearse(b.gm, b.job.group)
+
+
+def _assemble(b: Build) -> None:
+    """The per-rank module: tensors materialized or moved in, inputs guarded, modules and
+    checkpoint regions outlined, parameters as DTensors, ``gm.fxtp`` (:class:`ParallelInfo`)
+    filled in."""
+    job, gm, options = b.job, b.gm, b.job.options
+    attrs = [n for n in gm.graph.nodes if n.op == "get_attr" and PLACEMENT in n.meta]
+    b.placements = {n.target: n.meta[PLACEMENT] for n in attrs}
+    b.shapes = {n.target: tuple(n.meta["val"].shape) for n in attrs}
+    b.placements.update({t: b.placements[like] for t, like in b.copies.items()})
+    b.shapes.update({t: b.shapes[like] for t, like in b.copies.items()})
+    device_mesh = job.group.device_mesh(job.device.type)
+    if job.meta:  # on the meta device: shapes only, for init_weights after to_empty
+        materialize(gm, job.model, job.meta, b.placements, job.group, device_mesh, job.device,
+                    options.init_fn, b.init_seed)
+    guard_inputs(gm, job.group.world)
+    if gm.meta[REGION]:
+        copy_written_collectives(gm)
+    inlined = outline_modules(gm, [*job.shardings, *job.blocks], job.model, b.stamped)
+    if options.dtensor_params:
+        as_dtensors(gm, b.placements, b.shapes, device_mesh, job.group.world)
+    recomputed: set[int] = set()  # modules a region of their caller recomputes whole
+    for module in [m for m in gm.modules() if isinstance(m, fx.GraphModule)]:
+        if id(module) not in recomputed:
+            for called in outline_checkpoints(module, gm.meta[REGION]):
+                recomputed.update(id(m) for m in called.modules())
+    generate_code(gm)
+    stamp_modules(gm, b.stamped, job.model)
+    copy_data_attributes(gm, job.model)
+    give_parameter_properties(gm, job.model)
+    b.dump.code("localized", gm)
+    gm.fxtp = _info(b, device_mesh, inlined)
+    keep_on_copy(gm, "fxtp")
+    b.dump.report(gm)
+
+
+def _attach_run_time(gm: fx.GraphModule, job: Job) -> None:
+    """What runs around the program on every call: the other mode's program on demand,
+    guards on casts and arguments, modes restored on errors, the ranks' agreement until a
+    first call succeeds, DTensor outputs, and parameter reads that follow the parameters."""
+    options = job.options
+    try:
+        shadow, unbuildable = meta_copy(job.model), ""
     except Exception as e:  # noqa: BLE001 - said when the other mode is asked for
         shadow, unbuildable = None, f"copying the model failed ({type(e).__name__}: {e})"
 
     def other_mode(training: bool) -> fx.GraphModule:
         with torch.random.fork_rng(devices=[]):  # a meta model's init seed draws one number
-            return parallelize(shadow.train(training), plan, mesh,
-                               example_inputs=example_inputs, example_kwargs=example_kwargs,
-                               dynamic_shapes=dynamic_shapes, strict=strict, device="meta",
-                               checkpoint=checkpoint, modules=modules,
-                               dtensor_params=dtensor_params, param_dtype=param_dtype,
-                               stamp_blocks=stamp_blocks)
-    keep_programs(gm, model.training, other_mode if shadow is not None else None, unbuildable)
-    guard_casts(gm, param_dtype)
-    guard_arguments(gm, model)
+            return parallelize(shadow.train(training), job.plan, job.mesh,
+                               example_inputs=options.example_inputs,
+                               example_kwargs=options.example_kwargs,
+                               dynamic_shapes=options.dynamic_shapes, strict=options.strict,
+                               device="meta", checkpoint=options.checkpoint,
+                               modules=options.modules, dtensor_params=options.dtensor_params,
+                               param_dtype=options.param_dtype,
+                               stamp_blocks=options.stamp_blocks)
+    keep_programs(gm, job.model.training, other_mode if shadow is not None else None,
+                  unbuildable)
+    guard_casts(gm, options.param_dtype)
+    guard_arguments(gm, job.model)
     restore_modes_on_error(gm)
-    agree_until_first_success(gm, group)
+    agree_until_first_success(gm, job.group)
     hand_out_dtensors(gm)
     follow_parameters(gm)
-    return gm
 
 
 @contextlib.contextmanager
@@ -360,17 +495,21 @@ def _copied_tensors(gm: fx.GraphModule, stamped: dict) -> dict[str, str]:
             if t.startswith(ref + ".") and fqn + t[len(ref):] in names}
 
 
-def _info(gm, model, shardings, group, fallbacks, placements, shapes, device_mesh
-          ) -> ParallelInfo:
+def _info(b: Build, device_mesh: DeviceMesh, inlined) -> ParallelInfo:
+    """``gm.fxtp``: what the attempt that made the program found and did."""
+    job, gm = b.job, b.gm
     outputs = next(iter(reversed(gm.graph.nodes))).args[0]
     for fqn, p in gm.named_parameters(remove_duplicate=False):  # unread: held whole
-        placements.setdefault(fqn, Replicate())
-        shapes.setdefault(fqn, tuple(p.shape))
-    return ParallelInfo({k: s.style for k, s in shardings.items()}, group.name, group.rank,
-                        group.world, fallbacks,
-                        tuple(getattr(o, "meta", {}).get(PLACEMENT) for o in outputs),
-                        placements, shapes, device_mesh,
-                        tuple(model.state_dict(keep_vars=True)))
+        b.placements.setdefault(fqn, Replicate())
+        b.shapes.setdefault(fqn, tuple(p.shape))
+    return ParallelInfo(
+        plan={k: s.style for k, s in job.shardings.items()}, group=job.group.name,
+        rank=job.group.rank, world_size=job.group.world, fallbacks=b.fallbacks,
+        output_placements=tuple(getattr(o, "meta", {}).get(PLACEMENT) for o in outputs),
+        param_placements=b.placements, param_shapes=b.shapes, mesh=device_mesh,
+        state_keys=tuple(job.model.state_dict(keep_vars=True)), inlined=tuple(inlined),
+        dtensor_outputs=b.dtensor_outputs, unplanned_outputs=b.unplanned,
+        uncalled=b.uncalled)
 
 
 def _recast(model: nn.Module, dtype: Optional[torch.dtype]) -> dict[str, torch.Tensor]:
