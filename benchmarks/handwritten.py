@@ -77,7 +77,8 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         rows = embedding.num_embeddings // world
         self.offset, self.rows, self.reduce = rank * rows, rows, reduce
-        self.weight = nn.Parameter(embedding.weight.detach()[self.offset:self.offset + rows].clone())
+        rows_taken = embedding.weight.detach()[self.offset:self.offset + rows]
+        self.weight = nn.Parameter(rows_taken.clone())
 
     def forward(self, tokens):
         outside = (tokens < self.offset) | (tokens >= self.offset + self.rows)

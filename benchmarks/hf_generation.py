@@ -6,7 +6,8 @@ sequences, against the model's own ``generate()`` on one device.
 Each family is the small model of ``benchmarks.hf_families`` in the dtype (and experts
 implementation) its training parity ran in, in ``eval()`` mode, its weights drawn from
 N(0, 0.3) (away from near-uniform logits, whose argmax ties); a hybrid family's 2 layers
-are one linear-attention and one attention layer (:func:`mixed_layers`). The tokens must be equal and
+are one linear-attention and one attention layer (:func:`mixed_layers`). The tokens must be equal
+and
 the module strict (no fallback); a decode step's collectives are recorded. A family
 whose cache ``parallelize_causal_lm`` cannot hold (linear-attention and state-space
 layers) is recorded with the error that refuses it. Results:

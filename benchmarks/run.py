@@ -260,7 +260,8 @@ def print_table(results: dict) -> None:
                 continue
             print(f"  {variant:22} {r['median_s'] * 1e3:10.2f} {r['min_s'] * 1e3:8.2f} "
                   f"{r.get('vs_dtensor_eager', float('nan')):11.2f} "
-                  f"{r.get('vs_handwritten', float('nan')):8.2f} {r.get('loss0', float('nan')):9.5f}")
+                  f"{r.get('vs_handwritten', float('nan')):8.2f} "
+                  f"{r.get('loss0', float('nan')):9.5f}")
         for plan, c in row["collectives"].items():
             if isinstance(c, dict):
                 print(f"  fxtp {plan:6} collective bytes/step {c['measured']} "

@@ -17,7 +17,8 @@ returned and kept in ``meta[FALLBACK]``, or in strict mode raised as a
 would write a copy), unless no other value can see the write (a temporary only that op
 reads); where that is impossible, it is gathered like any input, and
 :mod:`~fxtp.passes.aliases` then makes the written value whole where it is made.
-Propagation may run again after seeds change; each run starts over. A partial value entering a block others are
+Propagation may run again after seeds change; each run starts over. A partial value entering a
+block others are
 stamped from (:class:`~fxtp.passes.graph.Stamp`) is reduced there, so that the blocks
 stamped from it can take their inputs as it does.
 """

@@ -10,7 +10,8 @@ of the head count:
   2, 2 and 0 heads; the projection's parameters are stored so.
 * fewer heads than ranks, dividing the world size (2 KV heads at 4 ranks, as Megatron and
   vLLM run grouped-query attention; 1 in multi-query attention): each head is computed by
-  the group of ranks whose query heads use it. Those parameters stay whole on every rank and each rank slices its
+  the group of ranks whose query heads use it. Those parameters stay whole on every rank and each
+  rank slices its
   head's rows before the projection, so it computes exactly that head; their gradients
   are partial (each rank's query heads' share) and join the replicated parameters'
   all-reduce. Attention then slices each rank's query heads' copies out of its head.

@@ -54,7 +54,8 @@ def check_compiled(rank, world, make_model, plan, inputs, *, backend="inductor",
     side by side for ``steps`` AdamW steps from the same parameters; assert outputs, every
     parameter and input gradient and the parameters after the steps match, and that dynamo
     made one graph and no graph break. ``compiler``: how ``gm`` is compiled instead of
-    ``torch.compile`` (``backend`` then only names the backend it uses). Returns the collectives of the first step by kind,
+    ``torch.compile`` (``backend`` then only names the backend it uses). Returns the collectives
+    of the first step by kind,
     ``{"eager": (fwd, bwd), "compiled": (fwd, bwd)}`` (compiled: those inductor's code
     issues). ``compare_dtype``: the dtype whose tolerance applies (a model computing in bf16
     under autocast)."""

@@ -4,10 +4,12 @@
 ATen IR) and keeps every node's value. :func:`check_strategies` runs every strategy the rule
 of a node offers on simulated ranks: each rank gets its part of every tensor input
 (``Shard``: its chunk; ``_StridedShard``, ``BlockShard``: its chunk of every block;
-``UnitShard``: its whole units, or its group's unit; ``Replicate`` or unread: the full tensor; ``Partial``: a random
+``UnitShard``: its whole units, or its group's unit; ``Replicate`` or unread: the full tensor;
+``Partial``: a random
 split that sums to it), runs the rule's localized op, and the per-rank results must
 reassemble the single-device result (``Shard``, ``UnitShard``: concatenate, one rank per
-unit, a group's ranks equal; ``Partial``: sum; ``Replicate``: every rank equal). With ``backward`` the input gradients are
+unit, a group's ranks equal; ``Partial``: sum; ``Replicate``: every rank equal). With
+``backward`` the input gradients are
 checked too: each rank gets the output gradient in the output's placement (its chunk of a
 sharded output's gradient, the full gradient of a replicated or partial one), and its input
 gradients reassemble by the input's placement (``Shard``: concatenate; ``Partial``: every

@@ -94,7 +94,8 @@ def test_dcp_saves_at_world_2_and_loads_at_world_4_and_into_the_plain_model(pool
     elif name == "uneven":  # 67 rows: DTensor's uneven Shard, as torch.chunk deals them
         assert placements["wte.weight"] == Shard(0)
     else:
-        assert placements["lm_head.weight"] == Shard(0) and placements["h.0.ln_1.weight"].is_replicate()
+        assert placements["lm_head.weight"] == Shard(0)
+        assert placements["h.0.ln_1.weight"].is_replicate()
     for loaded in pool_of(pools, 4).run(load, name, path, api):
         assert_equal(loaded, full)
     assert_equal(load_plain(name, path).state_dict(), full)
@@ -161,8 +162,9 @@ def strided_layout(rank, world):
     assert isinstance(gm.fxtp.param_placements[key], _StridedShard)
     sd = fxtp.state_dict(gm)
     assert isinstance(sd[key], DTensor) and sd[key].placements == (Shard(0),)
+    held = local_of(gm.get_parameter("layers.0.attention.wo.weight"))
     assert sd["layers.0.attention.wo.weight"].to_local().data_ptr() == \
-        local_of(gm.get_parameter("layers.0.attention.wo.weight")).data_ptr()  # shared, loads in place
+        held.data_ptr()  # shared, loads in place
     with pytest.raises(fxtp.PlanError, match=r"missing \['norm\.bias'\]"):
         fxtp.load_state_dict(gm, {k: v for k, v in sd.items() if k != "norm.bias"})
     with pytest.raises(fxtp.PlanError, match=r"state_dict\['norm\.bias'\] is a Tensor, not "

@@ -83,7 +83,8 @@ EXPECTED = {
     # forward); that replicated variance is read on head shards, so its gradient is
     # all-reduced too (2 per layer backward); the norms' weights, which no style shards,
     # are read only as this rank's slice, so each rank holds its slice (no collective for
-    # their gradients; held whole they cost 2 tiny all-gathers per layer). Measured (the sum of squares gathered instead: a (B, T, H * D) all-gather per
+    # their gradients; held whole they cost 2 tiny all-gathers per layer). Measured (the sum of
+    # squares gathered instead: a (B, T, H * D) all-gather per
     # norm): TP forward {all_reduce 2L+1, all_gather 2L+1}, backward {all_reduce 4L+1,
     # all_gather 2L}; SP forward {all_gather 4L+2, reduce_scatter 2L+1}, backward
     # {all_gather 4L+1, reduce_scatter 2L+1, all_reduce 3L+1}.

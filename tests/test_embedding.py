@@ -28,7 +28,8 @@ PLANS = {
     "rowwise": ({"tok": fxtp.RowwiseParallel()}, {"all_reduce": 1}, {}),
     "rowwise_to_sequence_shards": (
         {"tok": fxtp.RowwiseParallel(output_layouts=Shard(1)),
-         "proj": fxtp.PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())},
+         "proj": fxtp.PrepareModuleInput(input_layouts=Shard(1),
+                                         desired_input_layouts=Replicate())},
         {"reduce_scatter": 1, "all_gather": 1},
         {"all_gather": 1}),  # the reduce-scatter's conjugate; the gather's is a local chunk
 }

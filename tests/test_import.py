@@ -1,5 +1,6 @@
 """Importing fxtp is light: torch does not load until a name is used, the passes and dynamo
-not until a name that traces or compiles is used; the "fxtp" torch.compile backend is found by name through the
+not until a name that traces or compiles is used; the "fxtp" torch.compile backend is found by
+name through the
 installed package's entry point, without importing fxtp."""
 import subprocess
 import sys

@@ -320,8 +320,8 @@ def loss_outside(rank, world, flatten, plan=None, steps=3):
         for name, p in gm.named_parameters():
             expected = local_part(ref.get_parameter(name).grad, gm.fxtp.param_placements[name],
                                   rank, world)
-            torch.testing.assert_close(local_of(p.grad), expected, **tolerance(torch.float64, expected,
-                                                                      step),
+            torch.testing.assert_close(local_of(p.grad), expected,
+                                       **tolerance(torch.float64, expected, step),
                                        msg=lambda m: f"step {step} grad of {name}: {m}")
         for o in (opt, ref_opt):
             o.step()

@@ -60,7 +60,8 @@ def test_world_size_8_local_shapes_and_parameter_memory(fake_group):
     sharded = sum(p.numel() for n, p in model.named_parameters()
                   if not isinstance(gm.fxtp.param_placements[n], fxtp.Replicate))
     replicated = sum(p.numel() for n, p in model.named_parameters()) - sharded
-    assert sum(local_of(t).numel() for t in gm.state_dict().values()) == sharded // world + replicated
+    held = sum(local_of(t).numel() for t in gm.state_dict().values())
+    assert held == sharded // world + replicated
     assert gm(torch.randn(B, T, dim)).shape == (B, T, dim)
     for name, t in model.state_dict().items():
         assert torch.equal(t, snapshot[name])

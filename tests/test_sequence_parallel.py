@@ -38,7 +38,8 @@ def test_llama_sequence_parallel(ranks, dtype):
     # block for its 2 norm weights' gradients and one for the final norm's (each block
     # reads only its own parameters: per-block FSDP)
     assert bwd == {"all_gather": 2 * L + 1, "reduce_scatter": 2 * L + 1, "all_reduce": L + 1}
-    cfg, (b, t), world, item = tm.LlamaConfig(), TOKENS.shape, ranks.world, 8 if dtype == torch.float64 else 4
+    cfg, (b, t), world = tm.LlamaConfig(), TOKENS.shape, ranks.world
+    item = 8 if dtype == torch.float64 else 4
     activation = b * t * cfg.dim * item  # one full (B, T, D) activation
     assert fwd_bytes == {"all_gather": (2 * L + 1) * activation // world
                          + b * t * cfg.vocab_size // world * item,

@@ -13,6 +13,7 @@ from fxtp.llama import (Llama, LlamaConfig, TransformerBlock, llama_sp_plan,
 from fxtp.passes.graph import STAMPED
 from tests.models import Layers
 from tests.parity import check_parity
+from tests.torch_versions import fake_collectives_move_values
 
 LAYERS = 4
 TOKENS = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -310,6 +311,7 @@ def test_an_attribute_no_forward_reads_does_not_prevent_stamping(fake_group):
     assert programs(stamped) == programs(traced)
 
 
+@fake_collectives_move_values
 def test_stamped_blocks_share_their_reference_program_and_hold_their_own_tensors(
         fake_group):
     """Each stamped block is a copy of its reference's module (one class, one graph, one

@@ -107,7 +107,8 @@ def test_fused_weight_shards_hold_a_piece_of_every_part(fake_group):
     assert describe(placements["layers.0.attention.qkv.bias"]) == "S(0)/3"
     assert torch.equal(local_of(gm.get_parameter("layers.0.attention.qkv.weight")),
                        attention.qkv.weight[rows])
-    assert torch.equal(local_of(gm.get_parameter("layers.0.attention.qkv.bias")), attention.qkv.bias[rows])
+    bias = local_of(gm.get_parameter("layers.0.attention.qkv.bias"))
+    assert torch.equal(bias, attention.qkv.bias[rows])
     assert placements["layers.0.feed_forward.w13.weight"] == _StridedShard(0, split_factor=2)
     assert torch.equal(local_of(gm.get_parameter("layers.0.feed_forward.w13.weight")),
                        ffn.w13.weight[[*range(16, 32), *range(48, 64)]])

@@ -53,8 +53,8 @@ def test_llama(ranks, dtype, rope, repeat):
 
 def llama_prepared(rank, world):
     plan = {**llama_plan(),
-            "layers.*.attention": fxtp.PrepareModuleInput(input_layouts=(Replicate(), None),
-                                                          desired_input_layouts=(Replicate(), None)),
+            "layers.*.attention": fxtp.PrepareModuleInput(
+                input_layouts=(Replicate(), None), desired_input_layouts=(Replicate(), None)),
             "layers.*.feed_forward": fxtp.PrepareModuleInput(input_layouts=Replicate(),
                                                              desired_input_layouts=Replicate())}
     cfg = tm.LlamaConfig(n_heads=8, n_kv_heads=4)

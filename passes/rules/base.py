@@ -35,7 +35,8 @@ class Rule:
     op cannot run as is on its shards or takes rank-dependent arguments; ``communicates``
     says that local op issues collectives for its ``extra`` strategies (they need a real
     process group to check). ``strided=False``: the op is offered no blocked
-    (``_StridedShard``, ``BlockShard``) forms of its spec's strategies (its local form assumes one contiguous shard per rank:
+    (``_StridedShard``, ``BlockShard``) forms of its spec's strategies (its local form assumes
+    one contiguous shard per rank:
     a vocab offset, a diagonal shift, a chunk of a mask). ``units=False``: nor
     :class:`~fxtp.passes.placement.UnitShard` forms (its local form assumes equal shards)."""
 
