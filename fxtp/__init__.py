@@ -8,8 +8,6 @@ backend is a ``torch_dynamo_backends`` entry point (setup.cfg): ``torch.compile(
 backend="fxtp")`` finds it by name.
 """
 import importlib as _importlib
-import sys as _sys
-import types as _types
 
 from .passes.errors import (FxtpError, InputError, PlanError, RankError, ShardingError,
                             TraceError)
@@ -20,7 +18,7 @@ _ON_FIRST_USE = {
                      "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput",
                      "ParallelStyle", "Shard", "Replicate", "Partial"], ".styles"),
     "count_collectives": ".comm_count", "Report": ".report",
-    "parallelize": ".parallelize", "explain": ".explain", "cross_entropy": ".loss",
+    "parallelize": ".pipeline", "explain": ".explanation", "cross_entropy": ".loss",
     "state_dict": ".checkpoint", "load_state_dict": ".checkpoint",
     "full_state_dict": ".checkpoint", "load_full_state_dict": ".checkpoint",
     "clip_grad_norm_": ".clip", "init_weights": ".materialize",
@@ -54,16 +52,3 @@ def __getattr__(name: str):
 def __dir__():
     return sorted({n for n in globals() if not n.startswith("_")} | set(_ON_FIRST_USE))
 
-
-class _Package(_types.ModuleType):
-    """fxtp's module type: importing a submodule named like the function it defines
-    (``fxtp.parallelize``, ``fxtp.explain``) binds the function, not the submodule, as the
-    package attribute (the import system sets it after running the submodule)."""
-
-    def __setattr__(self, name, value):
-        if name in _ON_FIRST_USE and isinstance(value, _types.ModuleType):
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-_sys.modules[__name__].__class__ = _Package

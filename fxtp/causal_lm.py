@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 from torch.export import Dim
 
-from .parallelize import parallelize
+from .pipeline import parallelize
 from .passes.errors import PlanError, TraceError
 from .plan import carried_plan
 

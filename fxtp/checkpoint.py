@@ -24,7 +24,7 @@ from .passes.placement import local_part
 from .dtensor_params import (checkpoint_view, full_tensor, local_shard, tp_shard,
                              write_tp_shard)
 from .names import named_tensors
-from .parallelize import info_of
+from .pipeline import info_of
 
 
 def _entries(gm: fx.GraphModule):

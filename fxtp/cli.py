@@ -33,8 +33,8 @@ import torch.distributed as dist
 
 from .kernels.torch_compat import init_fake_process_group
 from .passes.errors import FxtpError
-from .explain import explain
-from .parallelize import parallelize
+from .explanation import explain
+from .pipeline import parallelize
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -13,7 +13,7 @@ from .passes.placement import is_sharded
 
 from .passes.collectives import _all_reduce
 from .names import model_fqn
-from .parallelize import info_of
+from .pipeline import info_of
 
 
 @torch.no_grad()

@@ -37,7 +37,7 @@ from .kernels.torch_compat import resolve_process_group
 from .passes.graph import BOUNDARY, INPUTS
 from .passes.placement import describe
 
-from .explain import explain, node_info
+from .explanation import explain, node_info
 from .mesh import Group
 from .report import shape_text, table
 from .report_html import render_html

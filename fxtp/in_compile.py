@@ -31,7 +31,7 @@ from .passes.placement import UnitShard, blocks, is_sharded
 
 from .passes import collectives
 from .passes.errors import FxtpError
-from .parallelize import parallelize
+from .pipeline import parallelize
 
 
 def parallelize_dynamo_graph(gm: fx.GraphModule, example_inputs, plan, mesh) -> fx.GraphModule:

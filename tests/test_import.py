@@ -15,11 +15,11 @@ def run(code: str) -> str:
 
 def test_import_fxtp_loads_neither_dynamo_nor_the_passes():
     assert run("import sys, fxtp\n"
-               "print('torch._dynamo' in sys.modules, 'fxtp.parallelize' in sys.modules, "
+               "print('torch._dynamo' in sys.modules, 'fxtp.pipeline' in sys.modules, "
                "'parallelize' in dir(fxtp))\n"
-               "print(fxtp.parallelize.__module__, 'fxtp.parallelize' in sys.modules)\n"
+               "print(fxtp.parallelize.__module__, 'fxtp.pipeline' in sys.modules)\n"
                "try:\n    fxtp.paralelize\nexcept AttributeError as e:\n    print(e)"
-               ).splitlines() == ["False False True", "fxtp.parallelize True",
+               ).splitlines() == ["False False True", "fxtp.pipeline True",
                                   "module 'fxtp' has no attribute 'paralelize'"]
 
 
@@ -28,7 +28,7 @@ def test_import_fxtp_loads_no_torch_until_a_name_is_used():
                "print('torch' in sys.modules, 'torch.distributed.tensor' in sys.modules)\n"
                "from fxtp import Shard, ColwiseParallel\n"
                "print(Shard.__module__, ColwiseParallel.__module__,"
-               " 'fxtp.parallelize' in sys.modules)"
+               " 'fxtp.pipeline' in sys.modules)"
                ).splitlines() == ["False False", "torch.distributed.tensor.placement_types "
                                   "fxtp.styles False"]
 
@@ -36,7 +36,7 @@ def test_import_fxtp_loads_no_torch_until_a_name_is_used():
 def test_the_compile_backend_is_found_by_name_without_importing_fxtp():
     assert run("import sys; from torch._dynamo.backends.registry import lookup_backend; "
                "backend = lookup_backend('fxtp'); "
-               "print(backend.__module__, 'fxtp.parallelize' in sys.modules)"
+               "print(backend.__module__, 'fxtp.pipeline' in sys.modules)"
                ) == "fxtp.backend False"
 
 
@@ -54,3 +54,13 @@ def test_the_package_lists_its_api_not_its_helpers():
     names = run("import fxtp; print(' '.join(dir(fxtp)))").split()
     assert not {"importlib", "sys", "types"} & set(names)
     assert set(run("import fxtp; print(' '.join(fxtp.__all__))").split()) <= set(names)
+
+
+def test_no_module_is_named_like_the_name_it_exports():
+    """``fxtp.parallelize`` and ``fxtp.explain`` are always the functions: no submodule of
+    that name can replace them as the package's attribute once imported."""
+    assert run("import fxtp, fxtp.pipeline, fxtp.explanation, fxtp.cli\n"
+               "print(type(fxtp.parallelize).__name__, type(fxtp.explain).__name__)\n"
+               "import pkgutil\n"
+               "print(sorted(m.name for m in pkgutil.iter_modules(fxtp.__path__)\n"
+               "             if m.name in fxtp.__all__))") == "function function\n[]"

@@ -36,9 +36,9 @@ class MLP(nn.Module):
 
 
 def fail_on_one_rank(rank, world, stage_function, error):
-    """Make ``stage_function`` of :mod:`fxtp.parallelize` raise ``error`` on the last rank;
+    """Make ``stage_function`` of :mod:`fxtp.pipeline` raise ``error`` on the last rank;
     return what ``parallelize`` raised on this rank, and a collective run after it."""
-    module = importlib.import_module("fxtp.parallelize")
+    module = importlib.import_module("fxtp.pipeline")
     original = getattr(module, stage_function)
 
     def failing(*args, **kwargs):

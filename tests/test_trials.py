@@ -106,7 +106,7 @@ def test_a_rejected_unfuse_trial_restores_the_graph_node_for_node(fake_group, mo
     parts; told the result falls back more, it puts the placed graph back as it was."""
     import importlib
     from tests import models
-    parallelize_module = importlib.import_module("fxtp.parallelize")
+    parallelize_module = importlib.import_module("fxtp.pipeline")
     unfuse_splits, seen = parallelize_module.unfuse_splits, {}
 
     def rejected(gm, world, place):
