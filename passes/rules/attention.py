@@ -12,7 +12,7 @@ from torch.distributed.tensor import Shard
 from ..dimspec import DimSpec, fixed_label
 from ..graph import output_vals, tensor_inputs, val
 from ..placement import R, UnitShard, is_whole
-from .base import Rule, _broadcast_labels, _is_one, _same
+from .base import Rule, broadcast_labels, is_one, same_size
 
 aten = torch.ops.aten
 
@@ -30,13 +30,14 @@ def _sdpa_spec(node):
     specs = [tuple(batch + ["s!", "e!"]), tuple(batch + ["t!", "e!"]),
              tuple(batch + ["t!", "f!"])]
     for mask in masks:
-        specs.append(_broadcast_labels(mask.shape, batch + ["s!", "t!"]))
+        specs.append(broadcast_labels(mask.shape, batch + ["s!", "t!"]))
     out, *extra = output_vals(node)
     outs = [tuple(batch + ["s!", "f!"])]
     for x in extra:  # log-sum-exp (..., s), attention weights (..., s, t), bookkeeping
         if not isinstance(x, torch.Tensor):
             outs.append(None)
-        elif x.dim() in (n - 1, n) and all(_same(a, b) for a, b in zip(x.shape, out.shape[:-2])):
+        elif x.dim() in (n - 1, n) and \
+                all(same_size(a, b) for a, b in zip(x.shape, out.shape[:-2])):
             outs.append(tuple(batch + ["s!", "t!"][: x.dim() - len(batch)]))
         else:
             outs.append(tuple(fixed_label() for _ in x.shape))
@@ -86,8 +87,8 @@ def _flex_spec(node):
         if x.dim() < 2 or a in buffers:
             specs.append(tuple(fixed_label() for _ in x.shape))
             continue
-        specs.append(("b" if _same(x.shape[0], b) and not _is_one(b) else fixed_label(),
-                      "h" if _same(x.shape[1], h) and not _is_one(h) else fixed_label()) +
+        specs.append(("b" if same_size(x.shape[0], b) and not is_one(b) else fixed_label(),
+                      "h" if same_size(x.shape[1], h) and not is_one(h) else fixed_label()) +
                      tuple(fixed_label() for _ in x.shape[2:]))
     outs = [("b", "h", "s!", "f!")] + [("b", "h", "s!")[:x.dim()] if isinstance(x, torch.Tensor)
                                        else None for x in output_vals(node)[1:]]

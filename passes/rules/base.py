@@ -76,38 +76,38 @@ class Rule:
         return target, args, kwargs
 
 
-def _rank(node) -> int:
+def ndim_of(node) -> int:
     return val(node).dim()
 
 
-def _ranks(node):
-    return [_rank(a) for a in tensor_inputs(node)]
+def input_ndims(node):
+    return [ndim_of(a) for a in tensor_inputs(node)]
 
 
-def _labels(n: int, prefix="d") -> tuple:
+def dim_labels(n: int, prefix="d") -> tuple:
     return tuple(f"{prefix}{j}" for j in range(n))
 
 
-def _expr(size):
+def size_expr(size):
     return sympy.Integer(size) if isinstance(size, int) else size.node.expr
 
 
-def _same(a, b) -> bool:
+def same_size(a, b) -> bool:
     """Are two (possibly symbolic) sizes provably equal?"""
     if isinstance(a, int) and isinstance(b, int):
         return a == b
-    return sympy.expand(_expr(a) - _expr(b)) == 0
+    return sympy.expand(size_expr(a) - size_expr(b)) == 0
 
 
-def _start(p, value, group) -> int:
+def shard_start(p, value, group) -> int:
     """The global index of this rank's first element along ``p``'s (sharded) dim."""
     return local_range(p, value.shape[p.dim], group.rank, group.world)[0]
 
 
-def _broadcast_labels(shape, full):
+def broadcast_labels(shape, full):
     """Labels of a tensor broadcast against dims labelled ``full`` (size-1 dims fixed)."""
     off = len(full) - len(shape)
-    return tuple(fixed_label() if _is_one(shape[j]) else full[off + j] for j in range(len(shape)))
+    return tuple(fixed_label() if is_one(shape[j]) else full[off + j] for j in range(len(shape)))
 
 
 # --- rule shapes ------------------------------------------------------------------------
@@ -129,7 +129,7 @@ def pointwise(partial: str = "none", partial_args=None, unread=()):
             shape = val(a).shape
             offset = n - len(shape)
             inputs.append(tuple(f"d{offset + j}" if statically_known_true(
-                shape[j] == out[offset + j]) or not _is_one(shape[j]) else fixed_label()
+                shape[j] == out[offset + j]) or not is_one(shape[j]) else fixed_label()
                                 for j in range(len(shape))))
         kind = partial
         scalars = [a for a in node.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
@@ -138,7 +138,7 @@ def pointwise(partial: str = "none", partial_args=None, unread=()):
         dtype = output_vals(node)[0].dtype
         if kind != "none" and any(_narrows(val(a).dtype, dtype) for a in tensor_inputs(node)):
             kind = "none"  # rounding each rank's part is not rounding their sum
-        outs = tuple(_labels(n) for _ in output_vals(node))
+        outs = tuple(dim_labels(n) for _ in output_vals(node))
         return DimSpec(tuple(inputs), outs, kind, partial_args)
     return Rule(spec)
 
@@ -153,7 +153,7 @@ def _narrows(source: torch.dtype, target: torch.dtype) -> bool:
                 target.itemsize > source.itemsize)
 
 
-def _is_one(size) -> bool:
+def is_one(size) -> bool:
     return isinstance(size, int) and size == 1
 
 
@@ -171,23 +171,23 @@ def dims_arg(i: int, name: str = "dim", omitted: Optional[str] = None):
         if d is None or (isinstance(d, (list, tuple)) and not d):
             if omitted is None:
                 raise ValueError(f"{node.target} was called without its {name!r} argument")
-            n = _rank(node.args[0])
+            n = ndim_of(node.args[0])
             return list(range(n)) if omitted == "all" else [n - 1] if n else []
         return list(d) if isinstance(d, (list, tuple)) else [d]
     return dims
 
 
-def _parts(parts) -> dict:
+def communicating(parts) -> dict:
     """A communicating local form's ``(extra, local_op)`` as :class:`Rule` fields."""
     extra, local_op = parts
     return dict(extra=extra, local_op=local_op, communicates=True)
 
 
-def _fixed_dim_spec(dim_index: int, drop: bool = False, default: int = 0):
+def fixed_dim_spec(dim_index: int, drop: bool = False, default: int = 0):
     """Ops that act on one dim given by argument ``dim_index`` (slice, select, narrow, flip,
     roll, index_select's dim): it never shards; ``drop`` removes it from the output."""
     def spec(node):
-        n = _rank(node.args[0])
+        n = ndim_of(node.args[0])
         dims = dims_arg(dim_index, omitted="all")(node) if default is None else \
             [op_arg(node, dim_index, "dim", default)]
         fixed = {d % n for d in dims}
@@ -197,7 +197,7 @@ def _fixed_dim_spec(dim_index: int, drop: bool = False, default: int = 0):
     return Rule(spec)
 
 
-def _local_groups(index: int):
+def local_groups(index: int):
     """The local op of an op of groups of channels (its argument ``index``: the number of
     groups) taking channel shards of whole groups: this rank's number of groups."""
     def local(node, inputs, output, group):

@@ -14,7 +14,7 @@ from ..effects import writes_first_input
 from ..graph import INTO_PARTIAL, op_arg, tensor_inputs, val
 from ..local_ops import add_replicated_once, sharded_dropout
 from ..placement import P, R, block_bounds, is_blocked, is_sharded, local_range
-from .base import Rule, _labels, _rank, _same, _start, pointwise
+from .base import Rule, dim_labels, ndim_of, pointwise, same_size, shard_start
 
 aten = torch.ops.aten
 
@@ -24,16 +24,16 @@ def _shifted_diagonal(node, inputs, output, group):
     with the diagonal, so a shard whose rows start at global row ``o`` shifts the diagonal
     by ``+o``, one whose columns start at ``o`` by ``-o``: both trailing dims may shard."""
     p = inputs[0]
-    n = _rank(node.args[0])
+    n = ndim_of(node.args[0])
     if not is_sharded(p) or p.dim < n - 2:
         return node.target, node.args, node.kwargs
-    offset = _start(p, val(node.args[0]), group)
+    offset = shard_start(p, val(node.args[0]), group)
     shift = offset if p.dim == n - 2 else -offset
     return node.target, (node.args[0], op_arg(node, 1, "diagonal", 0) + shift), {}
 
 
 def _tri_spec(node):
-    labels = _labels(_rank(node.args[0]))
+    labels = dim_labels(ndim_of(node.args[0]))
     return DimSpec((labels,), (labels,), "sum")
 
 
@@ -138,7 +138,7 @@ def _into_partial(node: fx.Node, world: int, actual=()):
     out = val(node).shape
     for i in (0,) if writes_first_input(node.target) else (0, 1):
         shape = val(inputs[i]).shape
-        if len(shape) == len(out) and all(map(_same, shape, out)) and \
+        if len(shape) == len(out) and all(map(same_size, shape, out)) and \
                 len(inputs[i].users) == 1 and (not actual or isinstance(actual[1 - i], Replicate)):
             yield (P, R) if i == 0 else (R, P), (P,)
 

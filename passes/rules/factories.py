@@ -6,7 +6,7 @@ import torch
 
 from ..dimspec import DimSpec
 from ..graph import tensor_inputs
-from .base import Rule, _rank
+from .base import Rule, ndim_of
 
 aten = torch.ops.aten
 
@@ -17,7 +17,7 @@ def _factory(node):
     placement; with no input to follow, Replicate unless a written value's placement is
     pinned on it (:mod:`fxtp.passes.buffers`)."""
     return DimSpec((None,) * len(tensor_inputs(node)),
-                   (tuple(f"f{i}" for i in range(_rank(node))),))
+                   (tuple(f"f{i}" for i in range(ndim_of(node))),))
 
 
 FACTORIES = {aten.new_zeros.default: 1, aten.new_ones.default: 1, aten.new_empty.default: 1,

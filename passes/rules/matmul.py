@@ -7,15 +7,16 @@ from torch.distributed.tensor import Shard
 
 from ..dimspec import DimSpec, fixed_label, parse
 from ..graph import op_arg, output_vals, tensor_inputs, val
-from .base import Rule, _is_one, _local_groups, _rank, _ranks
+from .base import Rule, input_ndims, is_one, local_groups, ndim_of
 
 aten = torch.ops.aten
 
 
 def einsum(text: str, partial="none", partial_args=None):
     """A fixed spec over the node's tensor inputs, e.g. ``"... k+, n k+ -> ... n"``."""
-    return Rule(lambda node: parse(text, _ranks(node), [len(v.shape) for v in output_vals(node)],
-                                   partial, partial_args))
+    return Rule(lambda node: parse(text, input_ndims(node),
+                                   [len(v.shape) for v in output_vals(node)], partial,
+                                   partial_args))
 
 
 def _linear_spec(node):
@@ -23,25 +24,25 @@ def _linear_spec(node):
     would be added on every rank); the seed pass splits the bias off planned rowwise
     linears."""
     if len(tensor_inputs(node)) == 3:
-        return parse("... k!, n k!, n -> ... n", _ranks(node))
-    return parse("... k+, n k+ -> ... n", _ranks(node), partial="product", partial_args=(0, 1))
+        return parse("... k!, n k!, n -> ... n", input_ndims(node))
+    return parse("... k+, n k+ -> ... n", input_ndims(node), partial="product", partial_args=(0, 1))
 
 
 def _addmm_spec(node):
     """``beta * bias + alpha * (m1 @ m2)``: like a biased linear, no Partial; the seed pass
     splits the bias off when ``m2`` is sharded on its rows."""
-    bias_rank = _rank(node.args[0])
+    bias_rank = ndim_of(node.args[0])
     bias = "m n" if bias_rank == 2 else ("n" if bias_rank == 1 else "")
-    return parse(f"{bias}, m k!, k! n -> m n", _ranks(node))
+    return parse(f"{bias}, m k!, k! n -> m n", input_ndims(node))
 
 
 def _baddbmm_spec(node):
-    bias = " ".join("b m n".split()[3 - _rank(node.args[0]):])
-    return parse(f"{bias}, b m k!, b k! n -> b m n", _ranks(node))
+    bias = " ".join("b m n".split()[3 - ndim_of(node.args[0]):])
+    return parse(f"{bias}, b m k!, b k! n -> b m n", input_ndims(node))
 
 
 def _matmul_spec(node):
-    ra, rb = _ranks(node)
+    ra, rb = input_ndims(node)
     a = "... m k+" if ra >= 2 else "k+"
     b = "... k+ n" if rb >= 2 else "k+"
     out = ("... m" if ra >= 2 else "...") + (" n" if rb >= 2 else "")
@@ -57,7 +58,7 @@ def _convolution_spec(node):
     without a bias, the input channels (a Partial sum). Spatial dims stay whole (a shard
     would need its neighbours' edges); a transposed convolution shards the batch only, a
     grouped one also by whole groups (:func:`_grouped_convolution`)."""
-    ranks = _ranks(node)
+    ranks = input_ndims(node)
     spatial, kernel = " _" * (ranks[0] - 2), " _" * (ranks[1] - 2)
     bias = len(ranks) == 3
     if op_arg(node, 6, "transposed", False) or op_arg(node, 8, "groups", 1) != 1:
@@ -73,7 +74,7 @@ def _grouped_convolution(node, world, actual=()):
     """A grouped convolution whose groups divide by the world size, on channel shards: each
     rank convolves whole groups, its channels of the input, the weight and the bias
     (Mamba's and ConvNeXt's depthwise convolutions); the local op takes ``groups /
-    world`` (:func:`_local_groups`)."""
+    world`` (:func:`local_groups`)."""
     groups = op_arg(node, 8, "groups", 1)
     if op_arg(node, 6, "transposed", False) or not isinstance(groups, int) or groups == 1 \
             or groups % world:
@@ -90,7 +91,7 @@ the grouping needs."""
 def _grouped_mm_spec(node):
     """``torch._grouped_mm`` in the form mixture-of-experts layers use (2-D rows, 3-D
     weights, offsets); its other forms keep every dim whole (a gather, reported)."""
-    ranks = _ranks(node)
+    ranks = input_ndims(node)
     if ranks == [2, 3, 1] and op_arg(node, 3, "bias") is None:
         return parse(_GROUPED_MM, ranks, partial="product", partial_args=(0, 1))
     out = val(node).dim()
@@ -116,7 +117,7 @@ def _einsum_spec(node):
         for c, size in zip(letters, shape):
             if c == ".":
                 out.append(fixed_label())
-            elif _is_one(size):
+            elif is_one(size):
                 out.append(fixed_label())
             else:
                 out.append(c if c in out_letters else c + "+")
@@ -129,7 +130,7 @@ def _einsum_spec(node):
 
 RULES: dict = {
     # matrix products
-    aten.convolution.default: Rule(_convolution_spec, local_op=_local_groups(8),
+    aten.convolution.default: Rule(_convolution_spec, local_op=local_groups(8),
                                    extra=_grouped_convolution),
     aten.linear.default: Rule(_linear_spec),
     aten.matmul.default: Rule(_matmul_spec),

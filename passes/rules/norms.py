@@ -10,7 +10,7 @@ from torch.distributed.tensor import Shard
 from ..dimspec import DimSpec, fixed_label
 from ..graph import op_arg, output_vals, tensor_inputs, val
 from ..sharded_norm import layer_norm_rule_parts
-from .base import Rule, _local_groups, _parts, _rank
+from .base import Rule, communicating, local_groups, ndim_of
 
 aten = torch.ops.aten
 
@@ -19,7 +19,7 @@ def _norm_spec(node):
     """``layer_norm`` / ``rms_norm`` (and ``native_layer_norm``'s mean and rstd, shaped
     (batch..., 1...)): normalized trailing dims never shard, batch dims do."""
     k = len(node.args[1])
-    n = _rank(node.args[0])
+    n = ndim_of(node.args[0])
     x = tuple(f"d{j}!" if j >= n - k else f"d{j}" for j in range(n))
     params = tuple(x[n - k:] for _ in tensor_inputs(node)[1:])
     outs = [x]
@@ -31,7 +31,7 @@ def _norm_spec(node):
 def _group_norm_spec(node):
     """``group_norm(x (N, C, *), groups, weight, bias)``: the batch dim shards; channels by
     :func:`_whole_groups`."""
-    n = _rank(node.args[0])
+    n = ndim_of(node.args[0])
     x = ("n",) + tuple(fixed_label() for _ in range(n - 1))
     params = tuple((x[1],) for _ in tensor_inputs(node)[1:])
     return DimSpec((x,) + params, (x,))
@@ -54,7 +54,7 @@ def _batch_norm_spec(training_arg: Optional[int]):
     statistics are taken over in training, never shard then (in eval, given
     ``training_arg`` None, they shard freely)."""
     def spec(node):
-        n = _rank(node.args[0])
+        n = ndim_of(node.args[0])
         training = training_arg is not None and op_arg(node, training_arg, "training", True)
         x = tuple("c" if j == 1 else f"d{j}!" if training else f"d{j}" for j in range(n))
         params = tuple(("c",) for _ in tensor_inputs(node)[1:])
@@ -68,11 +68,11 @@ def _batch_norm_spec(training_arg: Optional[int]):
 
 RULES: dict = {
     # normalizations
-    aten.layer_norm.default: Rule(_norm_spec, **_parts(layer_norm_rule_parts())),
+    aten.layer_norm.default: Rule(_norm_spec, **communicating(layer_norm_rule_parts())),
     aten.rms_norm.default: Rule(_norm_spec),
     aten.native_layer_norm.default: Rule(_norm_spec),
     aten._fused_rms_norm.default: Rule(_norm_spec),
-    aten.group_norm.default: Rule(_group_norm_spec, extra=_whole_groups, local_op=_local_groups(1),
+    aten.group_norm.default: Rule(_group_norm_spec, extra=_whole_groups, local_op=local_groups(1),
                                   strided=False, units=False),
     aten.batch_norm.default: _batch_norm_spec(training_arg=5),
     aten.native_batch_norm.default: _batch_norm_spec(training_arg=5),

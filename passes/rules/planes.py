@@ -6,7 +6,7 @@ import torch
 
 from ..dimspec import DimSpec, fixed_label
 from ..graph import output_vals, tensor_inputs
-from .base import Rule, _labels, _rank
+from .base import Rule, dim_labels, ndim_of
 
 aten = torch.ops.aten
 
@@ -20,12 +20,12 @@ def planes(spatial: int, linear: bool = True, grid: bool = False):
     out as the first (``max_unpool``'s indices), or ``grid`` (``grid_sample``'s ``(N,
     *out, k)`` points, sharing the batch only)."""
     def spec(node):
-        lead = _labels(_rank(node.args[0]) - spatial)
+        lead = dim_labels(ndim_of(node.args[0]) - spatial)
         def whole(k):
             return tuple(fixed_label() for _ in range(k))
         ins = [lead + whole(spatial)]
         for arg in tensor_inputs(node)[1:]:
-            ins.append(lead[:1] + whole(_rank(arg) - 1) if grid else lead + whole(spatial))
+            ins.append(lead[:1] + whole(ndim_of(arg) - 1) if grid else lead + whole(spatial))
         outs = tuple(lead + whole(out.dim() - len(lead)) for out in output_vals(node))
         return DimSpec(tuple(ins), outs, "sum" if linear else "none",
                        (0,) if linear else None)

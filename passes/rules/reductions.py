@@ -15,12 +15,12 @@ from ..placement import UnitShard, is_sharded
 from ..sharded_norm import norm_rule_parts
 from ..sharded_softmax import (pick_rule_parts, reduction_rule_parts, scan_rule_parts,
                                softmax_rule_parts, topk_rule_parts)
-from .base import Rule, _parts, _rank, dims_arg, local_size
+from .base import Rule, communicating, dims_arg, local_size, ndim_of
 
 aten = torch.ops.aten
 
 
-ALL_DIMS = lambda node: list(range(_rank(node.args[0])))  # noqa: E731
+ALL_DIMS = lambda node: list(range(ndim_of(node.args[0])))  # noqa: E731
 """The dims of an op without a dim argument (``sum(x)``): all of them."""
 
 
@@ -29,7 +29,7 @@ def along(dims_of: Callable[[fx.Node], list[int]], partial: str = "none"):
     cumulative sums, sorting): those dims never shard, the others shard freely. Every
     output (values, indices) has the input's shape."""
     def spec(node):
-        n = _rank(node.args[0])
+        n = ndim_of(node.args[0])
         dims = {d % n for d in dims_of(node)} if n else set()
         labels = tuple(f"d{j}!" if j in dims else f"d{j}" for j in range(n))
         return DimSpec((labels,) + (None,) * (len(tensor_inputs(node)) - 1),
@@ -45,7 +45,7 @@ def reduction(dims_of: Callable[[fx.Node], list[int]], summed: bool = False,
     (``Partial``); otherwise reduced dims never shard. ``partial="sum"``: a Partial input
     gives a Partial output (the op is linear)."""
     def spec(node):
-        n = _rank(node.args[0])
+        n = ndim_of(node.args[0])
         dims = {d % n for d in dims_of(node)} if n else set()
         mark = "+" if summed else "!"
         labels = tuple(f"d{j}{mark}" if j in dims else f"d{j}" for j in range(n))
@@ -60,28 +60,28 @@ def reduction(dims_of: Callable[[fx.Node], list[int]], summed: bool = False,
 def softmax():
     """Softmax and log-softmax along argument 1: along a sharded dim too, by
     :mod:`~fxtp.passes.sharded_softmax` (the output placed as the input)."""
-    return replace(along(dims_arg(1)), **_parts(softmax_rule_parts()))
+    return replace(along(dims_arg(1)), **communicating(softmax_rule_parts()))
 
 
 def extremum(largest: bool):
     """``amax`` / ``amin`` (``max`` / ``min`` of every element): over sharded dims too,
     replicated by one all-reduce."""
     return replace(reduction(dims_arg(1, omitted="all")),
-                   **_parts(reduction_rule_parts("amax" if largest else "amin")))
+                   **communicating(reduction_rule_parts("amax" if largest else "amin")))
 
 
 def logical(dims_of: Callable[[fx.Node], list[int]], every: bool, keepdim_arg=2):
     """``any`` (``every``: ``all``) over ``dims_of(node)``: over sharded dims too,
     replicated by one all-reduce."""
     return replace(reduction(dims_of, keepdim_arg=keepdim_arg),
-                   **_parts(reduction_rule_parts("all" if every else "any")))
+                   **communicating(reduction_rule_parts("all" if every else "any")))
 
 
 def pick(largest: bool, values: bool):
     """``max`` / ``min`` along a dim (``values``: values and indices) and ``argmax`` /
     ``argmin``: along a sharded dim too, each rank's candidate all-gathered."""
     dims = dims_arg(1) if values else dims_arg(1, omitted="all")
-    return replace(reduction(dims), **_parts(pick_rule_parts(largest, values)))
+    return replace(reduction(dims), **communicating(pick_rule_parts(largest, values)))
 
 
 def vector_norm():
@@ -90,7 +90,7 @@ def vector_norm():
     local op then sums every rank's powers (one all-reduce, see
     :mod:`~fxtp.passes.sharded_norm`) into a replicated norm."""
     dims_of = dims_arg(2, omitted="all")
-    return replace(reduction(dims_of, keepdim_arg=3), **_parts(norm_rule_parts(dims_of)))
+    return replace(reduction(dims_of, keepdim_arg=3), **communicating(norm_rule_parts(dims_of)))
 
 
 def _mean_of_shard(dims_of):
@@ -99,7 +99,7 @@ def _mean_of_shard(dims_of):
     normalizes q and k over all heads)."""
     def local(node, inputs, output, group):
         p = inputs[0]
-        n = _rank(node.args[0])
+        n = ndim_of(node.args[0])
         if not (is_sharded(p) and p.dim in {d % n for d in dims_of(node)}):
             return node.target, node.args, node.kwargs
         dim = None if node.target is aten.mean.default else op_arg(node, 1, "dim")
@@ -114,7 +114,7 @@ def _mean_of_shard(dims_of):
 def _diff_spec(node):
     """``diff(x, n, dim, prepend, append)``: ``dim`` never shards; ``prepend`` / ``append``
     shard with ``x`` on the other dims."""
-    n = _rank(node.args[0])
+    n = ndim_of(node.args[0])
     d = op_arg(node, 2, "dim", -1) % n
     labels = tuple(f"d{j}!" if j == d else f"d{j}" for j in range(n))
     return DimSpec(tuple(labels for _ in tensor_inputs(node)), (labels,))
@@ -127,7 +127,8 @@ RULES: dict = {
     aten._safe_softmax.default: softmax(),
     aten.log_softmax.int: softmax(),
     aten._log_softmax.default: softmax(),
-    aten.cumsum.default: replace(along(dims_arg(1), partial="sum"), **_parts(scan_rule_parts())),
+    aten.cumsum.default: replace(along(dims_arg(1), partial="sum"),
+                                 **communicating(scan_rule_parts())),
     aten.cumsum_.default: along(dims_arg(1), partial="sum"),
     aten.cumprod.default: along(dims_arg(1)),
     aten.logcumsumexp.default: along(dims_arg(1)),
@@ -137,7 +138,8 @@ RULES: dict = {
     aten.sort.stable: along(dims_arg(2, omitted="last")),
     aten.argsort.default: along(dims_arg(1, omitted="last")),
     aten.argsort.stable: along(dims_arg(2, omitted="last")),
-    aten.topk.default: replace(along(dims_arg(2, omitted="last")), **_parts(topk_rule_parts())),
+    aten.topk.default: replace(along(dims_arg(2, omitted="last")),
+                               **communicating(topk_rule_parts())),
     aten.diff.default: Rule(_diff_spec),
     # reductions
     aten.sum.default: reduction(ALL_DIMS, summed=True, partial="sum",
@@ -165,7 +167,7 @@ RULES: dict = {
     aten.all.dim: logical(dims_arg(1), every=True),
     aten.all.dims: logical(dims_arg(1, omitted="all"), every=True),
     aten.logsumexp.default: replace(reduction(dims_arg(1)),
-                                    **_parts(reduction_rule_parts("logsumexp"))),
+                                    **communicating(reduction_rule_parts("logsumexp"))),
     aten.var.correction: reduction(dims_arg(1, omitted="all"), keepdim_arg=3),
     aten.std.correction: reduction(dims_arg(1, omitted="all"), keepdim_arg=3),
     aten.var_mean.correction: reduction(dims_arg(1, omitted="all"), keepdim_arg=3),

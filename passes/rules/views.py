@@ -14,8 +14,8 @@ from torch.distributed.tensor import Shard
 from ..dimspec import DimSpec, fixed_label
 from ..graph import is_tensor_node, op_arg, output_vals, tensor_inputs, val
 from ..placement import block_bounds, blocks, cut_in_blocks, is_blocked, is_sharded
-from .base import (Rule, _expr, _fixed_dim_spec, _is_one, _labels, _rank, _same, dims_arg,
-                   local_size)
+from .base import (Rule, dim_labels, dims_arg, fixed_dim_spec, is_one, local_size, ndim_of,
+                   same_size, size_expr)
 
 aten = torch.ops.aten
 
@@ -23,15 +23,15 @@ aten = torch.ops.aten
 def permutation(perm_of: Callable[[fx.Node], list[int]]):
     """Output dim i is input dim ``perm[i]`` (transpose, permute)."""
     def spec(node):
-        n = _rank(node.args[0])
-        labels = _labels(n)
+        n = ndim_of(node.args[0])
+        labels = dim_labels(n)
         return DimSpec((labels,), (tuple(labels[p % n] for p in perm_of(node)),) if n else ((),),
                        "sum")
     return Rule(spec)
 
 
 def _transpose_perm(node):
-    n = _rank(node.args[0])
+    n = ndim_of(node.args[0])
     perm = list(range(n))
     if n:
         a, b = node.args[1] % n, node.args[2] % n
@@ -40,7 +40,7 @@ def _transpose_perm(node):
 
 
 def _movedim_perm(node):
-    n = _rank(node.args[0])
+    n = ndim_of(node.args[0])
     src, dst = node.args[1], node.args[2]
     src, dst = ([src], [dst]) if isinstance(src, int) else (list(src), list(dst))
     src, dst = [s % n for s in src], [d % n for d in dst]
@@ -56,17 +56,17 @@ def _view_spec(node):
     in_labels, out_labels = [], []
     i = j = 0
     while i < len(src) or j < len(dst):
-        if i < len(src) and j < len(dst) and _same(src[i], dst[j]):
+        if i < len(src) and j < len(dst) and same_size(src[i], dst[j]):
             label = f"g{i}"
             in_labels.append(label)
             out_labels.append(label)
             i, j = i + 1, j + 1
             continue
-        if i < len(src) and _is_one(src[i]):
+        if i < len(src) and is_one(src[i]):
             in_labels.append(fixed_label())
             i += 1
             continue
-        if j < len(dst) and _is_one(dst[j]):
+        if j < len(dst) and is_one(dst[j]):
             out_labels.append(fixed_label())
             j += 1
             continue
@@ -75,7 +75,7 @@ def _view_spec(node):
             out_labels += [fixed_label() for _ in dst[j:]]
             break
         gi, gj, pi, pj = [i], [j], src[i], dst[j]
-        while not _same(pi, pj):
+        while not same_size(pi, pj):
             grow_in = _lt(pi, pj)
             if (i if grow_in else j) + 1 == len(src if grow_in else dst):
                 # sizes no product is proven equal to (a length padded to a multiple,
@@ -180,7 +180,7 @@ def _lt(a, b) -> bool:
     against ``4*u1``: a size known only from values has no hint to compare), else as torch
     decides it, else by their hints."""
     if not (isinstance(a, int) and isinstance(b, int)):
-        ratio = _ratio(_expr(b), _expr(a))
+        ratio = _ratio(size_expr(b), size_expr(a))
         if ratio.is_number:
             return bool(ratio > 1)
     try:
@@ -193,7 +193,7 @@ def _localize_unflatten(node, inputs, output, group):
     """``unflatten(dim, sizes)``: the sizes entry of a sharded output dim is local."""
     if not is_sharded(output):
         return node.target, node.args, node.kwargs
-    dim = node.args[1] % _rank(node.args[0])
+    dim = node.args[1] % ndim_of(node.args[0])
     sizes = list(node.args[2])
     k = output.dim - dim
     if 0 <= k < len(sizes) and sizes[k] != -1:
@@ -204,7 +204,7 @@ def _localize_unflatten(node, inputs, output, group):
 def _unfold_spec(node):
     """``unfold(dim, size, step)``: ``dim`` becomes the windows and a last dim of ``size``
     is added, neither sharded (a window may span shards); the other dims map as they are."""
-    n = _rank(node.args[0])
+    n = ndim_of(node.args[0])
     d = node.args[1] % n if n else 0
     labels = tuple(fixed_label() if j == d else f"d{j}" for j in range(n))
     return DimSpec((labels,), (labels + (fixed_label(),),), "sum")
@@ -213,7 +213,7 @@ def _unfold_spec(node):
 def _diagonal_spec(node):
     """``diagonal(offset, dim1, dim2)``: the two dims become one last dim, never sharded;
     the other dims map as they are."""
-    n = _rank(node.args[0])
+    n = ndim_of(node.args[0])
     pair = {op_arg(node, 2, "dim1", 0) % n, op_arg(node, 3, "dim2", 1) % n}
     labels = tuple(fixed_label() if j in pair else f"d{j}" for j in range(n))
     return DimSpec((labels,), (tuple(lab for j, lab in enumerate(labels) if j not in pair)
@@ -223,14 +223,14 @@ def _diagonal_spec(node):
 def _dtype_view_spec(node):
     """``view(dtype)``: the same bytes read as another dtype; the last dim's length scales
     by the element sizes' ratio, so each element's words stay on its rank."""
-    labels = _labels(_rank(node.args[0]))
+    labels = dim_labels(ndim_of(node.args[0]))
     return DimSpec((labels,), (labels,))
 
 
 def _unsqueeze_spec(node):
-    n = _rank(node.args[0])
+    n = ndim_of(node.args[0])
     d = node.args[1] % (n + 1)
-    labels = _labels(n)
+    labels = dim_labels(n)
     return DimSpec((labels,), (labels[:d] + (fixed_label(),) + labels[d:],), "sum")
 
 
@@ -238,7 +238,7 @@ def _squeeze_spec(node):
     shape = val(node.args[0]).shape
     n = len(shape)
     dims = dims_arg(1, omitted="all")(node)
-    drop = {d % n for d in dims if _is_one(shape[d % n])} if n else set()
+    drop = {d % n for d in dims if is_one(shape[d % n])} if n else set()
     labels = tuple(fixed_label() if j in drop else f"d{j}" for j in range(n))
     return DimSpec((labels,), (tuple(lab for j, lab in enumerate(labels) if j not in drop),),
                    "sum")
@@ -251,7 +251,7 @@ def _local_squeeze(node, inputs, output, group):
         return node.target, node.args, node.kwargs
     shape = val(node.args[0]).shape
     n = len(shape)
-    dims = sorted({d % n for d in dims_arg(1, omitted="all")(node) if _is_one(shape[d % n])})
+    dims = sorted({d % n for d in dims_arg(1, omitted="all")(node) if is_one(shape[d % n])})
     return aten.squeeze.dims, (node.args[0], dims), {}
 
 
@@ -261,7 +261,7 @@ def _expand_spec(node):
     same), its input's gradient then partial."""
     src, dst = val(node.args[0]).shape, val(node).shape
     off = len(dst) - len(src)
-    kept = [j >= off and _same(src[j - off], dst[j]) for j in range(len(dst))]
+    kept = [j >= off and same_size(src[j - off], dst[j]) for j in range(len(dst))]
     ins = tuple(f"d{off + j}" if kept[off + j] else fixed_label() for j in range(len(src)))
     outs = tuple(f"d{j}" if kept[j] else f"e{j}" for j in range(len(dst)))
     return DimSpec((ins,), (outs,), "sum")
@@ -294,32 +294,32 @@ def _tiled_shard(node, world, actual=()):
 
 def _cat_spec(node):
     tensors = [t for t in node.args[0] if is_tensor_node(t)]
-    n = _rank(node)
+    n = ndim_of(node)
     d = op_arg(node, 1, "dim", 0) % n
     label = lambda j: fixed_label() if j == d else f"d{j}"  # noqa: E731
-    ins = tuple(tuple(label(j) for j in range(n)) if _rank(t) == n else (fixed_label(),)
+    ins = tuple(tuple(label(j) for j in range(n)) if ndim_of(t) == n else (fixed_label(),)
                 for t in tensors)
     return DimSpec(ins, (tuple(label(j) for j in range(n)),), "sum")
 
 
 def _stack_spec(node):
     """``stack(tensors, dim)``: equal-shaped inputs share every dim; the new dim is fixed."""
-    n = _rank(node) - 1
+    n = ndim_of(node) - 1
     d = op_arg(node, 1, "dim", 0) % (n + 1)
-    labels = _labels(n)
+    labels = dim_labels(n)
     ins = tuple(labels for _ in tensor_inputs(node))
     return DimSpec(ins, (labels[:d] + (fixed_label(),) + labels[d:],), "sum")
 
 
 def _split_spec(node):
-    n = _rank(node.args[0])
+    n = ndim_of(node.args[0])
     d = op_arg(node, 2, "dim", 0) % n
     labels = tuple(f"d{j}!" if j == d else f"d{j}" for j in range(n))
     return DimSpec((labels,), tuple(labels for _ in output_vals(node)), "sum")
 
 
 def _unbind_spec(node):
-    n = _rank(node.args[0])
+    n = ndim_of(node.args[0])
     d = op_arg(node, 1, "dim", 0) % n
     labels = tuple(f"d{j}!" if j == d else f"d{j}" for j in range(n))
     out = tuple(lab for j, lab in enumerate(labels) if j != d)
@@ -332,7 +332,7 @@ def _blocked_parts(node, world, actual=()):
     unequal ones: gpt-fast's ``[dim, kv, kv]``): every output is ``Shard(d)``, computed by
     splitting the local shard into local sizes. ``chunk`` takes equal parts only (its
     local form counts parts)."""
-    d = op_arg(node, 2, "dim", 0) % _rank(node.args[0])
+    d = op_arg(node, 2, "dim", 0) % ndim_of(node.args[0])
     parts = [v.shape[d] for v in output_vals(node)]
     if len(parts) < 2 or not all(isinstance(p, int) and p % world == 0 for p in parts):
         return
@@ -343,7 +343,7 @@ def _blocked_parts(node, world, actual=()):
 def _local_split(node, inputs, output, group):
     """Split sizes of an input blocked on the split dim are this rank's sizes (``chunk``
     counts parts; an input blocked on another dim splits as is)."""
-    d = op_arg(node, 2, "dim", 0) % _rank(node.args[0])
+    d = op_arg(node, 2, "dim", 0) % ndim_of(node.args[0])
     if not is_blocked(inputs[0]) or inputs[0].dim != d or node.target is aten.chunk.default:
         return node.target, node.args, node.kwargs
     sizes = node.args[1]
@@ -434,7 +434,7 @@ def _pad_spec(node):
     dims never shard (a pad of symbolic size counts as one); a nonzero constant fill would
     be added once per rank to a Partial value, so only zero padding and the modes that
     copy elements (reflect, replicate, circular) pass it."""
-    n, pads = _rank(node.args[0]), list(node.args[1])
+    n, pads = ndim_of(node.args[0]), list(node.args[1])
     padded = {n - 1 - k // 2 for k, p in enumerate(pads) if not (isinstance(p, int) and p == 0)}
     labels = tuple(f"d{j}!" if j in padded else f"d{j}" for j in range(n))
     if node.target is aten.pad.default:
@@ -448,7 +448,7 @@ def _same_dims(node):
     """Every dim of the input maps to the same dim of the output, whose size may be a
     multiple of it (``repeat_interleave`` along a dim keeps contiguous blocks together).
     Without a dim the input is flattened first: only its leading dim maps, to the 1-d output."""
-    labels = _labels(_rank(node.args[0]))
+    labels = dim_labels(ndim_of(node.args[0]))
     if op_arg(node, 2, "dim") is None:
         labels = labels[:1] + tuple(fixed_label() for _ in labels[1:])
         return DimSpec((labels,), (labels[:1] or (fixed_label(),),), "sum")
@@ -457,8 +457,8 @@ def _same_dims(node):
 
 def _complex_view_spec(node):
     """``view_as_complex`` folds the trailing (re, im) dim away; ``view_as_real`` adds it."""
-    n_in, n_out = _rank(node.args[0]), _rank(node)
-    labels = _labels(min(n_in, n_out))
+    n_in, n_out = ndim_of(node.args[0]), ndim_of(node)
+    labels = dim_labels(min(n_in, n_out))
     pair = (fixed_label(),)
     return DimSpec((labels + pair if n_in > n_out else labels,),
                    (labels + pair if n_out > n_in else labels,), "sum")
@@ -474,7 +474,7 @@ RULES: dict = {
     aten.unflatten.int: Rule(_view_spec, local_op=_localize_unflatten),
     aten.transpose.int: permutation(_transpose_perm),
     aten.permute.default: permutation(lambda n: list(n.args[1])),
-    aten.t.default: permutation(lambda n: list(range(_rank(n.args[0])))[::-1]),
+    aten.t.default: permutation(lambda n: list(range(ndim_of(n.args[0])))[::-1]),
     aten.movedim.int: permutation(_movedim_perm),
     aten.movedim.intlist: permutation(_movedim_perm),
     aten.unsqueeze.default: Rule(_unsqueeze_spec),
@@ -494,10 +494,10 @@ RULES: dict = {
     aten.unfold.default: Rule(_unfold_spec),
     aten.diagonal.default: Rule(_diagonal_spec),
     aten.view.dtype: Rule(_dtype_view_spec),
-    aten.slice.Tensor: Rule(_fixed_dim_spec(1).spec, local_op=_local_slice, extra=_sliced),
-    aten.narrow.default: _fixed_dim_spec(1),
-    aten.flip.default: _fixed_dim_spec(1, default=None),
-    aten.roll.default: _fixed_dim_spec(2, default=None),
+    aten.slice.Tensor: Rule(fixed_dim_spec(1).spec, local_op=_local_slice, extra=_sliced),
+    aten.narrow.default: fixed_dim_spec(1),
+    aten.flip.default: fixed_dim_spec(1, default=None),
+    aten.roll.default: fixed_dim_spec(2, default=None),
     aten.constant_pad_nd.default: Rule(_pad_spec),
     aten.pad.default: Rule(_pad_spec),
 }
