@@ -65,7 +65,7 @@ def test_kv_weights_stay_whole_and_are_sliced_per_rank(fake_group, kv_heads):
 
 
 # A fused q / k / v projection with fewer KV heads than ranks is not served without a
-# gather yet (the README's "Uneven sizes and few KV heads"). At these widths its output is
+# gather yet (docs/how-it-works.md, "Uneven sizes and few KV heads"). At these widths its output is
 # gathered where it is split, reported, and the model computes as on one device. Per
 # family: config, model, attention and block prefixes with their projections, config
 # overrides, and (forward, backward) collectives and reported gathers at 2 and 4 ranks

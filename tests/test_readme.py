@@ -1,5 +1,6 @@
-"""The README's scripts run exactly as written, under torchrun with 2 ranks (4 for the
-scaling-out recipe)."""
+"""The runnable scripts of the README and of docs/ (each a ```python block starting
+``# save as NAME``) run exactly as written, under torchrun with 2 ranks (4 for the
+scaling-out recipe); every such script is one a test here runs."""
 import os
 import re
 import subprocess
@@ -10,6 +11,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SCRIPTS = {"quickstart.py", "plans.py", "scale_out.py", "serve.py"}  # what the tests run
+
+
+def saved_scripts() -> dict[str, list[str]]:
+    """Each ``# save as NAME`` script of the README and docs/: name -> its texts."""
+    found: dict[str, list[str]] = {}
+    for page in PAGES:
+        for m in re.finditer(r"```python\n(# save as (\S+?)[,;:\s].*?)```", page.read_text(),
+                             re.S):
+            found.setdefault(m.group(2), []).append(m.group(1))
+    return found
 
 
 EXIT_ABORT = "terminate called without an active exception"
@@ -36,11 +49,10 @@ def torchrun(script: Path, ranks: int, logs: Path, **env) -> subprocess.Complete
 
 
 def run_readme_script(tmp_path, name: str, ranks: int = 2, **env):
-    """The README's ``# save as <name>`` script, run under torchrun: each rank's stdout and
-    stderr (one file each per rank, so their prints cannot interleave). A failed run reports
-    every rank's logs, so that a crash says which rank died where."""
-    readme = (ROOT / "README.md").read_text()
-    code = re.search(rf"```python\n(# save as {re.escape(name)}.*?)```", readme, re.S).group(1)
+    """The ``# save as <name>`` script of the README or docs/, run under torchrun: each
+    rank's stdout and stderr (one file each per rank, so their prints cannot interleave). A
+    failed run reports every rank's logs, so that a crash says which rank died where."""
+    [code] = saved_scripts()[name]
     script = tmp_path / name
     script.write_text(code.replace('tempfile.gettempdir() + "/fxtp_scale_out"',
                                    repr(str(tmp_path / "checkpoint"))))
@@ -54,6 +66,12 @@ def run_readme_script(tmp_path, name: str, ranks: int = 2, **env):
     assert run.returncode == 0, run.stderr[-2000:] + shown
     assert sorted(out) == list(range(ranks)), shown
     return out, err
+
+
+def test_every_saved_script_is_one_a_test_runs_and_appears_once():
+    found = saved_scripts()
+    assert set(found) == SCRIPTS
+    assert all(len(texts) == 1 for texts in found.values())
 
 
 def test_quick_start_runs_as_written(tmp_path):

@@ -529,7 +529,8 @@ KNOWN_WRONG = {
     # op: (which of its strategies fail, why); each checked to still fail (strict xfail)
     "aten.scaled_dot_product_attention.default": (
         _sdpa_dropout, "dropout_p > 0: each rank draws a mask for its shard, not its part of "
-        "the single-device mask (same distribution, other numbers; README: Randomness)"),
+        "the single-device mask (same distribution, other numbers; docs/how-it-works.md: "
+        "Randomness)"),
 }
 
 
