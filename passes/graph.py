@@ -19,7 +19,7 @@ passes (:class:`ModuleSharding`, :class:`ModuleCall`). Imports no pass.
                 equivalent block traced in full (:class:`Stamp`); trace
 ``PINNED``      the placement a fresh tensor (a factory's output) is made in, chosen for
                 what is written into it (or ``Partial`` zeros partial sums are added
-                into); propagation keeps it. buffers, unpin
+                into); propagation keeps it. buffers, aliases, unpin
 ``INTO_PARTIAL``  on an add or subtraction partial sums left unreduced may reach: it may add
                 a replicated operand into a partial one (on one rank). unpin
 ``UNPLANNED``   on a parameter's ``get_attr`` that no style places: whole as far as the plan

@@ -72,6 +72,10 @@ def test_every_saved_script_is_one_a_test_runs_and_appears_once():
     found = saved_scripts()
     assert set(found) == SCRIPTS
     assert all(len(texts) == 1 for texts in found.values())
+    # a "# save as" line outside a ```python block opening with it would escape the tests
+    lines = [line for page in PAGES for line in page.read_text().splitlines()
+             if line.lstrip().startswith("# save as")]
+    assert len(lines) == len(SCRIPTS), lines
 
 
 def test_quick_start_runs_as_written(tmp_path):
