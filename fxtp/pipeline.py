@@ -425,16 +425,12 @@ def _attach_run_time(gm: fx.GraphModule, job: Job) -> None:
     except Exception as e:  # noqa: BLE001 - said when the other mode is asked for
         shadow, unbuildable = None, f"copying the model failed ({type(e).__name__}: {e})"
 
+    # the same options, shapes only: its shards come from this program's (fxtp.modes)
+    same = {**vars(options), "device": "meta", "init_fn": None, "dump_dir": None}
+
     def other_mode(training: bool) -> fx.GraphModule:
         with torch.random.fork_rng(devices=[]):  # a meta model's init seed draws one number
-            return parallelize(shadow.train(training), job.plan, job.mesh,
-                               example_inputs=options.example_inputs,
-                               example_kwargs=options.example_kwargs,
-                               dynamic_shapes=options.dynamic_shapes, strict=options.strict,
-                               device="meta", checkpoint=options.checkpoint,
-                               modules=options.modules, dtensor_params=options.dtensor_params,
-                               param_dtype=options.param_dtype,
-                               stamp_blocks=options.stamp_blocks)
+            return parallelize(shadow.train(training), job.plan, job.mesh, **same)
     keep_programs(gm, job.model.training, other_mode if shadow is not None else None,
                   unbuildable)
     guard_casts(gm, options.param_dtype)
