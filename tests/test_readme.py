@@ -156,3 +156,14 @@ def test_only_the_gloo_exit_abort_is_run_again(tmp_path):
     other.parent.mkdir()
     other.write_text(ABORTS_ONCE.format(message="Segmentation fault"))
     assert torchrun(other, 2, other.parent / "logs").returncode != 0
+
+
+def test_the_torch_floor_subset_the_readme_names_is_the_one_ci_runs():
+    ci = (ROOT / ".ci" / "run").read_text()
+    run = set(re.findall(r"tests/(test_\w+)\.py", ci[ci.index("torch==2.11"):]))
+    readme = (ROOT / "README.md").read_text()
+    policy = readme[readme.index("## Torch versions"):readme.index("## Documents")]
+    docs = (ROOT / "docs" / "torch-versions.md").read_text()
+    docs = docs[:docs.index("## What 2.11 does differently")]
+    assert run and set(re.findall(r"`(test_\w+)`", policy)) == run
+    assert set(re.findall(r"`(test_\w+)`", docs)) == run
