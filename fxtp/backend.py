@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .passes.collectives import allow_in_dynamo_graphs
+from .kernels.collectives import allow_in_dynamo_graphs
 from .passes.optimize import optimize
 
 from .passes.errors import FxtpError

@@ -11,7 +11,7 @@ from torch.nn.utils import get_total_norm
 from .kernels.torch_compat import foreach_mul_
 from .passes.placement import is_sharded
 
-from .passes.collectives import _all_reduce
+from .kernels.collectives import _all_reduce
 from .names import model_fqn
 from .pipeline import info_of
 

@@ -16,7 +16,7 @@ from collections import Counter
 import torch
 
 from .kernels.torch_compat import TorchDispatchMode
-from .passes.collectives import KINDS
+from .kernels.collectives import KINDS
 
 
 class count_collectives(TorchDispatchMode):

@@ -29,7 +29,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .kernels.torch_compat import StridedShard
-from .passes.collectives import _all_gather, _gather_units
+from .kernels.collectives import _all_gather, _gather_units
 from .local_reads import LEAVES, keep_reads, read_parameter
 from .local_steps import step_locally
 from .passes.graph import READS, keep_on_copy, recompile_alone

@@ -5,7 +5,7 @@ Reads what the passes leave in ``node.meta`` of the ``GraphModule`` that
 fallbacks, and ``val`` (the global shape; the local shape is this rank's chunk of it).
 
 Forward collectives are graph nodes. Backward collectives are not: each is the conjugate
-of a forward one (the table in :mod:`fxtp.passes.collectives`), issued when gradients flow
+of a forward one (the table in :mod:`fxtp.kernels.collectives`), issued when gradients flow
 through it, i.e. when its input depends on a trainable parameter (or, with
 ``input_grads=True``, on a floating root input) through differentiable ops:
 
@@ -40,17 +40,17 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
 from .kernels.torch_compat import OperatorBase
-from .passes.collectives import conjugates
 from .passes.gradients import gradient_carriers
 from .passes.graph import (COLLECTIVE, FALLBACK, PLACEMENT, READS, attr, call_args,
                            list_block, module_fqn, val)
 from .passes.placement import (UnitShard, blocks, describe, is_sharded, local_range,
                               size_hint)
 from .passes.modules import inline_program
+from .passes.program_cost import conjugates
 
-from .passes.cross_entropy import forward_all_reduce_bytes, loss_parallel_cross_entropy
-from .passes.sharded_norm import layer_norm_bytes, layer_norm_of_shards, norm_of_shards
-from .passes.sharded_softmax import (any_of_shards, arg_of_shards, collective_bytes,
+from .kernels.cross_entropy import forward_all_reduce_bytes, loss_parallel_cross_entropy
+from .kernels.sharded_norm import layer_norm_bytes, layer_norm_of_shards, norm_of_shards
+from .kernels.sharded_softmax import (any_of_shards, arg_of_shards, collective_bytes,
                                      cumsum_of_shards, extremum_of_shards, logsumexp_of_shards,
                                      pick_of_shards, softmax_of_shards, topk_of_shards)
 from .local_reads import LEAVES

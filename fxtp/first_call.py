@@ -4,7 +4,7 @@ At the first call an error that shows on some ranks only (an index out of range 
 rank's shard of a sharded input, memory running out where the shards are largest) would
 leave the other ranks waiting in the next collective until the group's timeout.
 :func:`agree_until_first_success` makes every eager call of the result agree on it first:
-before each collective of the call (:data:`fxtp.passes.collectives.BEFORE_ISSUE`) and once
+before each collective of the call (:data:`fxtp.kernels.collectives.BEFORE_ISSUE`) and once
 at its end, the ranks all-gather whether they raised. A rank that raised joins the
 exchange the others wait in and raises its own error; the others raise
 :class:`~fxtp.passes.errors.RankError` naming it. Each exchange is one tiny all-gather;
@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from .guards import comm_device, from_every_rank
-from .passes import collectives
+from .kernels import collectives
 from .passes.errors import RankError
 
 

@@ -3,7 +3,7 @@
 Dynamo hands the backend its graph of ``model.forward`` with the model's parameters and
 buffers as inputs, and calls the compiled result with the current tensors on every call.
 The replacement graph is :func:`fxtp.parallelize`'s program for the same call, reading
-each parameter as :func:`fxtp.passes.collectives.shard` of the full tensor passed in.
+each parameter as :func:`fxtp.kernels.collectives.shard` of the full tensor passed in.
 
 What it serves: inference, with each rank computing on its shards and the model's
 parameters read afresh on every call. Training through it is correct but is not tensor
@@ -29,7 +29,7 @@ from .passes.graph import PLACEMENT
 from .passes.modules import inline_program
 from .passes.placement import UnitShard, blocks, is_sharded
 
-from .passes import collectives
+from .kernels import collectives
 from .passes.errors import FxtpError
 from .pipeline import parallelize
 

@@ -1,5 +1,5 @@
 """``fxtp.cross_entropy``: loss parallel outside the graph, on a sharded model output.
-The kernel (and the description of its collectives) is :mod:`fxtp.passes.cross_entropy`."""
+The kernel (and the description of its collectives) is :mod:`fxtp.kernels.cross_entropy`."""
 from __future__ import annotations
 
 import torch
@@ -7,7 +7,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from .mesh import resolve_group
 from .passes.errors import InputError
-from .passes.cross_entropy import loss_parallel_cross_entropy
+from .kernels.cross_entropy import loss_parallel_cross_entropy
 
 
 def cross_entropy(local_logits: torch.Tensor, target: torch.Tensor,

@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 
 from .passes.aliases import pin_written_aliases
-from .passes.collectives import allow_in_dynamo_graphs
+from .kernels.collectives import allow_in_dynamo_graphs
 from .passes.decompose import (decompose_sharded_norms, decompose_sharded_unruled,
                                decompose_unruled)
 from .passes.buffers import shard_written_buffers

@@ -103,7 +103,7 @@ def decompose_sharded_norms(gm: fx.GraphModule, world: int) -> bool:
     """Replace each ``rms_norm`` whose input arrives sharded on a normalized dim (a q / k
     norm over all heads, read on a colwise projection's head shards: OLMo-core's), each
     ``layer_norm`` whose input arrives so in blocks or to groups of ranks (even and unit
-    shards are its rule's kernel's, :mod:`~fxtp.passes.sharded_norm`), and each variance
+    shards are its rule's kernel's, :mod:`~fxtp.kernels.sharded_norm`), and each variance
     or standard deviation over a sharded dim (the same norm written by hand), by its
     means, centring and scaling ops, whose rules sum the ranks' partial sums (one
     all-reduce per mean, each way) instead of gathering the input. Run between

@@ -9,12 +9,12 @@ spec: class-sharded logits are served by an extra strategy whose local op is
 backward), so propagation picks it over gathering the logits whenever they arrive sharded.
 With ``"mean"``, tokens sharded by rows (the batch dim) are served by another extra
 strategy: each rank's sum and kept weight, summed by one all-reduce
-(:func:`~fxtp.passes.cross_entropy.mean_of_token_shards`), so a head whose logits arrive
+(:func:`~fxtp.kernels.cross_entropy.mean_of_token_shards`), so a head whose logits arrive
 split by tokens needs no gather for its loss.
 ``nll_loss`` on class-sharded log-probabilities (a ``log_softmax`` written before it, which
-:mod:`~fxtp.passes.sharded_softmax` keeps sharded) takes each token's term on the rank
+:mod:`~fxtp.kernels.sharded_softmax` keeps sharded) takes each token's term on the rank
 holding its target: a ``Partial`` loss, summed by one all-reduce where it is read
-(:func:`~fxtp.passes.local_ops.nll_loss_of_shard`).
+(:func:`~fxtp.kernels.local_ops.nll_loss_of_shard`).
 """
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
-from .cross_entropy import REDUCTIONS, loss_parallel_cross_entropy, mean_of_token_shards
+from ..kernels.cross_entropy import REDUCTIONS, loss_parallel_cross_entropy, mean_of_token_shards
 from .dimspec import DimSpec
 from .graph import op_arg
-from .local_ops import nll_loss_of_shard
+from ..kernels.local_ops import nll_loss_of_shard
 from .placement import P, UnitShard, dealt_shard, is_sharded, local_range
 
 _ARGS = (("weight", None), ("reduction", 1), ("ignore_index", -100), ("label_smoothing", 0.0))
@@ -108,7 +108,7 @@ def _class_shard(node: fx.Node, inputs) -> bool:
 
 
 def nll_on_classes(node: fx.Node, inputs, output, group):
-    """Class-sharded log-probabilities run :func:`~fxtp.passes.local_ops.nll_loss_of_shard`
+    """Class-sharded log-probabilities run :func:`~fxtp.kernels.local_ops.nll_loss_of_shard`
     from this rank's first class; otherwise the op itself."""
     if not _class_shard(node, inputs):
         return node.target, node.args, node.kwargs
@@ -121,7 +121,7 @@ def nll_on_classes(node: fx.Node, inputs, output, group):
 
 def loss_parallel(node: fx.Node, inputs, output, group):
     """Class-sharded logits run :func:`~fxtp.loss.loss_parallel_cross_entropy`; the mean of
-    tokens sharded by rows :func:`~fxtp.passes.cross_entropy.mean_of_token_shards`; other
+    tokens sharded by rows :func:`~fxtp.kernels.cross_entropy.mean_of_token_shards`; other
     token shards and replicated logits run the op itself."""
     logits = node.args[0]
     c = _class_dim(logits.meta["val"])

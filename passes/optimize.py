@@ -1,6 +1,6 @@
 """Post-rewrite passes: fewer and larger collectives, same program.
 
-They run on any graph whose collectives are calls of :mod:`fxtp.passes.collectives` functions:
+They run on any graph whose collectives are calls of :mod:`fxtp.kernels.collectives` functions:
 fxtp's own ``GraphModule`` and the graph dynamo makes of it under ``torch.compile``.
 Each pass keeps forward values and gradients exactly (the backward of each collective is
 its conjugate, so removing a forward pair removes the matching backward pair too), keeps
@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from . import collectives as C
+from ..kernels import collectives as C
 from .aliases import written_groups, written_roots, written_values
 from .effects import alias_root
 from .gradients import gradient_carriers

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
+from ..kernels.dealing import unit_range
 from ..kernels.torch_compat import StridedShard
 
 R = Replicate()
@@ -93,14 +94,6 @@ def is_grouped(p, world: int) -> bool:
     return isinstance(p, UnitShard) and p.units < world
 
 
-def unit_range(units: int, rank: int, world: int) -> tuple[int, int]:
-    """The units ``[start, stop)`` rank ``rank`` holds (see :class:`UnitShard`)."""
-    if units < world:
-        unit = rank * units // world
-        return unit, unit + 1
-    per = -(-units // world)
-    start = min(rank * per, units)
-    return start, min(start + per, units)
 
 
 def dealt_shard(dim: int, size: int, world: int):

@@ -8,10 +8,9 @@ from typing import Callable, Optional
 
 import torch.fx as fx
 
-from .collectives import CONJUGATES, conjugates
 from .errors import StampMismatch
 from .gradients import gradient_carriers
-from .graph import COLLECTIVE, FALLBACK, STAMP, module_fqn, val
+from .graph import COLLECTIVE, FALLBACK, STAMP, call_args, module_fqn, val
 from .placement import numel_hint
 from .rewrite import rewrite
 from .snapshot import Snapshot
@@ -94,3 +93,28 @@ def _ring(kind: str, nbytes: float, world: int) -> float:
     :data:`STARTUP_BYTES`."""
     share = (world - 1) / world * nbytes
     return (2 * share if kind == "all_reduce" else share) + STARTUP_BYTES
+
+
+CONJUGATES = {
+    "all_reduce": ("all_reduce", None),
+    "reduce_scatter": ("reduce_scatter", "all_gather"),
+    "all_gather": ("all_gather", "reduce_scatter"),  # when the gradient is partial
+    "shard": (None, "all_gather"),
+    "grad_sync": (None, "all_reduce"),
+}
+"""A rewrite node's ``meta[COLLECTIVE]`` -> its (forward, backward) collective: the forward
+one sends the input's local tensor, the backward one the gradient, which has the output's
+placement."""
+
+
+def conjugates(node: fx.Node, carries) -> tuple[Optional[str], Optional[str]]:
+    """The (forward, backward) collectives a rewrite node whose ``meta[COLLECTIVE]`` is in
+    :data:`CONJUGATES` issues: the backward one only where its input (its first argument)
+    is among ``carries`` (the values carrying a gradient), and none for an all-gather whose
+    gradient is replicated (each rank takes its chunk)."""
+    kind = node.meta[COLLECTIVE]
+    forward, backward = CONJUGATES[kind]
+    if node.args[0] not in carries or \
+            kind == "all_gather" and not call_args(node)["partial_grad"]:
+        backward = None
+    return forward, backward

@@ -30,7 +30,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts, noop_context_fn)
 
 from ..kernels.torch_compat import c10d_functional
-from .collectives import KINDS
+from ..kernels.collectives import KINDS
 from .effects import written_through
 from .graph import COLLECTIVE, REGION, recompile_alone
 

@@ -23,7 +23,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.tensor import Partial, Replicate
 
-from . import collectives
+from ..kernels import collectives
 from .aliases import written_groups
 from .gradients import gradient_carriers
 from .errors import StampMismatch

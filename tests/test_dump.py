@@ -37,11 +37,12 @@ def test_ranks_write_shared_files_once_and_rank_specific_code_per_rank(ranks4, t
     rewritten = [(tmp_path / f"03_rewritten.rank{r}.py").read_text() for r in range(4)]
     assert len(set(rewritten)) == 4
     for r, code in enumerate(rewritten):
-        assert f"fxtp_passes_collectives_all_gather(mul_1, dim = 1, rank = {r}, world = 4, " in code
-    assert "fxtp_passes_collectives" not in (tmp_path / "01_traced.py").read_text()
+        assert f"fxtp_kernels_collectives_all_gather(mul_1, dim = 1, rank = {r}, world = 4, " \
+            in code
+    assert "fxtp_kernels_collectives" not in (tmp_path / "01_traced.py").read_text()
     placements = (tmp_path / "02_placements.txt").read_text()
     assert "layers.0.attention input 0" in placements  # the boundary the plan asks for
-    assert "fxtp_passes_collectives" in (tmp_path / "04_localized.rank0.py").read_text()
+    assert "fxtp_kernels_collectives" in (tmp_path / "04_localized.rank0.py").read_text()
 
 
 def test_the_environment_variable_dumps_and_one_process_writes_shared_names(

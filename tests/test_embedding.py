@@ -67,7 +67,7 @@ def test_vocab_sharded_lookup_matches_the_full_table_and_keeps_only_the_indices(
     """Each simulated rank's lookup on its rows, summed over ranks, is the full embedding;
     each rank's weight gradient is the matching rows of the full one (padding row: none);
     and backward keeps nothing but the indices the caller holds anyway."""
-    from fxtp.passes.local_ops import vocab_parallel_embedding
+    from fxtp.kernels.local_ops import vocab_parallel_embedding
     torch.manual_seed(0)
     full = torch.randn(VOCAB, DIM, dtype=torch.float64, requires_grad=True)
     grad_out = torch.randn(*TOKENS.shape, DIM, dtype=torch.float64)
@@ -93,7 +93,7 @@ def test_vocab_sharded_lookup_under_dynamo_matches_eager():
     """Traced by dynamo, each simulated rank's lookup gives eager's output and weight
     gradient (torch 2.11's dynamo got the gradient wrong when the lookup filled its output
     in place; the CUDA bf16 compile test caught it)."""
-    from fxtp.passes.local_ops import vocab_parallel_embedding
+    from fxtp.kernels.local_ops import vocab_parallel_embedding
     torch.manual_seed(0)
     full = torch.randn(VOCAB, DIM, dtype=torch.float64)
     grad_out = torch.randn(*TOKENS.shape, DIM, dtype=torch.float64)

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 import fxtp
 from fxtp import Replicate, Shard
-from fxtp.passes.cross_entropy import loss_parallel_cross_entropy
+from fxtp.kernels.cross_entropy import loss_parallel_cross_entropy
 from tests import transformer_models as tm
 from tests.parity import LR, TIGHT, check_parity, local_of, local_part, tolerance
 

@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 import fxtp
-from fxtp.passes import collectives as C
+from fxtp.kernels import collectives as C
 from fxtp.passes.modules import inline_program
 from fxtp.passes.optimize import optimize
 from tests import models

@@ -84,7 +84,7 @@ def test_quick_start_runs_as_written(tmp_path):
              for r in (0, 1)]
     assert lines[0][1] == lines[1][1]  # the same loss on both ranks
     assert all(line[2:] == ["(32,", "16)"] for line in lines)
-    assert "fxtp_passes_collectives_all_reduce" in out[0]
+    assert "fxtp_kernels_collectives_all_reduce" in out[0]
 
 
 def test_plans_from_other_projects_run_as_written(tmp_path):

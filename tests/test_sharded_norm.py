@@ -21,7 +21,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 import fxtp
 from fxtp.passes.placement import UnitShard
 from fxtp.passes.placement import local_range
-from fxtp.passes.sharded_norm import layer_norm_of_shards, norm_of_shards
+from fxtp.kernels.sharded_norm import layer_norm_of_shards, norm_of_shards
 from tests.compiled import check_compiled
 from tests.parity import TIGHT, check_parity, example, local_part
 

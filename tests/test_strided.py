@@ -13,7 +13,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import fxtp
-from fxtp.passes import collectives
+from fxtp.kernels import collectives
 from fxtp.passes.placement import BlockShard, describe
 from tests import models
 from tests.parity import check_parity, example, local_of, local_part

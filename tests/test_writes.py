@@ -210,7 +210,7 @@ def test_a_write_a_copy_would_take_into_a_planned_layout_is_refused(fake_group):
 def test_a_round_trip_around_a_write_is_kept():
     """``all_gather(shard(x))`` reads ``x`` as it was before ``x.mul_(2)`` in between: the
     round trip is not cancelled into a read of ``x`` after the write."""
-    from fxtp.passes import collectives as C
+    from fxtp.kernels import collectives as C
     from fxtp.passes.optimize import cancel_round_trips
     graph = torch.fx.Graph()
     x = graph.placeholder("x")

@@ -12,7 +12,7 @@ from torch.distributed.tensor import Partial, Replicate
 from ..dimspec import DimSpec
 from ..effects import writes_first_input
 from ..graph import INTO_PARTIAL, op_arg, tensor_inputs, val
-from ..local_ops import add_replicated_once, sharded_dropout
+from ...kernels.local_ops import add_replicated_once, sharded_dropout
 from ..placement import P, R, block_bounds, is_blocked, is_sharded, local_range
 from .base import Rule, dim_labels, ndim_of, pointwise, same_size, shard_start
 
@@ -39,7 +39,7 @@ def _tri_spec(node):
 
 def _dropout(node, inputs, output, group):
     """Dropout of a shard draws the whole mask and keeps this rank's part of it, a chunk or
-    one per block (see :func:`~fxtp.passes.local_ops.sharded_dropout`); of a replicated
+    one per block (see :func:`~fxtp.kernels.local_ops.sharded_dropout`); of a replicated
     value, the same mask on every rank (all ranks' generators are in step), which also
     drops the same elements of every rank's part of a partial sum."""
     if not is_sharded(inputs[0]):
@@ -115,7 +115,7 @@ _ADDS = {aten.add.Tensor: False, aten.add_.Tensor: False, aten.sub.Tensor: True,
 def replicated_into_partial(target, ins, outs) -> Optional[int]:
     """Under the strategy ``ins -> outs`` of an add or subtraction, the index of its
     replicated operand added into the other's partial sum (on one rank:
-    :func:`~fxtp.passes.local_ops.add_replicated_once`), whose gradient is then whole on
+    :func:`~fxtp.kernels.local_ops.add_replicated_once`), whose gradient is then whole on
     every rank, not partial; else ``None``."""
     if target not in _ADDS or len(ins) != 2 or not isinstance(outs[0], Partial):
         return None

@@ -1,18 +1,59 @@
 """Normalizations: layer and RMS norms, group norm and batch norm."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import Shard
 
+from ...kernels.sharded_norm import layer_norm_of_shards
 from ..dimspec import DimSpec, fixed_label
 from ..graph import op_arg, output_vals, tensor_inputs, val
-from ..sharded_norm import layer_norm_rule_parts
+from ..placement import UnitShard, is_blocked, is_grouped, is_sharded, local_range
 from .base import Rule, communicating, local_groups, ndim_of
 
 aten = torch.ops.aten
+
+
+def layer_norm_rule_parts():
+    """``(extra, local_op)`` of ``layer_norm``'s :class:`~fxtp.passes.rules.Rule`: ``x``
+    arriving sharded on a normalized dim, evenly or in units, with ``weight`` and ``bias``
+    sharded alike on their matching dim, gives an output sharded as ``x``."""
+    def normalized(node):
+        n, k = val(node.args[0]).dim(), len(node.args[1])
+        return n, k
+
+    def extra(node: fx.Node, world: int, actual=()):
+        n, k = normalized(node)
+        shape = val(node.args[0]).shape
+        if not all(isinstance(shape[d], int) for d in range(n - k, n)):
+            return  # the ranks' counts of a row's elements are numbers
+        offered = [Shard(d) for d in range(n - k, n) if shape[d] % world == 0]
+        arrived = actual[0] if actual else None
+        if isinstance(arrived, UnitShard) and arrived.dim >= n - k and \
+                not is_grouped(arrived, world):
+            offered.append(arrived)
+        for p in offered:
+            params = Shard(p.dim - (n - k)) if type(p) is Shard else \
+                UnitShard(p.dim - (n - k), p.units)
+            yield (p,) + (params,) * (len(tensor_inputs(node)) - 1), (p,)
+
+    def local_op(node: fx.Node, inputs, output, group):
+        n, k = normalized(node)
+        p = inputs[0]
+        if not (is_sharded(p) and not is_blocked(p) and p.dim >= n - k):
+            return node.target, node.args, node.kwargs
+        shape = val(node.args[0]).shape
+        rows = math.prod(shape[d] for d in range(n - k, n)) // shape[p.dim]
+        counts = tuple(rows * local_range(p, shape[p.dim], r, group.world)[1]
+                       for r in range(group.world))
+        return layer_norm_of_shards, (node.args[0], k, op_arg(node, 2, "weight"),
+                                      op_arg(node, 3, "bias"), op_arg(node, 4, "eps", 1e-5),
+                                      counts, group.name), {}
+
+    return extra, local_op
 
 
 def _norm_spec(node):

@@ -2,19 +2,22 @@
 (sums and means, extrema, logical ``any`` / ``all``, variances, vector norms)."""
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Callable, Optional
 
 import torch
 import torch.fx as fx
+from torch.distributed.tensor import Replicate
 
+from ...kernels.local_ops import mean_of_shard
+from ...kernels.sharded_norm import norm_of_shards
+from ...kernels.sharded_softmax import (any_of_shards, arg_of_shards, cumsum_of_shards,
+                                        extremum_of_shards, logsumexp_of_shards,
+                                        pick_of_shards, softmax_of_shards, topk_of_shards)
 from ..dimspec import DimSpec, fixed_label
 from ..graph import op_arg, output_vals, tensor_inputs, val
-from ..local_ops import mean_of_shard
-from ..placement import UnitShard, is_sharded
-from ..sharded_norm import norm_rule_parts
-from ..sharded_softmax import (pick_rule_parts, reduction_rule_parts, scan_rule_parts,
-                               softmax_rule_parts, topk_rule_parts)
+from ..placement import UnitShard, is_blocked, is_sharded, local_range, shardings_over
 from .base import Rule, communicating, dims_arg, local_size, ndim_of
 
 aten = torch.ops.aten
@@ -59,7 +62,7 @@ def reduction(dims_of: Callable[[fx.Node], list[int]], summed: bool = False,
 
 def softmax():
     """Softmax and log-softmax along argument 1: along a sharded dim too, by
-    :mod:`~fxtp.passes.sharded_softmax` (the output placed as the input)."""
+    :mod:`~fxtp.kernels.sharded_softmax` (the output placed as the input)."""
     return replace(along(dims_arg(1)), **communicating(softmax_rule_parts()))
 
 
@@ -88,7 +91,7 @@ def vector_norm():
     """A p-norm over ``dim`` (argument 2, every dim when omitted) of order argument 1:
     a reduction whose reduced dims may also arrive sharded, for finite ``p > 0``: the
     local op then sums every rank's powers (one all-reduce, see
-    :mod:`~fxtp.passes.sharded_norm`) into a replicated norm."""
+    :mod:`~fxtp.kernels.sharded_norm`) into a replicated norm."""
     dims_of = dims_arg(2, omitted="all")
     return replace(reduction(dims_of, keepdim_arg=3), **communicating(norm_rule_parts(dims_of)))
 
@@ -118,6 +121,202 @@ def _diff_spec(node):
     d = op_arg(node, 2, "dim", -1) % n
     labels = tuple(f"d{j}!" if j == d else f"d{j}" for j in range(n))
     return DimSpec(tuple(labels for _ in tensor_inputs(node)), (labels,))
+
+
+# --- the kernels that reduce over a sharded dim without gathering it ---------------------
+
+def _offered(node: fx.Node, dims: set, world: int, actual) -> list:
+    """The placements of the input sharded on one of ``dims`` these kernels take."""
+    return shardings_over(dims, val(node.args[0]).shape, world, actual[0] if actual else None)
+
+
+def _along(node: fx.Node) -> set:
+    n = val(node.args[0]).dim()
+    return {node.args[1] % n} if n else set()
+
+
+def _reduced(node: fx.Node) -> set:
+    """The dims an ``amax`` / ``amin`` / ``logsumexp`` / ``any`` / ``all`` / ``max``
+    reduces (``[]``, ``None`` or none given: all)."""
+    n = val(node.args[0]).dim()
+    dims = op_arg(node, 1, "dim", None)
+    dims = [dims] if isinstance(dims, int) else list(dims or [])
+    return {d % n for d in dims} if dims else set(range(n))
+
+
+_SOFTMAX = {  # op -> (log, safe, its dtype argument: (index, name) or a flag for fp32)
+    aten.softmax.int: (False, False, (2, "dtype")),
+    aten.log_softmax.int: (True, False, (2, "dtype")),
+    aten._safe_softmax.default: (False, True, (2, "dtype")),
+    aten._softmax.default: (False, False, "half_to_float"),
+    aten._log_softmax.default: (True, False, "half_to_float"),
+}
+
+
+def softmax_rule_parts():
+    """``(extra, local_op)`` of a :class:`~fxtp.passes.rules.Rule` for the softmax ops:
+    an input sharded along the softmax dim gives an output placed as it is."""
+    def extra(node: fx.Node, world: int, actual=()):
+        if val(node.args[0]).dim():
+            for p in _offered(node, _along(node), world, actual):
+                yield (p,), (p,)
+
+    def local_op(node: fx.Node, inputs, output, group):
+        if not (is_sharded(inputs[0]) and inputs[0].dim in _along(node)):
+            return node.target, node.args, node.kwargs
+        log, safe, dtype_arg = _SOFTMAX[node.target]
+        if dtype_arg == "half_to_float":
+            dtype = torch.float32 if node.args[2] else None
+        else:
+            dtype = op_arg(node, *dtype_arg)
+        return softmax_of_shards, (node.args[0], node.args[1], log, safe, dtype,
+                                   group.name), {}
+
+    return extra, local_op
+
+
+def pick_rule_parts(largest: bool, values: bool):
+    """``(extra, local_op)`` for ``max.dim`` / ``min.dim`` (``values``: values and indices)
+    or ``argmax`` / ``argmin`` along a dim that arrives sharded: replicated results.
+    ``argmax`` without a dim (over the flattened tensor) keeps to its spec."""
+    def dim_of(node):
+        dim = op_arg(node, 1, "dim")
+        return None if dim is None or not val(node.args[0]).dim() else \
+            dim % val(node.args[0]).dim()
+
+    def extra(node: fx.Node, world: int, actual=()):
+        d = dim_of(node)
+        if d is None or not isinstance(val(node.args[0]).shape[d], int):
+            return  # each rank's offset into the dim is a number
+        for p in _offered(node, {d}, world, actual):
+            if not is_blocked(p):  # the indices count from one offset per rank
+                yield (p,), (Replicate(),) * (2 if values else 1)
+
+    def local_op(node: fx.Node, inputs, output, group):
+        d = dim_of(node)
+        if d is None or not (is_sharded(inputs[0]) and inputs[0].dim == d):
+            return node.target, node.args, node.kwargs
+        x = node.args[0]
+        offset = local_range(inputs[0], val(x).shape[d], group.rank, group.world)[0]
+        return (pick_of_shards if values else arg_of_shards), (
+            x, d, op_arg(node, 2, "keepdim", False), largest, offset, group.rank, group.world,
+            group.name), {}
+
+    return extra, local_op
+
+
+_REDUCTIONS = {  # kind -> (kernel, its flag)
+    "logsumexp": (logsumexp_of_shards,), "amax": (extremum_of_shards, True),
+    "amin": (extremum_of_shards, False), "any": (any_of_shards, False),
+    "all": (any_of_shards, True),
+}
+
+
+def reduction_rule_parts(kind: str):
+    """``(extra, local_op)`` for a reduction of a kind of :data:`_REDUCTIONS` (``amax``:
+    ``max`` of every element too): an input sharded on a reduced dim gives a replicated
+    output."""
+    kernel, *flag = _REDUCTIONS[kind]
+
+    def extra(node: fx.Node, world: int, actual=()):
+        if val(node.args[0]).dim():
+            for p in _offered(node, _reduced(node), world, actual):
+                yield (p,), (Replicate(),)
+
+    def local_op(node: fx.Node, inputs, output, group):
+        dims = _reduced(node)
+        if not (is_sharded(inputs[0]) and inputs[0].dim in dims):
+            return node.target, node.args, node.kwargs
+        return kernel, (node.args[0], sorted(dims), op_arg(node, 2, "keepdim", False), *flag,
+                        group.name), {}
+
+    return extra, local_op
+
+
+def scan_rule_parts():
+    """``(extra, local_op)`` for ``cumsum`` along a dim that arrives sharded, each element
+    on one rank and the ranks' parts in order (no blocks): the output placed as the
+    input."""
+    def extra(node: fx.Node, world: int, actual=()):
+        x = val(node.args[0])
+        if x.dim() and all(isinstance(x.shape[d], int) for d in _along(node)):
+            for p in _offered(node, _along(node), world, actual):
+                if not is_blocked(p):  # each rank's offset into the dim is a number
+                    yield (p,), (p,)
+
+    def local_op(node: fx.Node, inputs, output, group):
+        if not (is_sharded(inputs[0]) and inputs[0].dim in _along(node)):
+            return node.target, node.args, node.kwargs
+        d = inputs[0].dim
+        size = val(node.args[0]).shape[d]
+        parts = [local_range(inputs[0], size, r, group.world) for r in range(group.world)]
+        start, length = parts[group.rank]
+        before = [n > 0 and s + n <= start for s, n in parts]
+        after = [n > 0 and s >= start + length for s, n in parts]
+        return cumsum_of_shards, (node.args[0], d, op_arg(node, 2, "dtype"), before, after,
+                                  group.world, group.name), {}
+
+    return extra, local_op
+
+
+def topk_rule_parts():
+    """``(extra, local_op)`` for ``topk`` along a dim that arrives sharded (no blocks):
+    replicated values and indices."""
+    def extra(node: fx.Node, world: int, actual=()):
+        x = val(node.args[0])
+        d = _topk_dim(node)
+        if d is None or not isinstance(x.shape[d], int) or not isinstance(node.args[1], int):
+            return
+        for p in _offered(node, {d}, world, actual):
+            if not is_blocked(p):  # the indices count from one offset per rank
+                yield (p,), (Replicate(), Replicate())
+
+    def local_op(node: fx.Node, inputs, output, group):
+        d = _topk_dim(node)
+        if d is None or not (is_sharded(inputs[0]) and inputs[0].dim == d):
+            return node.target, node.args, node.kwargs
+        size = val(node.args[0]).shape[d]
+        offset = local_range(inputs[0], size, group.rank, group.world)[0]
+        return topk_of_shards, (node.args[0], node.args[1], d, op_arg(node, 3, "largest", True),
+                                offset, size, group.world, group.name), {}
+
+    return extra, local_op
+
+
+def _topk_dim(node: fx.Node):
+    n = val(node.args[0]).dim()
+    return op_arg(node, 2, "dim", -1) % n if n else None
+
+
+def norm_rule_parts(dims_of: Callable[[fx.Node], list[int]], ord_arg: int = 1,
+                    keepdim_arg: int = 3):
+    """``(extra, local_op)`` of a :class:`~fxtp.passes.rules.Rule` for a norm op whose
+    order is argument ``ord_arg`` (default 2) and whose reduced dims are ``dims_of``."""
+    def order(node):
+        p = op_arg(node, ord_arg, "ord")
+        return 2.0 if p is None else float(p)
+
+    def reduced(node):
+        n = val(node.args[0]).dim()
+        return {d % n for d in dims_of(node)} if n else set()
+
+    def extra(node: fx.Node, world: int, actual=()):
+        p = order(node)
+        if not (0 < p < math.inf):
+            return
+        for placement in shardings_over(reduced(node), val(node.args[0]).shape, world,
+                                        actual[0] if actual else None):
+            yield (placement,), (Replicate(),)
+
+    def local_op(node: fx.Node, inputs, output, group):
+        p, dims = order(node), reduced(node)
+        if not (is_sharded(inputs[0]) and inputs[0].dim in dims and 0 < p < math.inf):
+            return node.target, node.args, node.kwargs
+        return norm_of_shards, (node.args[0], p, sorted(dims),
+                                op_arg(node, keepdim_arg, "keepdim", False),
+                                node.kwargs.get("dtype"), group.name), {}
+
+    return extra, local_op
 
 
 RULES: dict = {

@@ -45,15 +45,13 @@ traces through them when the graph is lowered.
 from __future__ import annotations
 
 import functools
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
-import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
-from ..kernels.torch_compat import c10d_functional, detect_fake_mode
-from .graph import COLLECTIVE, call_args
-from .placement import UnitShard, local_range
+from .dealing import unit_range
+from .torch_compat import c10d_functional, detect_fake_mode
 
 _c10d = c10d_functional
 
@@ -132,10 +130,17 @@ def _chunk(x: torch.Tensor, dim: int, rank: int, world: int, blocks=1) -> torch.
     return torch.cat([b.chunk(world, dim)[rank] for b in x.split(list(blocks), dim)], dim)
 
 
+def _unit_span(units: int, size: int, rank: int, world: int) -> tuple[int, int]:
+    """``(start, length)`` of the elements of a dim of ``size`` in ``units`` units that
+    ``rank`` holds."""
+    start, stop = unit_range(units, rank, world)
+    per_unit = size // units
+    return start * per_unit, (stop - start) * per_unit
+
+
 def _gather_units(x: torch.Tensor, dim: int, units: int, size: int, world: int,
                   group: str) -> torch.Tensor:
-    p = UnitShard(dim, units)
-    ranges = [local_range(p, size, r, world) for r in range(world)]
+    ranges = [_unit_span(units, size, r, world) for r in range(world)]
     longest = max(length for _, length in ranges)
     x = x.movedim(dim, 0)
     padded = torch.cat([x, x.new_zeros(longest - x.shape[0], *x.shape[1:])]) \
@@ -151,7 +156,7 @@ def _gather_units(x: torch.Tensor, dim: int, units: int, size: int, world: int,
 
 def _own_units(grad: torch.Tensor, dim: int, units: int, rank: int, world: int
                ) -> torch.Tensor:
-    start, length = local_range(UnitShard(dim, units), grad.shape[dim], rank, world)
+    start, length = _unit_span(units, grad.shape[dim], rank, world)
     mine = grad.narrow(dim, start, length)
     first = units >= world or rank % (world // units) == 0
     return _fresh(mine) if first else torch.zeros_like(mine)
@@ -398,30 +403,6 @@ def _flat_cat(xs: Sequence[torch.Tensor]) -> torch.Tensor:
 def _split_like(flat: torch.Tensor, xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     return tuple(p.view(x.shape) for p, x in zip(flat.split([x.numel() for x in xs]), xs))
 
-
-CONJUGATES = {
-    "all_reduce": ("all_reduce", None),
-    "reduce_scatter": ("reduce_scatter", "all_gather"),
-    "all_gather": ("all_gather", "reduce_scatter"),  # when the gradient is partial
-    "shard": (None, "all_gather"),
-    "grad_sync": (None, "all_reduce"),
-}
-"""A rewrite node's ``meta[COLLECTIVE]`` -> its (forward, backward) collective: the forward
-one sends the input's local tensor, the backward one the gradient, which has the output's
-placement."""
-
-
-def conjugates(node: fx.Node, carries) -> tuple[Optional[str], Optional[str]]:
-    """The (forward, backward) collectives a rewrite node whose ``meta[COLLECTIVE]`` is in
-    :data:`CONJUGATES` issues: the backward one only where its input (its first argument)
-    is among ``carries`` (the values carrying a gradient), and none for an all-gather whose
-    gradient is replicated (each rank takes its chunk)."""
-    kind = node.meta[COLLECTIVE]
-    forward, backward = CONJUGATES[kind]
-    if node.args[0] not in carries or \
-            kind == "all_gather" and not call_args(node)["partial_grad"]:
-        backward = None
-    return forward, backward
 
 COLLECTIVES = (all_reduce, reduce_scatter, all_gather, shard, grad_sync, all_gather_units,
                shard_units)

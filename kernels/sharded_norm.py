@@ -18,18 +18,10 @@ One collective each way where the norm's decomposition into means costs two.
 """
 from __future__ import annotations
 
-import math
-from typing import Callable
-
 import torch
-import torch.fx as fx
-from torch.distributed.tensor import Replicate, Shard
 
 from .collectives import _all_gather, _all_reduce
 from .cross_entropy import compute_dtype
-from .graph import op_arg, tensor_inputs, val
-from .placement import (UnitShard, is_blocked, is_grouped, is_sharded, local_range,
-                        shardings_over)
 
 
 def norm_of_shards(x: torch.Tensor, ord: float, dims: list[int], keepdim: bool, dtype,
@@ -67,37 +59,6 @@ class _NormOfShards(torch.autograd.Function):
         # as torch's own norm backward: no gradient through a zero norm
         return (grad * scale).masked_fill(norm == 0, 0).to(x.dtype), None, None, None, \
             None, None
-
-
-def norm_rule_parts(dims_of: Callable[[fx.Node], list[int]], ord_arg: int = 1,
-                    keepdim_arg: int = 3):
-    """``(extra, local_op)`` of a :class:`~fxtp.passes.rules.Rule` for a norm op whose
-    order is argument ``ord_arg`` (default 2) and whose reduced dims are ``dims_of``."""
-    def order(node):
-        p = op_arg(node, ord_arg, "ord")
-        return 2.0 if p is None else float(p)
-
-    def reduced(node):
-        n = val(node.args[0]).dim()
-        return {d % n for d in dims_of(node)} if n else set()
-
-    def extra(node: fx.Node, world: int, actual=()):
-        p = order(node)
-        if not (0 < p < math.inf):
-            return
-        for placement in shardings_over(reduced(node), val(node.args[0]).shape, world,
-                                        actual[0] if actual else None):
-            yield (placement,), (Replicate(),)
-
-    def local_op(node: fx.Node, inputs, output, group):
-        p, dims = order(node), reduced(node)
-        if not (is_sharded(inputs[0]) and inputs[0].dim in dims and 0 < p < math.inf):
-            return node.target, node.args, node.kwargs
-        return norm_of_shards, (node.args[0], p, sorted(dims),
-                                op_arg(node, keepdim_arg, "keepdim", False),
-                                node.kwargs.get("dtype"), group.name), {}
-
-    return extra, local_op
 
 
 def layer_norm_of_shards(x: torch.Tensor, k: int, weight, bias, eps: float,
@@ -153,42 +114,3 @@ class _LayerNormOfShards(torch.autograd.Function):
         dw = None if weight is None else (g * xhat).sum(leading).to(weight.dtype)
         db = None if ctx.bias_dtype is None else g.sum(leading).to(ctx.bias_dtype)
         return dx.to(x.dtype), None, dw, db, None, None, None
-
-
-def layer_norm_rule_parts():
-    """``(extra, local_op)`` of ``layer_norm``'s :class:`~fxtp.passes.rules.Rule`: ``x``
-    arriving sharded on a normalized dim, evenly or in units, with ``weight`` and ``bias``
-    sharded alike on their matching dim, gives an output sharded as ``x``."""
-    def normalized(node):
-        n, k = val(node.args[0]).dim(), len(node.args[1])
-        return n, k
-
-    def extra(node: fx.Node, world: int, actual=()):
-        n, k = normalized(node)
-        shape = val(node.args[0]).shape
-        if not all(isinstance(shape[d], int) for d in range(n - k, n)):
-            return  # the ranks' counts of a row's elements are numbers
-        offered = [Shard(d) for d in range(n - k, n) if shape[d] % world == 0]
-        arrived = actual[0] if actual else None
-        if isinstance(arrived, UnitShard) and arrived.dim >= n - k and \
-                not is_grouped(arrived, world):
-            offered.append(arrived)
-        for p in offered:
-            params = Shard(p.dim - (n - k)) if type(p) is Shard else \
-                UnitShard(p.dim - (n - k), p.units)
-            yield (p,) + (params,) * (len(tensor_inputs(node)) - 1), (p,)
-
-    def local_op(node: fx.Node, inputs, output, group):
-        n, k = normalized(node)
-        p = inputs[0]
-        if not (is_sharded(p) and not is_blocked(p) and p.dim >= n - k):
-            return node.target, node.args, node.kwargs
-        shape = val(node.args[0]).shape
-        rows = math.prod(shape[d] for d in range(n - k, n)) // shape[p.dim]
-        counts = tuple(rows * local_range(p, shape[p.dim], r, group.world)[1]
-                       for r in range(group.world))
-        return layer_norm_of_shards, (node.args[0], k, op_arg(node, 2, "weight"),
-                                      op_arg(node, 3, "bias"), op_arg(node, 4, "eps", 1e-5),
-                                      counts, group.name), {}
-
-    return extra, local_op

@@ -27,9 +27,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels.torch_compat import assert_async
 from .collectives import _all_reduce, all_reduce
 from .local_ops import kept_target_weights
+from .torch_compat import assert_async
 
 REDUCTIONS = ("none", "mean", "sum")  # the order of aten's Reduction enum
 

@@ -1,0 +1,14 @@
+"""How a dim's units (heads, vocabulary rows, single elements) are dealt among the ranks:
+``torch.chunk``'s dealing where there are at least as many units as ranks, each unit held by
+consecutive ranks where there are fewer."""
+
+
+def unit_range(units: int, rank: int, world: int) -> tuple[int, int]:
+    """The units ``[start, stop)`` rank ``rank`` holds of ``units`` dealt among ``world``
+    ranks (the dealing of :class:`~fxtp.passes.placement.UnitShard`)."""
+    if units < world:
+        unit = rank * units // world
+        return unit, unit + 1
+    per = -(-units // world)
+    start = min(rank * per, units)
+    return start, min(start + per, units)
