@@ -1,4 +1,4 @@
-"""How long torch.compile takes on fxtp's program of the demo's model (``fxtp.demo``: Llama
+"""How long torch.compile takes on fxtp's program of the demo's model (``fxtp.examples.demo``: Llama
 with TP + sequence parallel + loss parallel) on CPU with gloo.
 
 For each backend: the first training step (forward, backward; compile included) with an
@@ -41,7 +41,7 @@ def _rank(rank, port, cache_dir, backends, layers, steps, results):
     import torch.distributed as dist
 
     import fxtp
-    from fxtp.demo import CONFIG, LanguageModel, batches, plan
+    from fxtp.examples.demo import CONFIG, LanguageModel, batches, plan
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORLD)
@@ -133,7 +133,7 @@ def depth() -> dict:
 def main():
     if sys.argv[1:] == ["--depth"]:
         return depth()
-    print(f"the demo's model (fxtp.demo), {WORLD} gloo ranks, "
+    print(f"the demo's model (fxtp.examples.demo), {WORLD} gloo ranks, "
           f"{os.cpu_count()} CPUs, torch.compile(fxtp.parallelize(...)), training step")
     print(f"{'backend':10} {'first, cold cache':>18} {'first, warm cache':>18} "
           f"{'compiled step':>14}")

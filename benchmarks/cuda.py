@@ -21,11 +21,11 @@ RESULTS = pathlib.Path(__file__).parent / "results"
 
 
 class LayerStack(nn.Module):
-    """The transformer layers of :class:`fxtp.llama.Llama` on embeddings (no vocab)."""
+    """The transformer layers of :class:`fxtp.examples.llama.Llama` on embeddings (no vocab)."""
 
     def __init__(self, cfg):
         super().__init__()
-        from fxtp.llama import TransformerBlock, precompute_cos_sin
+        from fxtp.examples.llama import TransformerBlock, precompute_cos_sin
         self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
         cos, sin = precompute_cos_sin(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("cos", cos, persistent=False)
@@ -75,7 +75,7 @@ def run(layers: int = 2, batch: int = 1, seq: int = 2048, world: int = 8, steps:
         warmup: int = 3, variants=None) -> dict:
     import fxtp
     from benchmarks.dtensor_tp import dtensor_tp
-    from fxtp.llama import LlamaConfig, llama_layer_plan
+    from fxtp.examples.llama import LlamaConfig, llama_layer_plan
     from fxtp.kernels.torch_compat import init_fake_process_group
     if not dist.is_initialized():
         init_fake_process_group(world, rank=0)

@@ -1,5 +1,5 @@
 """The peer recipe: torch's DTensor tensor parallelism (``parallelize_module``) of
-:class:`fxtp.llama.Llama` under the same plan as fxtp's, as ``benchmarks.run`` (CPU) and
+:class:`fxtp.examples.llama.Llama` under the same plan as fxtp's, as ``benchmarks.run`` (CPU) and
 ``benchmarks.cuda`` time it."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ WHY_DTENSOR_PATCHED = (
 
 
 def dtensor_tp(model, world: int, device_type: str = "cpu"):
-    """torch's DTensor TP of a :class:`fxtp.llama.Llama` (or of its layers alone) under the
+    """torch's DTensor TP of a :class:`fxtp.examples.llama.Llama` (or of its layers alone) under the
     same plan as fxtp's."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate

@@ -6,10 +6,10 @@ dispatch and nothing else), one thread, small widths: the host-bound regime of a
 Variants are timed in alternating rounds in this one process, so that a noisy shared
 machine slows them alike; each figure is the median over rounds of a round's mean.
 
-* ``decode``: :mod:`fxtp.gpt_fast` (fused ``wqkv``), one decode step under
+* ``decode``: :mod:`fxtp.examples.gpt_fast` (fused ``wqkv``), one decode step under
   ``torch.compile(fullgraph=True)``: fxtp default, fxtp plain, hand-written ``tp.py``
   (:func:`benchmarks.serving.handwritten_tp`).
-* ``train``: :class:`fxtp.llama.Llama`, forward + backward + ``AdamW(foreach=True)`` step,
+* ``train``: :class:`fxtp.examples.llama.Llama`, forward + backward + ``AdamW(foreach=True)`` step,
   eager and ``torch.compile(gm)``: fxtp default against plain.
 * ``optimizer``: ``opt.step()`` alone over ``gm.parameters()`` with gradients in place:
   ``AdamW(foreach=True)``, ``AdamW(fused=True)``, ``SGD``, default against plain.
@@ -43,11 +43,11 @@ TARGET = 1.05
 
 def decode_variants(args, world: int, cfg=None, batch: int = 1, device: str = "cpu",
                     dtype=torch.float32, mode=None) -> dict:
-    """One decode step of :mod:`fxtp.gpt_fast` at ``batch``, compiled (``mode``:
+    """One decode step of :mod:`fxtp.examples.gpt_fast` at ``batch``, compiled (``mode``:
     ``torch.compile``'s), fxtp default / plain against hand-written ``tp.py``."""
     import fxtp
     from benchmarks.serving import handwritten_tp
-    from fxtp.gpt_fast import ServeConfig, Transformer, tp_plan
+    from fxtp.examples.gpt_fast import ServeConfig, Transformer, tp_plan
     cfg = cfg or ServeConfig(vocab_size=512, dim=64 * world, n_layers=args.layers,
                              n_heads=world, n_kv_heads=world, hidden=128 * world,
                              max_seq_len=64)
@@ -84,14 +84,14 @@ def decode_variants(args, world: int, cfg=None, batch: int = 1, device: str = "c
 
 def cuda_decode_variants(args, world: int, batch: int) -> dict:
     """The GPU check of issue 49: Llama-3-8B's width (8 layers), bf16, CUDA graphs."""
-    from fxtp.gpt_fast import ServeConfig
+    from fxtp.examples.gpt_fast import ServeConfig
     cfg = ServeConfig(vocab_size=128256, dim=4096, n_layers=8, n_heads=32, n_kv_heads=8,
                       hidden=14336, max_seq_len=256, rope_theta=500000.0)
     return decode_variants(args, world, cfg, batch, "cuda", torch.bfloat16, "reduce-overhead")
 
 
 def llama_and_batch(args, world: int):
-    from fxtp.llama import Llama, LlamaConfig
+    from fxtp.examples.llama import Llama, LlamaConfig
     cfg = LlamaConfig(vocab_size=512, dim=32 * world, n_layers=args.train_layers,
                       n_heads=world, n_kv_heads=world, max_seq_len=32)
     g = torch.Generator().manual_seed(2)
@@ -102,7 +102,7 @@ def llama_and_batch(args, world: int):
 
 def parallel_llama(make, tokens, dtensor_params: bool):
     import fxtp
-    from fxtp.llama import llama_tp_plan
+    from fxtp.examples.llama import llama_tp_plan
     torch.manual_seed(0)
     gm = fxtp.parallelize(make(), llama_tp_plan(), example_inputs=(tokens,),
                           dtensor_params=dtensor_params)

@@ -1,4 +1,4 @@
-"""Hand-written Megatron-style tensor parallelism of :class:`fxtp.llama.Llama`, the way
+"""Hand-written Megatron-style tensor parallelism of :class:`fxtp.examples.llama.Llama`, the way
 gpt-fast's ``tp.py`` does it: each rank keeps its slices of the weights, attention uses the
 local head counts, and hooks put the collectives where Megatron puts them (an all-reduce
 after ``wo`` and ``w2``, its conjugate on the layer inputs, a vocab-parallel embedding, an
@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fxtp.llama import Llama
+from fxtp.examples.llama import Llama
 
 _c10d = torch.ops._c10d_functional
 

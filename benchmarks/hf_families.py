@@ -118,7 +118,7 @@ def run(pool, kind) -> dict:
     except Exception as e:  # noqa: BLE001 - reported
         return {"result": "config refused", "why": f"{type(e).__name__}: {e}"[:300]}
     from fxtp import PlanError
-    from fxtp.hf_plans import model_plan
+    from fxtp.plans.huggingface import model_plan
     try:  # a plan for the embedding or head alone: "auto" refuses it
         model_plan(model)
     except PlanError as e:

@@ -3,7 +3,7 @@
 parallel), at world size 8 on a fake process group (no data moves; the shards stay on the
 meta device: the passes alone are measured), and how time grows with the layer count (a
 least-squares line, with its R^2). Identical blocks are traced once and stamped
-(:mod:`fxtp.stamping`), whatever the root calls them with: each calling form of
+(:mod:`fxtp.frontend.stamping`), whatever the root calls them with: each calling form of
 :data:`FORMS` (root buffers passed as they are, slices of them, keywords, a tuple, a root
 parameter, tensors computed in the root) is measured apart.
 
@@ -35,7 +35,7 @@ import sys
 import torch
 import torch.nn as nn
 
-from fxtp.llama import Llama, LlamaConfig, TransformerBlock
+from fxtp.examples.llama import Llama, LlamaConfig, TransformerBlock
 from fxtp.passes.graph import STAMPED
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -117,7 +117,7 @@ def one(shape: str, layers: int, form: str = "sliced", world: int = 8,
 
     import fxtp
     from fxtp.kernels.torch_compat import init_fake_process_group
-    from fxtp.llama import llama_sp_plan
+    from fxtp.examples.llama import llama_sp_plan
     init_fake_process_group(world, rank=world - 1)
     tokens = torch.randint(0, 100, (1, 16))
     start = time.perf_counter()  # first use in a process: torch.export's one-time set-up

@@ -32,7 +32,7 @@ TARGET = 1.10  # stack vs complex
 
 def build(rope: str, world: int):
     import fxtp
-    from fxtp.llama import Llama, LlamaConfig, llama_sp_plan
+    from fxtp.examples.llama import Llama, LlamaConfig, llama_sp_plan
     torch.manual_seed(0)
     model = Llama(LlamaConfig(rope=rope, **SHAPE))
     tokens = torch.randint(0, SHAPE["vocab_size"], (1, SHAPE["max_seq_len"]))

@@ -1,6 +1,6 @@
 """fxtp against what users would pick instead, side by side in one run.
 
-Training step time (forward, backward, AdamW step) of :class:`fxtp.llama.Llama` at two
+Training step time (forward, backward, AdamW step) of :class:`fxtp.examples.llama.Llama` at two
 sizes on 2 gloo CPU ranks (one thread each) for: the single-device model (one rank),
 torch's DTensor TP (``parallelize_module`` with the same plan) eager and compiled, a
 hand-written Megatron-style TP (:mod:`benchmarks.handwritten`) eager and compiled, and
@@ -41,7 +41,7 @@ VARIANTS = ("single", "dtensor_eager", "dtensor_compiled", "handwritten_eager",
 
 
 def sizes(quick: bool) -> dict:
-    from fxtp.llama import LlamaConfig
+    from fxtp.examples.llama import LlamaConfig
     if quick:
         return {"tiny": (LlamaConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=256,
                                      multiple_of=16, max_seq_len=32), 2, 16)}
@@ -56,7 +56,7 @@ def sizes(quick: bool) -> dict:
 def build(variant: str, model, tokens, rank: int, world: int):
     """This rank's module for ``variant`` (None where this rank does not take part)."""
     import fxtp
-    from fxtp.llama import llama_tp_plan
+    from fxtp.examples.llama import llama_tp_plan
     group = dist.group.WORLD.group_name
     if variant == "single":
         return model if rank == 0 else None
@@ -81,7 +81,7 @@ def train_step(module, opt, tokens, targets) -> torch.Tensor:
 
 
 def time_variant(variant, cfg, batch, seq, args, rank, world) -> dict:
-    from fxtp.llama import Llama
+    from fxtp.examples.llama import Llama
     torch.manual_seed(0)
     model = Llama(cfg)
     g = torch.Generator().manual_seed(1)
@@ -136,7 +136,7 @@ def megatron_bytes(cfg, batch, seq, world, item, sp: bool) -> dict:
 
 def fxtp_bytes(cfg, batch, seq, rank, world) -> dict:
     import fxtp
-    from fxtp.llama import Llama, llama_sp_plan, llama_tp_plan
+    from fxtp.examples.llama import Llama, llama_sp_plan, llama_tp_plan
     torch.manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq))
     out = {}

@@ -1,7 +1,7 @@
 """TP inside, FSDP2 across: fxtp against torchtitan's recipe on a ("dp", "tp") mesh.
 
 4 gloo CPU ranks (one thread each), mesh 2 x 2. Both variants shard
-:class:`fxtp.llama.Llama` with torchtitan's TP + SP plan on ``mesh["tp"]`` and then
+:class:`fxtp.examples.llama.Llama` with torchtitan's TP + SP plan on ``mesh["tp"]`` and then
 ``fully_shard`` every block and the root on ``mesh["dp"]``; "compiled" compiles each block
 first (regional compilation, as torchtitan does). The loss is torchtitan's default, loss
 parallel: the head's logits stay sharded by class and the loss is torch's ``loss_parallel()``
@@ -72,7 +72,7 @@ HANDWRITTEN = "handwritten_eager"  # Megatron-style TP + SP by hand; replicated 
 
 def sizes(quick: bool, cuda: bool = False) -> dict:
     """Name -> (config, batch per dp rank, sequence length)."""
-    from fxtp.llama import LlamaConfig
+    from fxtp.examples.llama import LlamaConfig
     small = (LlamaConfig(dim=128, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=1024,
                          multiple_of=32, max_seq_len=64), 4, 64)
     if quick:
@@ -121,7 +121,7 @@ def build(variant: str, model, tokens, mesh, loss_parallel: bool, device=None):
     ``fully_shard`` and initialized (torchtitan's order: no rank ever holds more than its
     share, and neither recipe's allocator keeps the blocks the full model was freed from)."""
     import fxtp
-    from fxtp.llama import llama_sp_plan
+    from fxtp.examples.llama import llama_sp_plan
     from torch.distributed.fsdp import fully_shard
     if variant == HANDWRITTEN:
         from benchmarks.handwritten import handwritten_sp
@@ -254,7 +254,7 @@ def _rank(rank, world, port, variant, size, args, out):
     device = "cuda" if args.cuda else "cpu"
     try:
         from torch.distributed.device_mesh import init_device_mesh
-        from fxtp.llama import Llama
+        from fxtp.examples.llama import Llama
         cfg, batch, seq = sizes(args.quick, args.cuda)[size]
         mesh = init_device_mesh(device, (2, 2), mesh_dim_names=("dp", "tp"))
         g = torch.Generator().manual_seed(1 + mesh["dp"].get_local_rank())

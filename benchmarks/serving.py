@@ -1,4 +1,4 @@
-"""Serving: decode tokens per second and per-rank KV cache bytes of :mod:`fxtp.gpt_fast`'s
+"""Serving: decode tokens per second and per-rank KV cache bytes of :mod:`fxtp.examples.gpt_fast`'s
 Llama (gpt-fast's layout: one fused ``wqkv``), single device against 2-rank tensor
 parallelism done four ways.
 
@@ -45,7 +45,7 @@ WORLD = 2
 
 
 def config(args):
-    from fxtp.gpt_fast import ServeConfig
+    from fxtp.examples.gpt_fast import ServeConfig
     if args.quick:
         return ServeConfig(vocab_size=512, dim=128, n_layers=2, n_heads=8, n_kv_heads=4,
                            hidden=384, max_seq_len=args.prompt + args.new)
@@ -92,7 +92,7 @@ def handwritten_tp(model, world: int, rank: int):
 
 def unfused(model):
     """The same weights with q, k and v as three projections."""
-    from fxtp.gpt_fast import Transformer
+    from fxtp.examples.gpt_fast import Transformer
     twin = Transformer(dataclasses.replace(model.config, fused_qkv=False))
     state = model.state_dict()
     for i, layer in enumerate(model.layers):
@@ -119,7 +119,7 @@ def dtensor_tp(model, world: int):
 def build(variant, model, prompt, rank):
     """``(prefill module, decode callable)`` with caches set up."""
     import fxtp
-    from fxtp.gpt_fast import tp_plan
+    from fxtp.examples.gpt_fast import tp_plan
     batch = prompt.shape[0]
     if variant.startswith("handwritten"):
         model = handwritten_tp(model, WORLD, rank)
@@ -140,7 +140,7 @@ def build(variant, model, prompt, rank):
 def timed_generation(model, decode, prompt, new: int):
     """(prefill s, [each decode step's s], tokens) of one generation, without autograd (as
     servers run)."""
-    from fxtp.gpt_fast import sample
+    from fxtp.examples.gpt_fast import sample
     length = prompt.shape[1]
     positions = torch.arange(length + new)
     start = time.perf_counter()
@@ -165,7 +165,7 @@ def _rank(rank, world, port, variant, batch, args, out):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=600))
     try:
-        from fxtp.gpt_fast import Transformer
+        from fxtp.examples.gpt_fast import Transformer
         cfg = config(args)
         torch.manual_seed(0)
         model = Transformer(cfg)

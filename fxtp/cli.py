@@ -31,9 +31,9 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from .inspection.explanation import explain
 from .kernels.torch_compat import init_fake_process_group
 from .passes.errors import FxtpError
-from .explanation import explain
 from .pipeline import parallelize
 
 
@@ -142,7 +142,7 @@ def fake_group(world_size: int, rank: int = 0):
 # --- demo ---------------------------------------------------------------------------------
 
 def add_demo(commands) -> None:
-    from . import demo
+    from .examples import demo
     p = commands.add_parser("demo", help="train a small Llama with TP + sequence parallel + "
                             "loss parallel next to the single-device model",
                             description=demo.__doc__.split("\n\n")[0])
@@ -151,7 +151,7 @@ def add_demo(commands) -> None:
 
 
 def run_demo(args) -> int:
-    from . import demo
+    from .examples import demo
     demo.main(args)
     return 0
 

@@ -1,8 +1,8 @@
 """``parallelize``: a model and a plan in, this rank's program out, in six stages over one
-:class:`Build` (each stage's files, with ``dump_dir``: :mod:`fxtp.dump`):
+:class:`Build` (each stage's files, with ``dump_dir``: :mod:`fxtp.inspection.dump`):
 
 ============  =================================================================================
-trace         the model to one graph, equal blocks stamped (:mod:`fxtp.trace`), and every
+trace         the model to one graph, equal blocks stamped (:mod:`fxtp.frontend.trace`), and every
               rank holding the same plan, model and graph
 seed          the plan's layouts at module boundaries (:mod:`fxtp.passes.seed`)
 place         placements propagated over every op, with the relayouts that spare a gather
@@ -33,19 +33,31 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 
-from .passes.aliases import pin_written_aliases
+from .edges.dtensor_outputs import dtensor_positions, hand_out_dtensors
+from .edges.dtensor_params import as_dtensors
+from .edges.info import ParallelInfo
+from .edges.local_reads import follow_parameters
+from .edges.materialize import fake_tensors, materialize, meta_tensors, swapped
+from .edges.unplanned_outputs import unplanned_sharded_outputs
+from .frontend.meta_copy import meta_copy
+from .frontend.mode_regions import restore_modes_on_error
+from .frontend.stamping import copied_fallbacks
+from .frontend.trace import trace
+from .inspection.dump import Dumper
 from .kernels.collectives import allow_in_dynamo_graphs
+from .passes.aliases import pin_written_aliases
+from .passes.buffers import shard_written_buffers
 from .passes.decompose import (decompose_sharded_norms, decompose_sharded_unruled,
                                decompose_unruled)
-from .passes.buffers import shard_written_buffers
-from .passes.localize import localize
-from .passes.modules import generate_code, outline_modules, scope_of, stamp_modules
+from .passes.errors import InputError, PlanError, ShardingError, StampMismatch
 from .passes.gather_early import gather_early
 from .passes.graph import PLACEMENT, REGION, STAMPED, calls_of, keep_on_copy
+from .passes.localize import localize
+from .passes.modules import generate_code, outline_modules, scope_of, stamp_modules
 from .passes.posing import copy_data_attributes, give_parameter_properties
 from .passes.propagate import propagate
-from .passes.rehearse import rehearse
 from .passes.recompute import copy_written_collectives, outline_checkpoints
+from .passes.rehearse import rehearse
 from .passes.rewrite import rewrite
 from .passes.seed import seed
 from .passes.strided import stride_fused_splits
@@ -53,52 +65,12 @@ from .passes.unfuse import unfuse_splits
 from .passes.units import deal_consumers, deal_sources
 from .passes.unpin import unpin_layouts
 from .passes.unused import drop_unused
-
-from .dump import Dumper
-from .dtensor_outputs import dtensor_positions, hand_out_dtensors
-from .dtensor_params import as_dtensors
-from .local_reads import follow_parameters
-from .passes.errors import InputError, PlanError, ShardingError, StampMismatch
-from .guards import (check_fresh, check_same_on_every_rank, every_rank_or_none,
-                     guard_arguments, guard_casts, guard_inputs)
-from .materialize import fake_tensors, materialize, meta_tensors, swapped
-from .mesh import resolve_group
-from .first_call import agree_until_first_success
-from .mode_regions import restore_modes_on_error
-from .modes import keep_programs, meta_copy
-from .plan import Plan, block_fqns, module_fqns, resolve_plan, tied_names
-from .stamping import copied_fallbacks
-from .trace import trace
-from .unplanned_outputs import unplanned_sharded_outputs
-
-
-@dataclass
-class ParallelInfo:
-    """What fxtp did, attached to the result as ``gm.fxtp``."""
-
-    plan: dict
-    group: str
-    rank: int
-    world_size: int
-    fallbacks: list[str] = field(default_factory=list)
-    output_placements: tuple = ()
-    param_placements: dict = field(default_factory=dict)
-    param_shapes: dict = field(default_factory=dict)  # FQN -> global shape
-    mesh: Optional[DeviceMesh] = None
-    state_keys: tuple = ()  # the model's state_dict() keys, in order
-    inlined: tuple = ()  # FQNs of modules kept in their parent's graph, not as submodules
-    dtensor_outputs: tuple = ()  # positions of the flat outputs returned as DTensors
-    unplanned_outputs: list[str] = field(default_factory=list)  # sharded by no layout
-    uncalled: dict = field(default_factory=dict)  # planned modules forward never called
-
-
-def info_of(gm: nn.Module) -> ParallelInfo:
-    """``gm.fxtp``, or a :class:`PlanError` for a module parallelize did not return."""
-    info = getattr(gm, "fxtp", None)
-    if not isinstance(info, ParallelInfo):
-        raise PlanError(f"expected the result of fxtp.parallelize, got a "
-                        f"{type(gm).__name__} without gm.fxtp")
-    return info
+from .plans.mesh import resolve_group
+from .plans.resolution import Plan, block_fqns, module_fqns, resolve_plan, tied_names
+from .runtime.first_call import agree_until_first_success
+from .runtime.guards import (check_fresh, check_same_on_every_rank, every_rank_or_none,
+                             guard_arguments, guard_casts, guard_inputs)
+from .runtime.modes import keep_programs
 
 
 def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequence = (),
@@ -111,7 +83,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
                 stamp_blocks: bool = True) -> fx.GraphModule:
     """Return this rank's tensor-parallel ``GraphModule`` for ``model`` under ``plan``: a
     style, a dict of FQN patterns to styles (or Hugging Face plan strings), or ``"auto"``
-    (a Hugging Face model's own plan, :mod:`fxtp.hf_plans`).
+    (a Hugging Face model's own plan, :mod:`fxtp.plans.huggingface`).
 
     ``example_inputs`` / ``example_kwargs`` are full (single-device) inputs used for
     tracing, positional and by keyword as the model is called (either may be left out,
@@ -129,7 +101,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
 
     A model built on the meta device gets only its local shards, allocated on ``device``
     (default: the group's device) and initialized by ``init_fn(module)`` or the modules'
-    ``reset_parameters()`` (:mod:`fxtp.materialize`); with ``device="meta"`` they stay on
+    ``reset_parameters()`` (:mod:`fxtp.edges.materialize`); with ``device="meta"`` they stay on
     the meta device: shapes only (plan checks, :mod:`fxtp.cli`), or to be sharded further
     by ``fully_shard`` before ``gm.to_empty(device=...)`` and :func:`fxtp.init_weights`
     allocate and initialize them (each rank then holds only its dp x tp share). The program
@@ -137,7 +109,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
     ``to_empty`` must allocate on.
 
     ``dump_dir`` (or the environment variable ``FXTP_DUMP_DIR``) writes every stage's
-    result, :func:`fxtp.explain`'s report and an HTML view there (:mod:`fxtp.dump`).
+    result, :func:`fxtp.explain`'s report and an HTML view there (:mod:`fxtp.inspection.dump`).
 
     Activation checkpointing: the model's own non-reentrant ``torch.utils.checkpoint``
     regions are kept (:mod:`fxtp.passes.recompute`), and ``checkpoint`` names modules (plan
@@ -160,14 +132,14 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
 
     ``stamp_blocks``: blocks (elements of ``ModuleList`` s / ``ModuleDict`` s) with the same
     code, shapes and plan are traced and analysed once, and each is a copy of the first
-    one's module holding its own shards (:mod:`fxtp.stamping`; where one's inputs arrive
+    one's module holding its own shards (:mod:`fxtp.frontend.stamping`; where one's inputs arrive
     placed otherwise, copies of the first one's traced nodes analysed anew); ``False``
     traces every block (the same program, slower to get).
 
     ``dtensor_params``: parameters are ``DTensor`` s on the mesh (global shape, this rank's
     shard inside), so ``torch.nn.utils.clip_grad_norm_``, ``state_dict()`` with DCP and
     FSDP2 see the global model, while the program computes on plain local tensors and
-    optimizers step them locally (:mod:`fxtp.local_reads`, :mod:`fxtp.local_steps`).
+    optimizers step them locally (:mod:`fxtp.edges.local_reads`, :mod:`fxtp.edges.local_steps`).
     ``False`` makes each parameter this rank's shard itself, a plain tensor: for code that
     differentiates with respect to the parameters (``torch.autograd.grad(loss,
     gm.parameters())``), which the reads do not pass through. torch's own tools then see
@@ -216,7 +188,7 @@ class Job:
     checkpointed: list  # FQNs of modules checkpointed as if wrapped
     repeated: list  # FQNs of blocks (elements of ModuleLists / ModuleDicts)
     blocks: list  # FQNs kept as submodules: blocks, checkpointed and named modules
-    group: object  # the resolved process group (fxtp.mesh)
+    group: object  # the resolved process group (fxtp.plans.mesh)
     device: torch.device  # where the result's tensors live
     meta: dict  # FQN -> the model's meta-device tensors
     recast: dict  # FQN -> meta stand-ins of param_dtype
@@ -290,7 +262,7 @@ def _program(job: Job, keep_stamps: bool) -> Optional[fx.GraphModule]:
 
 
 def _trace(b: Build) -> None:
-    """The model traced to one graph (:mod:`fxtp.trace`), its blocks stamped, unused and
+    """The model traced to one graph (:mod:`fxtp.frontend.trace`), its blocks stamped, unused and
     composite ops dropped; what the plan's modules were called with."""
     job, options = b.job, b.job.options
     # a trace records the devices its factory calls ask for (HF's position ids: the
@@ -425,7 +397,7 @@ def _attach_run_time(gm: fx.GraphModule, job: Job) -> None:
     except Exception as e:  # noqa: BLE001 - said when the other mode is asked for
         shadow, unbuildable = None, f"copying the model failed ({type(e).__name__}: {e})"
 
-    # the same options, shapes only: its shards come from this program's (fxtp.modes)
+    # the same options, shapes only: its shards come from this program's (fxtp.runtime.modes)
     same = {**vars(options), "device": "meta", "init_fn": None, "dump_dir": None}
 
     def other_mode(training: bool) -> fx.GraphModule:

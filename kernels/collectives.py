@@ -66,7 +66,7 @@ KINDS = {
 
 BEFORE_ISSUE: list = []
 """Functions called with the group's name before a collective here is issued on real
-tensors outside compiled code (:mod:`fxtp.first_call` has the ranks agree on errors so);
+tensors outside compiled code (:mod:`fxtp.runtime.first_call` has the ranks agree on errors so);
 empty otherwise."""
 
 

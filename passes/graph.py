@@ -25,12 +25,12 @@ passes (:class:`ModuleSharding`, :class:`ModuleCall`). Imports no pass.
 ``UNPLANNED``   on a parameter's ``get_attr`` that no style places: whole as far as the plan
                 goes, though propagation may hold it as the shard its readers take. seed
 ``READS``       on a node computing with a parameter through its owner's plain reads: the
-                parameter's path (relative to the graph's module). ``fxtp.dtensor_params``
+                parameter's path (relative to the graph's module). ``fxtp.edges.dtensor_params``
 ``REGION``      in ``node.meta["custom"]``: the number of the activation-checkpoint region
                 the node is in (:mod:`~fxtp.passes.recompute`); trace
 ==============  ==========================================================================
 
-``gm.meta`` keys of the traced module (all written by the trace, ``fxtp.trace``):
+``gm.meta`` keys of the traced module (all written by the trace, ``fxtp.frontend.trace``):
 
 =================  =======================================================================
 ``REGION``         each activation-checkpoint region's ``checkpoint`` options, by number

@@ -32,7 +32,7 @@ aten = torch.ops.aten
 
 
 def localize(gm: fx.GraphModule, group, copies: Optional[dict[str, str]] = None) -> None:
-    """``group``: the :class:`~fxtp.mesh.Group` the module runs on; ``copies``: tensors no
+    """``group``: the :class:`~fxtp.plans.mesh.Group` the module runs on; ``copies``: tensors no
     node reads (a stamped block's, :class:`~fxtp.passes.graph.Stamp`) -> the tensor read in
     their place, whose placement they take. Edits ``gm.graph``
     (and recompiles the ``torch.cond`` branches it edits); recompiling ``gm`` is left to

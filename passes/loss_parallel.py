@@ -5,7 +5,7 @@ Its dim spec shards the token dims (batch and spatial dims ``d1, ...``): per-tok
 stay sharded with ``reduction="none"``, their sum is ``Partial`` with ``"sum"``; ``"mean"``
 divides by a count over all tokens and keeps them whole. The class dim never shards in the
 spec: class-sharded logits are served by an extra strategy whose local op is
-:func:`fxtp.loss.loss_parallel_cross_entropy` (3 all-reduces of per-token values, none
+:func:`fxtp.edges.loss.loss_parallel_cross_entropy` (3 all-reduces of per-token values, none
 backward), so propagation picks it over gathering the logits whenever they arrive sharded.
 With ``"mean"``, tokens sharded by rows (the batch dim) are served by another extra
 strategy: each rank's sum and kept weight, summed by one all-reduce
@@ -23,9 +23,9 @@ import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
 from ..kernels.cross_entropy import REDUCTIONS, loss_parallel_cross_entropy, mean_of_token_shards
+from ..kernels.local_ops import nll_loss_of_shard
 from .dimspec import DimSpec
 from .graph import op_arg
-from ..kernels.local_ops import nll_loss_of_shard
 from .placement import P, UnitShard, dealt_shard, is_sharded, local_range
 
 _ARGS = (("weight", None), ("reduction", 1), ("ignore_index", -100), ("label_smoothing", 0.0))
@@ -120,7 +120,7 @@ def nll_on_classes(node: fx.Node, inputs, output, group):
 
 
 def loss_parallel(node: fx.Node, inputs, output, group):
-    """Class-sharded logits run :func:`~fxtp.loss.loss_parallel_cross_entropy`; the mean of
+    """Class-sharded logits run :func:`~fxtp.edges.loss.loss_parallel_cross_entropy`; the mean of
     tokens sharded by rows :func:`~fxtp.kernels.cross_entropy.mean_of_token_shards`; other
     token shards and replicated logits run the op itself."""
     logits = node.args[0]

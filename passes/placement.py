@@ -75,7 +75,7 @@ class BlockShard(_FieldPlacement):
     it: a rank holds its chunk of every block, in block order. Every size divides by the
     world size. ``_StridedShard(dim, k)`` is the equal-block case, which DTensor describes;
     this one it does not (such parameters stay plain local tensors, see
-    :mod:`fxtp.dtensor_params`)."""
+    :mod:`fxtp.edges.dtensor_params`)."""
 
     dim: int
     blocks: tuple

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 from fxtp import (ColwiseParallel, PrepareModuleInput, Replicate, RowwiseParallel,
                   SequenceParallel, Shard)
-from fxtp.llama import (FeedForward, RMSNorm, apply_rotary_emb_complex, llama_sp_plan,
-                        llama_tp_plan, precompute_freqs_cis, repeat_kv)
+from fxtp.examples.llama import (FeedForward, RMSNorm, apply_rotary_emb_complex, llama_sp_plan,
+                                 llama_tp_plan, precompute_freqs_cis, repeat_kv)
 from tests import transformer_models as tm
 
 L = 2
@@ -127,7 +127,7 @@ ROPES = {
 
 
 # --- one Llama block, parameterized by its rotary embedding ----------------------------
-# Meta's module names, so fxtp.llama's llama_tp_plan() and llama_sp_plan() apply as is.
+# Meta's module names, so fxtp.examples.llama's llama_tp_plan() and llama_sp_plan() apply as is.
 
 class Attention(nn.Module):
     """Grouped-query attention with global head counts in ``view``."""

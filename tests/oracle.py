@@ -30,7 +30,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._pytree import tree_map
 
-from fxtp.mesh import Group
+from fxtp.plans.mesh import Group
 from fxtp.passes.graph import INTO_PARTIAL, tensor_inputs
 from fxtp.passes.placement import BlockShard, UnitShard
 from fxtp.passes.rules import replicated_into_partial, rule_for

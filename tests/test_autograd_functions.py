@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import fxtp
-from fxtp.autograd_functions import Apply, is_elementwise
+from fxtp.frontend.autograd_functions import Apply, is_elementwise
 from tests import models
 from tests.parity import check_parity, example
 

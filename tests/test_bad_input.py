@@ -80,7 +80,7 @@ def test_a_model_already_divided_for_dtensor_names_the_module_and_global_sizes(f
     ``parallelize_module`` (torchtune's ``prepare_mha_for_tp``); fxtp traces the model on
     one device, where those views fail: the error names the innermost module running
     and says to pass the model as built."""
-    from fxtp.llama import Llama, LlamaConfig, llama_tp_plan
+    from fxtp.examples.llama import Llama, LlamaConfig, llama_tp_plan
     fake_group(2)
     model = Llama(LlamaConfig(n_layers=2))
     for block in model.layers:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fxtp.cli import example_input, main
-from fxtp.report import Report
+from fxtp.inspection.report import Report
 from tests import transformer_models as tm
 
 ROOT = Path(__file__).resolve().parent.parent

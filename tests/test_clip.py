@@ -10,7 +10,7 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 import fxtp
-from fxtp.names import model_fqn
+from fxtp.frontend.names import model_fqn
 from tests import transformer_models as tm
 from tests.parity import TIGHT, local_of, local_part
 

@@ -9,8 +9,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch._dynamo.utils import compilation_time_metrics, counters
 
 import fxtp
-from fxtp.gpt_fast import generate
-from fxtp.llama import Llama, LlamaConfig, llama_sp_plan
+from fxtp.examples.gpt_fast import generate
+from fxtp.examples.llama import Llama, LlamaConfig, llama_sp_plan
 from fxtp.passes.complex_pairs import Unpaired, pair_complex
 from fxtp.passes.errors import InputError
 from fxtp.passes.graph import attr

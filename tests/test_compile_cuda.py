@@ -99,7 +99,7 @@ def test_cuda_graphs_decode_reads_the_parameters_in_place(nccl_group):
     """``mode="reduce-overhead"``: the plain reads are static inputs of the CUDA graph, so
     an in-place update of a DTensor parameter (an optimizer step, a load) shows in the next
     replay; one compile across decode positions."""
-    from fxtp.gpt_fast import ServeConfig, Transformer, tp_plan
+    from fxtp.examples.gpt_fast import ServeConfig, Transformer, tp_plan
     cfg = ServeConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden=128,
                       max_seq_len=32)
     torch.manual_seed(0)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import fxtp
-from fxtp.llama import llama_tp_plan
+from fxtp.examples.llama import llama_tp_plan
 from tests import corpus
 from tests.conftest import pool_of
 from tests.corpus import CORPUS, L, TOKENS

@@ -7,7 +7,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from fxtp.local_reads import local_tensor
+from fxtp.edges.local_reads import local_tensor
 
 USES = {
     "elementwise": lambda w, x: (w * w).sum(),

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fxtp
-from fxtp.report import Report
+from fxtp.inspection.report import Report
 from tests import transformer_models as tm
 from tests.test_fallback import PLAN as UNRULED_PLAN, Unruled
 

@@ -11,7 +11,7 @@ import torch
 from torch.export import Dim
 
 import fxtp
-from fxtp.report import Report
+from fxtp.inspection.report import Comm, Report
 from tests import transformer_models as tm
 from tests.parity import example
 from tests.test_fallback import PLAN as UNRULED_PLAN, Unruled
@@ -121,7 +121,7 @@ def test_llama_report_states_the_megatron_collectives_shapes_and_memory():
     gather = next(n for n in report.nodes if n.collective == "all_gather")
     assert (gather.op, gather.module, gather.global_shape, gather.local_shape) == \
         ("fxtp.all_gather", "output", [2, 16, 64], [2, 16, 64])
-    assert gather.forward == [fxtp.report.Comm("all_gather", logits_shard)]
+    assert gather.forward == [Comm("all_gather", logits_shard)]
     assert gather.backward == []  # the gradient of replicated logits is chunked
 
 
@@ -135,13 +135,13 @@ def test_sequence_parallel_report_lists_each_gather_and_scatter():
     buckets = [n for n in report.nodes if n.collective == "grad_sync_bucket"]
     assert all(b.forward == [] for b in buckets)
     assert {b.module: b.backward for b in buckets} == {  # 2 norms per block, the final one
-        **{f"layers.{i}": [fxtp.report.Comm("all_reduce", 2 * CFG.dim * 4)] for i in range(L)},
-        "": [fxtp.report.Comm("all_reduce", CFG.dim * 4)]}
+        **{f"layers.{i}": [Comm("all_reduce", 2 * CFG.dim * 4)] for i in range(L)},
+        "": [Comm("all_reduce", CFG.dim * 4)]}
     scatter = next(n for n in report.nodes if n.collective == "reduce_scatter")
     assert (scatter.module, scatter.global_shape, scatter.local_shape, scatter.placement) == \
         ("tok_embeddings", [2, 16, 32], [2, 8, 32], "S(1)")
-    assert scatter.forward == [fxtp.report.Comm("reduce_scatter", ACTIVATION)]
-    assert scatter.backward == [fxtp.report.Comm("all_gather", ACTIVATION // world)]
+    assert scatter.forward == [Comm("reduce_scatter", ACTIVATION)]
+    assert scatter.backward == [Comm("all_gather", ACTIVATION // world)]
 
 
 def test_fallbacks_are_listed_with_their_module():

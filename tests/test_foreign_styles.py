@@ -14,7 +14,7 @@ from torch.distributed.tensor import (DTensor, Partial, Replicate, Shard, distri
 from torch.distributed.tensor.parallel import ParallelStyle
 
 import fxtp
-from fxtp.plan import resolve_plan
+from fxtp.plans.resolution import resolve_plan
 from tests.parity import check_parity, example
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float64, torch.float32],

@@ -4,7 +4,7 @@ collective for them while they stay frozen."""
 import torch
 
 import fxtp
-from fxtp.llama import Llama, LlamaConfig, llama_sp_plan
+from fxtp.examples.llama import Llama, LlamaConfig, llama_sp_plan
 from tests.parity import tolerance
 
 TOKENS = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))

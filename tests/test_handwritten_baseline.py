@@ -21,7 +21,7 @@ def slice_of(name, full, rank, world):
 
 def baseline_matches_single_device(rank, world, recipe):
     from benchmarks import handwritten
-    from fxtp.llama import Llama, LlamaConfig
+    from fxtp.examples.llama import Llama, LlamaConfig
     torch.manual_seed(0)
     cfg = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=128,
                       multiple_of=32, max_seq_len=16)

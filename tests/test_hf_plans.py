@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import fxtp
-from fxtp.hf_plans import NO_STYLE, STYLES, model_plan
+from fxtp.plans.huggingface import NO_STYLE, STYLES, model_plan
 from tests import corpus
 from tests.conftest import pool_of
 from tests.corpus import L, TOKENS
@@ -194,7 +194,7 @@ def test_every_plan_strings_style_hands_on_local_tensors_as_transformers_layers_
     """transformers registers ``sequence_parallel`` with ``use_local_output=True`` (its
     models compute on plain tensors), so a base model whose last norm is planned with it
     returns a plain tensor, not a DTensor."""
-    from fxtp.styles import returns_dtensors
+    from fxtp.plans.styles import returns_dtensors
     assert [name for name, make in STYLES.items() if returns_dtensors(make())] == []
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import fxtp
-from fxtp.hooks import GradientHooks
+from fxtp.frontend.hooks import GradientHooks
 from tests import models
 from tests.parity import check_parity, example
 

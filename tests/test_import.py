@@ -30,20 +30,20 @@ def test_import_fxtp_loads_no_torch_until_a_name_is_used():
                "print(Shard.__module__, ColwiseParallel.__module__,"
                " 'fxtp.pipeline' in sys.modules)"
                ).splitlines() == ["False False", "torch.distributed.tensor.placement_types "
-                                  "fxtp.styles False"]
+                                  "fxtp.plans.styles False"]
 
 
 def test_the_compile_backend_is_found_by_name_without_importing_fxtp():
     assert run("import sys; from torch._dynamo.backends.registry import lookup_backend; "
                "backend = lookup_backend('fxtp'); "
                "print(backend.__module__, 'fxtp.pipeline' in sys.modules)"
-               ) == "fxtp.backend False"
+               ) == "fxtp.compiling.backend False"
 
 
 def test_a_submodule_named_like_its_function_does_not_shadow_it():
     """``fxtp.parallelize`` and ``fxtp.explain`` stay the functions after their modules
-    are imported (here by ``fxtp.dump``, which imports both)."""
-    assert run("import types, fxtp, fxtp.dump\n"
+    are imported (here by ``fxtp.inspection.dump``, which imports both)."""
+    assert run("import types, fxtp, fxtp.inspection.dump\n"
                "print([type(getattr(fxtp, n)).__name__ for n in ('parallelize', 'explain')])"
                ) == "['function', 'function']"
 
@@ -59,7 +59,7 @@ def test_the_package_lists_its_api_not_its_helpers():
 def test_no_module_is_named_like_the_name_it_exports():
     """``fxtp.parallelize`` and ``fxtp.explain`` are always the functions: no submodule of
     that name can replace them as the package's attribute once imported."""
-    assert run("import fxtp, fxtp.pipeline, fxtp.explanation, fxtp.cli\n"
+    assert run("import fxtp, fxtp.pipeline, fxtp.inspection.explanation, fxtp.cli\n"
                "print(type(fxtp.parallelize).__name__, type(fxtp.explain).__name__)\n"
                "import pkgutil\n"
                "print(sorted(m.name for m in pkgutil.iter_modules(fxtp.__path__)\n"

@@ -1,5 +1,5 @@
 """fxtp's parameters are ``DTensor`` s, its programs compute on plain local tensors
-(:mod:`fxtp.local_reads`) and optimizers step them locally (:mod:`fxtp.local_steps`):
+(:mod:`fxtp.edges.local_reads`) and optimizers step them locally (:mod:`fxtp.edges.local_steps`):
 gradients, optimizer steps and state are those of the same program over plain parameters
 (``dtensor_params=False``) bit for bit, a compiled call never sees a ``DTensor``, and the
 reads follow the parameters through copies, conversions and ``requires_grad``."""
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 import fxtp
-from fxtp.llama import Llama, LlamaConfig, llama_tp_plan
+from fxtp.examples.llama import Llama, LlamaConfig, llama_tp_plan
 from fxtp.passes.graph import attr
 
 CFG = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16)
@@ -92,7 +92,7 @@ def test_compiled_blocks_take_plain_tensors(fake_group):
 
 
 def test_a_compiled_decode_step_compiles_once_across_positions(fake_group):
-    from fxtp.gpt_fast import ServeConfig, Transformer, tp_plan
+    from fxtp.examples.gpt_fast import ServeConfig, Transformer, tp_plan
     fake_group(2)
     cfg = ServeConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, n_kv_heads=2, hidden=64,
                       max_seq_len=16)

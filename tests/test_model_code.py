@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxtp
-from fxtp.guards import structure_keys
+from fxtp.runtime.guards import structure_keys
 from fxtp.passes.decompose import decompose_unruled
 from fxtp.passes.rules import rule_for
 from tests.parity import check_parity, example

@@ -10,7 +10,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing, checkpoint_wrapper)
 
 import fxtp
-from fxtp.llama import TransformerBlock
+from fxtp.examples.llama import TransformerBlock
 from tests import transformer_models as tm
 
 TOKENS = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fxtp.llama import Llama, LlamaConfig, llama_tp_plan
+from fxtp.examples.llama import Llama, LlamaConfig, llama_tp_plan
 from tests.parity import check_parity
 
 L, R, B, T = 2, 4, 2, 16

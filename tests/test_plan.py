@@ -7,7 +7,7 @@ import torch.distributed.tensor.parallel as torch_tp
 import torch.nn as nn
 
 import fxtp
-from fxtp.plan import resolve_plan
+from fxtp.plans.resolution import resolve_plan
 from tests import models
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fxtp.report_html import render_html
+from fxtp.inspection.report_html import render_html
 from tests import transformer_models as tm
 from tests.test_explain import TOKENS, explained
 

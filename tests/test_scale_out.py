@@ -18,7 +18,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 import fxtp
-from fxtp.llama import TransformerBlock
+from fxtp.examples.llama import TransformerBlock
 from tests import models
 from tests import transformer_models as tm
 from tests.parity import LR, TIGHT, tolerance

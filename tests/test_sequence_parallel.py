@@ -177,7 +177,7 @@ def test_dropout_masks_match_single_device_for_replicated_and_sharded_values(ran
 
 
 def test_sequence_parallel_on_a_linear_is_an_error():
-    from fxtp.plan import resolve_plan
+    from fxtp.plans.resolution import resolve_plan
     with pytest.raises(fxtp.PlanError, match=r"SequenceParallel cannot shard module 'up' of "
                                              r"type Linear.*'weight'.*ColwiseParallel"):
         resolve_plan(DropoutBlock(), {"up": fxtp.SequenceParallel()})
@@ -185,7 +185,7 @@ def test_sequence_parallel_on_a_linear_is_an_error():
 
 def test_torch_sequence_parallel_is_accepted_verbatim():
     from torch.distributed.tensor.parallel import SequenceParallel
-    from fxtp.plan import resolve_plan
+    from fxtp.plans.resolution import resolve_plan
     sharding = resolve_plan(DropoutBlock(), {"norm": SequenceParallel(sequence_dim=0)})["norm"]
     assert isinstance(sharding.style, fxtp.SequenceParallel)
     assert sharding.desired_inputs == (Shard(0),) and sharding.params == {}

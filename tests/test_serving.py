@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from torch.export import Dim
 
 import fxtp
-from fxtp.gpt_fast import KVCache, ServeConfig, Transformer, generate, tp_plan
-from fxtp.causal_lm import static_cache_module
+from fxtp.examples.gpt_fast import KVCache, ServeConfig, Transformer, generate, tp_plan
+from fxtp.serving.causal_lm import static_cache_module
 from fxtp.passes.placement import local_part
-from fxtp.styles import ColwiseParallel, RowwiseParallel
+from fxtp.plans.styles import ColwiseParallel, RowwiseParallel
 from tests.conftest import pool_of
 
 BATCH, PROMPT, NEW = 2, 8, 6

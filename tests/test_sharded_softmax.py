@@ -19,8 +19,8 @@ import fxtp
 from fxtp.passes.placement import UnitShard
 from fxtp.passes.placement import local_range
 from fxtp.kernels.sharded_softmax import (any_of_shards, arg_of_shards, cumsum_of_shards,
-                                         extremum_of_shards, logsumexp_of_shards,
-                                         pick_of_shards, softmax_of_shards, topk_of_shards)
+                                          extremum_of_shards, logsumexp_of_shards,
+                                          pick_of_shards, softmax_of_shards, topk_of_shards)
 from tests import models, transformer_models as tm
 from tests.compiled import check_compiled
 from tests.parity import TIGHT, check_parity, local_part

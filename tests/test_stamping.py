@@ -1,4 +1,4 @@
-"""Blocks traced once and stamped (:mod:`fxtp.stamping`): the program is the one tracing
+"""Blocks traced once and stamped (:mod:`fxtp.frontend.stamping`): the program is the one tracing
 every block gives (each module's code, collectives forward and backward, numerics), and
 a block that differs in shape, plan or a value its forward reads gets its own trace."""
 import pytest
@@ -8,8 +8,8 @@ import torch.nn as nn
 
 import fxtp
 from benchmarks.passes_scale import FORMS, ArgsLlama
-from fxtp.llama import (Llama, LlamaConfig, TransformerBlock, llama_sp_plan,
-                        llama_tp_plan)
+from fxtp.examples.llama import (Llama, LlamaConfig, TransformerBlock, llama_sp_plan,
+                                 llama_tp_plan)
 from fxtp.passes.graph import STAMPED
 from tests.models import Layers
 from tests.parity import check_parity

@@ -1,6 +1,6 @@
 """Small single-device transformers written the way people write them, used as tensor-
 parallel parity subjects, and their TP plans: GPT-2 style here, Llama-3 style from
-:mod:`fxtp.llama` (the demo's model)."""
+:mod:`fxtp.examples.llama` (the demo's model)."""
 from dataclasses import dataclass
 
 import torch
@@ -9,9 +9,9 @@ import torch.nn.functional as F
 
 import fxtp
 from fxtp import Replicate, Shard
-from fxtp.llama import (Llama, LlamaConfig, RMSNorm, llama_layer_plan,  # noqa: F401
-                        llama_sp_plan, llama_tp_plan, precompute_cos_sin,
-                        precompute_freqs_cis)
+from fxtp.examples.llama import (Llama, LlamaConfig, RMSNorm, llama_layer_plan,  # noqa: F401
+                                 llama_sp_plan, llama_tp_plan, precompute_cos_sin,
+                                 precompute_freqs_cis)
 
 
 # --- GPT-2 -------------------------------------------------------------------------------

@@ -58,7 +58,7 @@ def rule_for(target) -> Optional[Rule]:
     """The rule of ``target``: stated in :data:`RULES` (or :data:`LIBRARY_RULES`), else the
     pointwise rule for an ATen op torch tags ``pointwise`` (no Partial pass-through) and
     for a call of a custom ``autograd.Function`` found elementwise (a target whose
-    ``elementwise`` is true: :class:`fxtp.autograd_functions.Apply`), else ``None``."""
+    ``elementwise`` is true: :class:`fxtp.frontend.autograd_functions.Apply`), else ``None``."""
     if getattr(target, "elementwise", False) is True:
         return _POINTWISE
     rule = RULES.get(target)

@@ -31,7 +31,7 @@ class Rule:
     the output's placement.
     ``local_op(node, inputs, output, group)``, given the placements chosen for the tensor
     inputs and the output and the group (``rank``, ``world`` and ``name``: a
-    :class:`fxtp.mesh.Group`), returns the ``(target, args, kwargs)`` to run instead when the
+    :class:`fxtp.plans.mesh.Group`), returns the ``(target, args, kwargs)`` to run instead when the
     op cannot run as is on its shards or takes rank-dependent arguments; ``communicates``
     says that local op issues collectives for its ``extra`` strategies (they need a real
     process group to check). ``strided=False``: the op is offered no blocked

@@ -12,7 +12,7 @@ from ..dimspec import DimSpec, fixed_label, parse
 from ..effects import written_through
 from ..graph import is_tensor_node, op_arg, tensor_inputs, val
 from ...kernels.local_ops import (gather_of_shard, index_select_of_shard, select_of_shard,
-                         vocab_parallel_embedding)
+                                  vocab_parallel_embedding)
 from ..placement import P, R, UnitShard, is_blocked, shardings_over
 from .base import (Rule, broadcast_labels, dim_labels, fixed_dim_spec, input_ndims, ndim_of,
                    same_size, shard_start)

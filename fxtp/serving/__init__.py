@@ -1,0 +1,1 @@
+"""Serving: a Hugging Face causal LM tensor-parallel with a static KV cache, and ``generate``."""
