@@ -8,7 +8,7 @@ the meta device (no memory is allocated)::
 """
 import torch
 
-from tests import transformer_models as tm
+from tests.helpers import transformer_models as tm
 
 
 def model():

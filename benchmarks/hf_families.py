@@ -3,7 +3,7 @@
 
 Each family is built from its config class with small sizes (2 layers, hidden 32, 8 heads,
 4 KV heads, vocabulary 128, 4 experts; the MLA families with their own head dims and all
-KV heads), run once on one device, and checked by ``tests.parity.check_parity`` in strict
+KV heads), run once on one device, and checked by ``tests.helpers.parity.check_parity`` in strict
 mode (a fallback fails): forward, every gradient, 3 AdamW steps, in fp64 with a tight
 tolerance; else in fp64 with fp32's tolerance (a model that computes in fp32 inside:
 Gemma's norms, linear attention); else in fp32. A mixture of experts whose default
@@ -94,8 +94,8 @@ def make(kind: str, experts: str | None = None, **overrides):
 
 
 def check(rank, world, kind, dtype, tolerance, experts=None):
-    from tests.corpus import TOKENS
-    from tests.parity import check_parity
+    from tests.helpers.corpus import TOKENS
+    from tests.helpers.parity import check_parity
     warnings.simplefilter("ignore")
     counts = check_parity(rank, world, lambda: make(kind, experts), "auto", [TOKENS], dtype=dtype,
                           strict=True, input_grads=False, kwargs={"use_cache": False},
@@ -111,7 +111,7 @@ ATTEMPTS = ((torch.float64, torch.float64, None),  # (dtype, tolerance of, exper
 
 
 def run(pool, kind) -> dict:
-    from tests.corpus import TOKENS
+    from tests.helpers.corpus import TOKENS
     try:  # the small config must build and run on one device
         model = make(kind)
         model(TOKENS, use_cache=False)
@@ -153,7 +153,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("kinds", nargs="*", help="model types (default: every family)")
     args = parser.parse_args()
-    from tests.harness import RankPool
+    from tests.helpers.harness import RankPool
     import transformers
     kinds = args.kinds or [k for k in families() if k not in SKIP]
     report = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,

@@ -78,7 +78,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("kinds", nargs="*", help="model types (default: every family)")
     args = parser.parse_args()
-    from tests.harness import RankPool
+    from tests.helpers.harness import RankPool
     import transformers
     trained = json.loads((RESULTS / "hf_families.json").read_text())["families"]
     kinds = args.kinds or [k for k, found in trained.items() if found["result"] == "parity"]

@@ -59,7 +59,7 @@ def add_explain(commands) -> None:
                             description=__doc__.split("\n\n")[1])
     p.add_argument("--model", required=True, metavar="MODULE:FACTORY",
                    help="a function (or class) returning the model, e.g. "
-                        "tests.transformer_models:Llama")
+                        "tests.helpers.transformer_models:Llama")
     p.add_argument("--plan", required=True, metavar="MODULE:PLAN",
                    help="a function returning the plan (called with seq_parallel=True under "
                         "--seq-parallel), or a plan dict")
@@ -101,7 +101,7 @@ def load(spec: str):
     directory)."""
     module, sep, name = spec.partition(":")
     if not sep or not name:
-        raise SystemExit(f"expected MODULE:NAME (e.g. tests.transformer_models:Llama), got "
+        raise SystemExit(f"expected MODULE:NAME (e.g. tests.helpers.transformer_models:Llama), got "
                          f"{spec!r}")
     try:
         obj = importlib.import_module(module)

@@ -11,9 +11,10 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
 os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
 os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
 
-from tests.harness import RankPool  # noqa: E402
+from tests.helpers.harness import pool_of  # noqa: E402
 
-_pools: dict[int, RankPool] = {}
+_pools: dict = {}
+"""World size -> its :class:`~tests.helpers.harness.RankPool`, one per test session."""
 
 
 @pytest.fixture(scope="session")
@@ -21,12 +22,6 @@ def pools():
     yield _pools
     for pool in _pools.values():
         pool.close()
-
-
-def pool_of(pools, world: int) -> RankPool:
-    if world not in pools:
-        pools[world] = RankPool(world)
-    return pools[world]
 
 
 @pytest.fixture(params=[2, 4], ids=lambda w: f"world{w}")

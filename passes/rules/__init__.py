@@ -11,7 +11,7 @@ through). The other families (views, reductions, concatenation, indexing and sca
 sorting, cumulative ops, normalizations, matrix products, convolutions and per-channel
 planes, attention) are stated in this package's modules, one per family, one line per op
 where the family's rule shape fits. Every strategy of every rule is checked numerically by
-``tests/test_rule_oracle.py``.
+``tests/rules/test_rule_oracle.py``.
 
 Adding an op is usually one line in its family's ``RULES`` (which :data:`RULES` gathers),
 e.g. in ``reductions.py`` a reduction over a ``dim`` argument at position 1 that sums

@@ -1,0 +1,229 @@
+"""Grouped-query attention with fewer KV heads than ranks (2 KV heads at 4 ranks; one in
+multi-query attention): each rank computes exactly the KV head its query heads use, as
+Megatron and vLLM do, with no gather of k or v. The KV projections stay whole on every rank
+(each rank slices its head's rows); their gradients, each rank's share, are summed in one
+all-reduce per block (the block's bucket of replicated parameters' gradients), so a block
+reads only its own parameters."""
+import pytest
+import torch
+import torch.nn as nn
+
+import fxtp
+from fxtp.passes.modules import inline_program
+from tests.helpers import corpus
+from tests.helpers.harness import pool_of
+from tests.helpers.corpus import L, TOKENS
+from tests.helpers.parity import check_parity
+
+# forward: Megatron's (no k / v gathers); backward: Megatron's plus each block's bucketed
+# all-reduce of its KV weights' partial gradients
+COUNTS = ({"all_reduce": 2 * L + 1, "all_gather": 1}, {"all_reduce": 3 * L + 1})
+
+
+def hf_llama(kv_heads):
+    return corpus._hf("LlamaConfig", "LlamaForCausalLM", num_key_value_heads=kv_heads)
+
+
+def gqa_parity(rank, world, kv_heads):
+    return check_parity(rank, world, lambda: hf_llama(kv_heads), "auto", [TOKENS],
+                        dtype=torch.float64, strict=True, input_grads=False,
+                        kwargs={"use_cache": False}, output=lambda out: out.logits)
+
+
+def test_two_kv_heads_at_four_ranks(ranks4):
+    assert ranks4.run(gqa_parity, 2)[0] == COUNTS
+
+
+def test_multi_query_attention(ranks):
+    assert ranks.run(gqa_parity, 1)[0] == COUNTS
+
+
+def rope_llama_parity(rank, world):
+    make = lambda: corpus.RopeLlama("hf_rotate_half", n_kv_heads=2)  # noqa: E731
+    return check_parity(rank, world, make, corpus.llama_tp_plan(), [TOKENS],
+                        dtype=torch.float64, strict=True, input_grads=False)
+
+
+def test_meta_style_repeat_kv(ranks4):
+    """Meta's layout: (B, T, heads, head_dim) views, rotary embedding, ``repeat_kv``."""
+    assert ranks4.run(rope_llama_parity)[0] == COUNTS
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_kv_weights_stay_whole_and_are_sliced_per_rank(fake_group, kv_heads):
+    fake_group(4, rank=3)
+    gm = fxtp.parallelize(hf_llama(kv_heads), "auto", example_inputs=(TOKENS,),
+                          example_kwargs={"use_cache": False}, strict=True)
+    assert gm.fxtp.param_placements["model.layers.0.self_attn.k_proj.weight"].is_replicate()
+    assert gm.fxtp.param_placements["model.layers.0.self_attn.q_proj.weight"].is_shard(0)
+    head_dim = 32 // 8
+    start = 3 * kv_heads // 4 * head_dim  # rank 3's KV head: its rows of wk and wv
+    rows = [n for n in inline_program(gm).nodes if n.target is torch.ops.aten.slice.Tensor and
+            n.args[1:] == (0, start, start + head_dim)]
+    assert len(rows) == 2 * L  # k and v, in every layer
+    assert gm.fxtp.fallbacks == []
+
+
+# A fused q / k / v projection with fewer KV heads than ranks is not served without a
+# gather yet (docs/how-it-works.md, "Uneven sizes and few KV heads"). At these widths its output is
+# gathered where it is split, reported, and the model computes as on one device. Per
+# family: config, model, attention and block prefixes with their projections, config
+# overrides, and (forward, backward) collectives and reported gathers at 2 and 4 ranks
+# alike. Falcon-7B's layout runs attention and MLP in parallel (one all-reduce a layer) and
+# slices q, k and v out of a view by heads (three reported gathers of one value a layer);
+# GPT-BigCode splits once.
+MQA_FUSED = {
+    "falcon": ("FalconConfig", "FalconForCausalLM", "transformer.h.*.self_attention.",
+               ("query_key_value", "dense"), ("mlp.dense_h_to_4h", "mlp.dense_4h_to_h"),
+               dict(multi_query=True, new_decoder_architecture=False, alibi=False),
+               (({"all_gather": L, "all_reduce": L}, {"all_gather": L, "all_reduce": L}),
+                3 * L)),
+    "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", "transformer.h.*.attn.",
+                    ("c_attn", "c_proj"), ("mlp.c_fc", "mlp.c_proj"), dict(multi_query=True),
+                    (({"all_gather": L, "all_reduce": 2 * L},
+                      {"all_gather": L, "all_reduce": 2 * L}), L)),
+}
+
+
+def mqa_model(family, **sizes):
+    """The family's model with one KV head: hidden 32 and 4 heads, or ``sizes``."""
+    import transformers
+    config, model, *_, extra, _ = MQA_FUSED[family]
+    cfg = getattr(transformers, config)(**{
+        "vocab_size": corpus.VOCAB, "hidden_size": 32, "num_hidden_layers": L,
+        "num_attention_heads": 4, "attention_dropout": 0.0, "hidden_dropout": 0.0,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": 1,
+        "eos_token_id": 2, **extra, **sizes})
+    return getattr(transformers, model)(cfg)
+
+
+def mqa_plan(family):
+    """Colwise fused q / k / v and MLP up projection, rowwise output and down projection."""
+    _, _, attn, (qkv, out), (up, down), *_ = MQA_FUSED[family]
+    block = attn.rsplit(".", 2)[0] + "."
+    return {attn + qkv: fxtp.ColwiseParallel(), attn + out: fxtp.RowwiseParallel(),
+            block + up: fxtp.ColwiseParallel(), block + down: fxtp.RowwiseParallel()}
+
+
+def mqa_fused_parity(rank, world, family):
+    fallbacks = []
+    counts = check_parity(rank, world, lambda: mqa_model(family), mqa_plan(family), [TOKENS],
+                          dtype=torch.float64, input_grads=False,
+                          kwargs={"use_cache": False}, output=lambda out: out.logits,
+                          post=lambda gm: fallbacks.extend(gm.fxtp.fallbacks))
+    return counts, len(fallbacks)
+
+
+@pytest.mark.parametrize("family", sorted(MQA_FUSED))
+def test_a_fused_projection_with_one_kv_head_is_gathered_where_it_is_split(ranks, family):
+    counts, reported = MQA_FUSED[family][-1]
+    assert ranks.run(mqa_fused_parity, family)[0] == (counts, reported)
+
+
+def test_strict_mode_refuses_a_fused_projection_with_one_kv_head(fake_group):
+    fake_group(2)
+    with pytest.raises(fxtp.ShardingError, match="transformer.h.0.attn"):
+        fxtp.parallelize(mqa_model("gpt_bigcode"), mqa_plan("gpt_bigcode"),
+                         example_inputs=(TOKENS,), example_kwargs={"use_cache": False},
+                         strict=True)
+
+
+def bigcode_mqa_wide(rank, world):
+    """GPT-BigCode with one KV head, wide enough (hidden 256, 8 heads of 32, 2 x 256
+    tokens) that gathering k and v costs less than gathering the fused output once."""
+    make = lambda: mqa_model("gpt_bigcode", hidden_size=256, num_attention_heads=8,  # noqa
+                             max_position_embeddings=256)
+    tokens = torch.randint(0, corpus.VOCAB, (2, 256), generator=torch.Generator().manual_seed(0))
+    seen = {}
+
+    def inspect(gm):
+        report = fxtp.explain(gm)
+        seen["fallbacks"] = list(gm.fxtp.fallbacks)
+        seen["heads"] = sorted({n.local_shape[1] for n in report.nodes
+                                if n.op == "aten.scaled_dot_product_attention.default"})
+    counts = check_parity(rank, world, make, mqa_plan("gpt_bigcode"), [tokens],
+                          dtype=torch.float64, input_grads=False, kwargs={"use_cache": False},
+                          output=lambda out: out.logits, post=inspect)
+    return counts, seen
+
+
+def test_a_wide_fused_projection_with_one_kv_head_gathers_k_and_v_and_shards_attention(ranks):
+    """The fused output stays in blocks (each rank its q heads and its rows of k and v);
+    k and v, the small parts, are gathered where they are split, and attention runs on
+    this rank's heads only: forward 2 all-gathers a layer, backward the gathers of k's and
+    v's gradients for this rank's heads, no fallback. At the test models' widths above,
+    where a collective's start outweighs the bytes, one gather of the fused output wins."""
+    (fwd, bwd), seen = ranks.run(bigcode_mqa_wide)[0]
+    world = ranks.world
+    assert (fwd, bwd) == ({"all_gather": 2 * L, "all_reduce": 2 * L},
+                          {"all_gather": 2 * L, "all_reduce": 2 * L})
+    assert seen == {"fallbacks": [], "heads": [8 // world]}
+
+
+class NanoMQA(nn.Module):
+    """Multi-query attention as nanoGPT-style ports write it (bigcode's first StarCoder
+    experiments): ``q | kv`` in one ``c_attn``, ``kv`` split again, the one KV head
+    broadcast by ``matmul``."""
+
+    def __init__(self, dim=256, heads=8):
+        super().__init__()
+        self.dim, self.heads, self.head_dim = dim, heads, dim // heads
+        self.c_attn = nn.Linear(dim, dim + 2 * self.head_dim)
+        self.c_proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, kv = self.c_attn(x).split((self.dim, 2 * self.head_dim), dim=2)
+        k, v = kv.split(self.head_dim, dim=-1)
+        q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        att = (q @ k.unsqueeze(1).transpose(-2, -1)) / self.head_dim ** 0.5
+        return self.c_proj((att.softmax(-1) @ v.unsqueeze(1)).transpose(1, 2).reshape(b, t, -1))
+
+
+def test_a_blocked_layout_that_only_moves_the_fused_gather_keeps_it_reported(fake_group):
+    """Laid out in blocks, this model would still gather the whole fused output (its
+    attention reads q whole): the layout is not kept, so the gather stays the split's
+    reported fallback rather than one chosen silently."""
+    fake_group(2)
+    gm = fxtp.parallelize(NanoMQA(), {"c_attn": fxtp.ColwiseParallel(),
+                                      "c_proj": fxtp.RowwiseParallel()},
+                          example_inputs=(torch.randn(2, 256, 256),))
+    assert [f.split(" (")[0] for f in gm.fxtp.fallbacks] == ["aten.split_with_sizes.default"]
+
+
+class GQAttention(nn.Module):
+    """q, k and v projected apart, KV heads left to SDPA's ``enable_gqa`` (no repeat)."""
+
+    def __init__(self, kv_heads, heads=8, dim=32):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.q = nn.Linear(dim, dim)
+        self.k = nn.Linear(dim, kv_heads * self.head_dim)
+        self.v = nn.Linear(dim, kv_heads * self.head_dim)
+        self.o = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, -1).transpose(1, 2)
+        k = self.k(x).view(b, s, self.kv_heads, -1).transpose(1, 2)
+        v = self.v(x).view(b, s, self.kv_heads, -1).transpose(1, 2)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                             enable_gqa=True)
+        return x + self.o(a.transpose(1, 2).reshape(b, s, -1))
+
+
+def enable_gqa_parity(rank, world, kv_heads):
+    plan = {"q": fxtp.ColwiseParallel(), "k": fxtp.ColwiseParallel(),
+            "v": fxtp.ColwiseParallel(), "o": fxtp.RowwiseParallel()}
+    return check_parity(rank, world, lambda: GQAttention(kv_heads), plan,
+                        [torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(0))],
+                        dtype=torch.float64, strict=True)
+
+
+@pytest.mark.parametrize("world, kv_heads", [(2, 1), (4, 1), (4, 2)])
+def test_sdpa_reads_kv_heads_dealt_to_groups_of_ranks(pools, world, kv_heads):
+    """SDPA's ``enable_gqa`` with fewer KV heads than ranks: query heads sharded, each
+    rank's KV head computed by its group (no gather); forward the output projection's
+    all-reduce, backward the input gradient's and the KV weights' partial gradients'."""
+    counts = pool_of(pools, world).run(enable_gqa_parity, kv_heads)[0]
+    assert counts == ({"all_reduce": 1}, {"all_reduce": 2})
