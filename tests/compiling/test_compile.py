@@ -20,7 +20,7 @@ from tests.model_code.test_transformers import TOKENS, llama_plan
 B, T, D = models.BATCH, models.SEQ, models.DIM
 
 def _llama_with_loss():
-    from tests.styles.test_sequence_parallel import WithLoss
+    from tests.helpers.models import WithLoss
     return WithLoss(tm.Llama(tm.LlamaConfig(n_layers=1)))
 
 

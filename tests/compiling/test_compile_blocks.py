@@ -15,10 +15,10 @@ from fxtp.passes.complex_pairs import Unpaired, pair_complex
 from fxtp.passes.errors import InputError
 from fxtp.passes.graph import attr
 from fxtp.passes.stateless import stateless
+from tests.frontend.test_stamping import LAYERS, TOKENS, llama, llama_with_an_odd_middle_block
 from tests.helpers import transformer_models as tm
 from tests.helpers.compiled import check_compiled
 from tests.serving.test_serving import NEW, parallelize_for_serving, prompt, serving_model
-from tests.frontend.test_stamping import LAYERS, TOKENS, llama, llama_with_an_odd_middle_block
 
 
 def parallel(make_model):

@@ -7,9 +7,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
 import fxtp
+from tests.compiling.test_compile import CASES
 from tests.helpers.compiled import check_compiled
 from tests.helpers.parity import local_of, local_part
-from tests.compiling.test_compile import CASES
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 BACKENDS = pytest.mark.parametrize("backend", ["inductor", "fxtp"])

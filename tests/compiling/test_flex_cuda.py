@@ -10,8 +10,8 @@ from fxtp.kernels.torch_compat import init_fake_process_group
 
 import fxtp
 from fxtp import Shard
+from tests.helpers.models import FlexAttention
 from tests.helpers.parity import local_of, local_part
-from tests.frontend.test_regions import FlexAttention
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 WORLD, RANK = 4, 3

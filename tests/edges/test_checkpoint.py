@@ -17,8 +17,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 import fxtp
 from tests.helpers import models
 from tests.helpers import transformer_models as tm
-from tests.helpers.harness import pool_of
 from tests.helpers.corpus import gpt2_tp_plan
+from tests.helpers.harness import pool_of
 from tests.helpers.parity import local_of, local_part
 
 TOKENS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))

@@ -13,8 +13,8 @@ import torch
 import torch.nn as nn
 
 import fxtp
-from tests.helpers.parity import local_of
 from tests.helpers import transformer_models as tm
+from tests.helpers.parity import local_of
 
 TOKENS = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
 MODELS = {"llama": (lambda: tm.Llama(tm.LlamaConfig(n_heads=8, n_kv_heads=4)), tm.llama_sp_plan),

@@ -22,6 +22,7 @@ from fxtp.examples.llama import TransformerBlock
 from tests.helpers import models
 from tests.helpers import transformer_models as tm
 from tests.helpers.parity import LR, TIGHT, tolerance
+from tests.helpers.parity import full
 
 L = 2
 TOKENS = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
@@ -30,10 +31,6 @@ TOKENS = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0
 def llama(seed=0, rope="real"):
     torch.manual_seed(seed)
     return tm.Llama(tm.LlamaConfig(n_layers=L, n_heads=4, n_kv_heads=2, rope=rope))
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def build(dp: int, tp: int, wrap: str, mp=None, seed=0, dtype=torch.float64, rope="real",

@@ -14,6 +14,7 @@ import fxtp
 from fxtp.passes.modules import inline_program
 from tests.helpers import models
 from tests.helpers.compiled import check_compiled
+from tests.helpers.models import FlexAttention
 from tests.helpers.parity import check_parity, example
 
 PLAN = {"blocks.*.attention.w[qkv]": fxtp.ColwiseParallel(),
@@ -129,35 +130,6 @@ def test_an_unsupported_higher_order_op_is_a_trace_error_naming_it(fake_group):
     with pytest.raises(fxtp.TraceError, match=r"module '<root>' calls the higher-order op "
                                               r"scan .*cannot parallelize"):
         fxtp.parallelize(WithUnsupported(), {}, example_inputs=(torch.randn(3, 4),))
-
-
-def alibi(score, b, h, q_idx, kv_idx):
-    """A head-indexed score bias: each head penalizes distance with its own slope."""
-    return score - 0.5 * h * (q_idx - kv_idx)
-
-
-class FlexAttention(nn.Module):
-    """torchtitan-style attention through ``flex_attention``: a causal ``BlockMask`` built in
-    forward and a score function that reads the head index (an ALiBi-like bias)."""
-
-    def __init__(self, dim=32, n_heads=4):
-        super().__init__()
-        self.n_heads = n_heads
-        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
-
-    def heads(self, x):
-        """The attention output per head, (B, H, T, D / H)."""
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-        bsz, seqlen, _ = x.shape
-        q, k, v = (w(x).view(bsz, seqlen, self.n_heads, -1).transpose(1, 2)
-                   for w in (self.wq, self.wk, self.wv))
-        mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None,
-                                 seqlen, seqlen, device=x.device)
-        return flex_attention(q, k, v, block_mask=mask, score_mod=alibi)
-
-    def forward(self, x):
-        out = self.heads(x)
-        return self.wo(out.transpose(1, 2).flatten(2))
 
 
 FLEX_PLAN = {"w[qkv]": fxtp.ColwiseParallel(), "wo": fxtp.RowwiseParallel()}

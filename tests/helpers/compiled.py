@@ -6,10 +6,13 @@ import re
 from collections import Counter
 
 import torch
+import torch.fx as fx
 from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 import fxtp
+from fxtp.passes.modules import inline_program
+from fxtp.passes.optimize import optimize
 from tests.helpers.parity import (LR, example, local_of, local_part, noise_floor,
                                   step_like_reference, tolerance)
 
@@ -106,3 +109,12 @@ def check_compiled(rank, world, make_model, plan, inputs, *, backend="inductor",
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     return result
+
+
+def optimize_whole(gm: fx.GraphModule) -> None:
+    """The passes on the whole program, its modules inlined (a round trip may span two
+    modules: a reduce-scatter at one's output, the gather at the next one's input)."""
+    graph = inline_program(gm)
+    graph._codegen = gm.graph._codegen
+    gm.graph = graph
+    optimize(gm)

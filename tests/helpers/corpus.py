@@ -592,3 +592,14 @@ def call_kwargs(entry: Entry) -> dict:
 
 def logits(entry: Entry):
     return (lambda out: out.logits) if entry.hf else (lambda out: out)
+
+
+def tp_counts(bwd_all_reduce=2 * L + 1, fwd_all_reduce=2 * L + 1):
+    """Megatron TP of an L-layer LM. Forward: 2 all-reduces per layer (the attention's
+    and the MLP's rowwise outputs), 1 for the vocab-parallel embedding's partial sum, and
+    the all-gather of the colwise head's logits (``output_layouts=Replicate()``).
+    Backward: each replicated activation read by colwise projections gets one all-reduce
+    of its gradient (Megatron's ``f``): 2 per layer (the attention's and the MLP's input)
+    and the final norm's output into the head; the logits gather's backward is a local
+    chunk and the embedding's all-reduce has an identity backward."""
+    return ({"all_reduce": fwd_all_reduce, "all_gather": 1}, {"all_reduce": bwd_all_reduce})

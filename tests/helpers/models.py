@@ -202,3 +202,74 @@ FUSED_PLAN = {
     "layers.*.feed_forward.w13": fxtp.ColwiseParallel(),
     "layers.*.feed_forward.w2": fxtp.RowwiseParallel(),
 }
+
+
+TARGETS = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+class WithLoss(nn.Module):
+    """A language model whose forward returns the next-token loss."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, tokens, targets):
+        logits = self.lm(tokens)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
+                                                 label_smoothing=0.1)
+
+
+def prefixed(plan, prefix="lm."):
+    return {prefix + k: v for k, v in plan.items()}
+
+
+UNRULED_PLAN = {"up": fxtp.ColwiseParallel(), "down": fxtp.RowwiseParallel()}
+
+
+class FourierMix(nn.Module):
+    """FNet's token mixing, a Fourier transform, here over the sharded features: no rule
+    in fxtp, and torch has no decomposition of it into ops with one."""
+
+    def forward(self, h):
+        return torch.fft.fft(h, dim=-1).real
+
+
+class Unruled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(DIM, 32)
+        self.mix = FourierMix()
+        self.down = nn.Linear(32, DIM)
+
+    def forward(self, x):
+        return self.down(self.mix(self.up(x)))
+
+
+def alibi(score, b, h, q_idx, kv_idx):
+    """A head-indexed score bias: each head penalizes distance with its own slope."""
+    return score - 0.5 * h * (q_idx - kv_idx)
+
+
+class FlexAttention(nn.Module):
+    """torchtitan-style attention through ``flex_attention``: a causal ``BlockMask`` built in
+    forward and a score function that reads the head index (an ALiBi-like bias)."""
+
+    def __init__(self, dim=32, n_heads=4):
+        super().__init__()
+        self.n_heads = n_heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def heads(self, x):
+        """The attention output per head, (B, H, T, D / H)."""
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        bsz, seqlen, _ = x.shape
+        q, k, v = (w(x).view(bsz, seqlen, self.n_heads, -1).transpose(1, 2)
+                   for w in (self.wq, self.wk, self.wv))
+        mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None,
+                                 seqlen, seqlen, device=x.device)
+        return flex_attention(q, k, v, block_mask=mask, score_mod=alibi)
+
+    def forward(self, x):
+        out = self.heads(x)
+        return self.wo(out.transpose(1, 2).flatten(2))

@@ -180,3 +180,7 @@ def _unwrapped(name: str) -> str:
     wrapped block's own."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
     return name.replace(_CHECKPOINT_PREFIX, "").replace("_orig_mod.", "")
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t

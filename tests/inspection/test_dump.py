@@ -9,7 +9,7 @@ import torch
 import fxtp
 from fxtp.inspection.report import Report
 from tests.helpers import transformer_models as tm
-from tests.passes.test_fallback import PLAN as UNRULED_PLAN, Unruled
+from tests.helpers.models import UNRULED_PLAN, Unruled
 
 TOKENS = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
 SHARED = ["01_traced.py", "02_placements.txt", "graph.html", "report.json", "report.txt"]

@@ -13,9 +13,9 @@ from torch.export import Dim
 import fxtp
 from fxtp.inspection.report import Comm, Report
 from tests.helpers import transformer_models as tm
+from tests.helpers.models import UNRULED_PLAN, Unruled
+from tests.helpers.models import TARGETS, WithLoss, prefixed
 from tests.helpers.parity import example
-from tests.passes.test_fallback import PLAN as UNRULED_PLAN, Unruled
-from tests.styles.test_sequence_parallel import TARGETS, WithLoss, prefixed
 
 TOKENS = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
 L = 2

@@ -353,7 +353,7 @@ def two_d(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from tests.helpers.parity import LR, noise_floor, tolerance
-    from tests.edges.test_scale_out import full
+    from tests.helpers.parity import full
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
     model = llava().double()

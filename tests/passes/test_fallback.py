@@ -5,38 +5,17 @@ import warnings
 
 import pytest
 import torch
-import torch.nn as nn
 
 import fxtp
 from tests.helpers import models
+from tests.helpers.models import UNRULED_PLAN, Unruled
 from tests.helpers.parity import check_parity, example
-
-PLAN = {"up": fxtp.ColwiseParallel(), "down": fxtp.RowwiseParallel()}
-
-
-class FourierMix(nn.Module):
-    """FNet's token mixing, a Fourier transform, here over the sharded features: no rule
-    in fxtp, and torch has no decomposition of it into ops with one."""
-
-    def forward(self, h):
-        return torch.fft.fft(h, dim=-1).real
-
-
-class Unruled(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up = nn.Linear(models.DIM, 32)
-        self.mix = FourierMix()
-        self.down = nn.Linear(32, models.DIM)
-
-    def forward(self, x):
-        return self.down(self.mix(self.up(x)))
 
 
 def unruled(rank, world, dtype):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        counts = check_parity(rank, world, Unruled, PLAN,
+        counts = check_parity(rank, world, Unruled, UNRULED_PLAN,
                               [example(2, 4, models.DIM)], dtype=dtype)
     return counts, [str(w.message) for w in caught if "fxtp" in str(w.message)]
 
@@ -56,7 +35,7 @@ def test_op_without_rule_is_gathered_correctly_and_reported(ranks, dtype):
 def test_strict_mode_turns_the_fallback_into_an_error(fake_group):
     fake_group(2)
     with pytest.raises(fxtp.ShardingError, match=r"aten\._fft_r2c\.default.*module 'mix'.*strict"):
-        fxtp.parallelize(Unruled(), PLAN, example_inputs=(torch.randn(2, 4, models.DIM),),
+        fxtp.parallelize(Unruled(), UNRULED_PLAN, example_inputs=(torch.randn(2, 4, models.DIM),),
                          strict=True)
 
 
@@ -81,7 +60,7 @@ class SortMix(Unruled):
 def sort_mix(rank, world):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        counts = check_parity(rank, world, SortMix, PLAN, [example(2, 4, models.DIM)],
+        counts = check_parity(rank, world, SortMix, UNRULED_PLAN, [example(2, 4, models.DIM)],
                               dtype=torch.float64)
     return counts, [str(w.message) for w in caught if "fxtp" in str(w.message)]
 

@@ -11,8 +11,8 @@ import torch.nn as nn
 import fxtp
 from fxtp.passes.modules import inline_program
 from tests.helpers import corpus
-from tests.helpers.harness import pool_of
 from tests.helpers.corpus import L, TOKENS
+from tests.helpers.harness import pool_of
 from tests.helpers.parity import check_parity
 
 # forward: Megatron's (no k / v gathers); backward: Megatron's plus each block's bucketed

@@ -8,21 +8,12 @@ import torch.fx as fx
 
 import fxtp
 from fxtp.kernels import collectives as C
-from fxtp.passes.modules import inline_program
 from fxtp.passes.optimize import optimize
 from tests.helpers import models
+from tests.helpers.compiled import optimize_whole
 from tests.helpers.parity import TIGHT, check_parity, example as _x
 
 B, T, D = models.BATCH, models.SEQ, models.DIM
-
-
-def optimize_whole(gm: fx.GraphModule) -> None:
-    """The passes on the whole program, its modules inlined (a round trip may span two
-    modules: a reduce-scatter at one's output, the gather at the next one's input)."""
-    graph = inline_program(gm)
-    graph._codegen = gm.graph._codegen
-    gm.graph = graph
-    optimize(gm)
 
 
 def redundant(rank, world, post):

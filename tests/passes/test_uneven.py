@@ -13,8 +13,8 @@ import fxtp
 from fxtp.passes.placement import UnitShard
 from tests.helpers import corpus
 from tests.helpers import transformer_models as tm
-from tests.helpers.harness import pool_of
 from tests.helpers.corpus import L
+from tests.helpers.harness import pool_of
 from tests.helpers.parity import check_parity
 
 GPT2_VOCAB = 50257  # GPT-2's: divides by none of 2, 3, 4

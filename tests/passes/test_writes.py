@@ -12,8 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxtp
+from tests.helpers.compiled import optimize_whole
 from tests.helpers.parity import check_parity, example
-from tests.passes.test_optimize import optimize_whole
 
 B, T, D = 2, 6, 16
 PLAN = {"up": fxtp.ColwiseParallel(), "down": fxtp.RowwiseParallel()}  # hidden 4 D sharded

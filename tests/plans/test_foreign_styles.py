@@ -383,7 +383,7 @@ def test_torchtitans_qk_norm_entries_cost_no_collective(ranks2, style):
     (as without the entries) and its numbers."""
     pytest.importorskip("transformers")
     from tests.helpers.corpus import L
-    from tests.model_code.test_corpus import tp_counts
+    from tests.helpers.corpus import tp_counts
     # Megatron's, and per layer one all-reduce (bucketed) of the q and k norm weights'
     # gradients, which each rank sums over its own heads
     assert ranks2.run(qwen3_with_norms_planned, style)[0] == tp_counts(bwd_all_reduce=3 * L + 1)

@@ -7,8 +7,8 @@ import torch
 import fxtp
 from fxtp.plans.huggingface import NO_STYLE, STYLES, model_plan
 from tests.helpers import corpus
-from tests.helpers.harness import pool_of
 from tests.helpers.corpus import L, TOKENS
+from tests.helpers.harness import pool_of
 from tests.helpers.parity import check_parity
 
 transformers = pytest.importorskip("transformers", reason="pip install -e '.[test]'")

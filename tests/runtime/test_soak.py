@@ -8,7 +8,7 @@ import torch
 
 import fxtp
 from tests.helpers import transformer_models as tm
-from tests.styles.test_sequence_parallel import WithLoss, prefixed
+from tests.helpers.models import WithLoss, prefixed
 
 STEPS, B, T, VOCAB = 200, 2, 16, 64
 # Per-step agreement bound. fp64 sums taken in another order differ by ~1e-16 relative;

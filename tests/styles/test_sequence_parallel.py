@@ -9,6 +9,7 @@ import torch.nn as nn
 import fxtp
 from fxtp import Replicate, Shard
 from tests.helpers import models, transformer_models as tm
+from tests.helpers.models import TARGETS, WithLoss, prefixed
 from tests.helpers.parity import check_parity, example
 
 TOKENS = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -192,25 +193,6 @@ def test_torch_sequence_parallel_is_accepted_verbatim():
 
 
 # --- sequence parallel + loss parallel ----------------------------------------------------
-
-TARGETS = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
-
-
-class WithLoss(nn.Module):
-    """A language model whose forward returns the next-token loss."""
-
-    def __init__(self, lm):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, tokens, targets):
-        logits = self.lm(tokens)
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
-                                                 label_smoothing=0.1)
-
-
-def prefixed(plan, prefix="lm."):
-    return {prefix + k: v for k, v in plan.items()}
 
 
 def sp_loss_inside(rank, world, dtype, name):
