@@ -50,7 +50,7 @@ from typing import Sequence
 import torch
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
-from .dealing import unit_range
+from .dealing import unit_span
 from .torch_compat import c10d_functional, detect_fake_mode
 
 _c10d = c10d_functional
@@ -130,17 +130,9 @@ def _chunk(x: torch.Tensor, dim: int, rank: int, world: int, blocks=1) -> torch.
     return torch.cat([b.chunk(world, dim)[rank] for b in x.split(list(blocks), dim)], dim)
 
 
-def _unit_span(units: int, size: int, rank: int, world: int) -> tuple[int, int]:
-    """``(start, length)`` of the elements of a dim of ``size`` in ``units`` units that
-    ``rank`` holds."""
-    start, stop = unit_range(units, rank, world)
-    per_unit = size // units
-    return start * per_unit, (stop - start) * per_unit
-
-
 def _gather_units(x: torch.Tensor, dim: int, units: int, size: int, world: int,
                   group: str) -> torch.Tensor:
-    ranges = [_unit_span(units, size, r, world) for r in range(world)]
+    ranges = [unit_span(units, size, r, world) for r in range(world)]
     longest = max(length for _, length in ranges)
     x = x.movedim(dim, 0)
     padded = torch.cat([x, x.new_zeros(longest - x.shape[0], *x.shape[1:])]) \
@@ -156,7 +148,7 @@ def _gather_units(x: torch.Tensor, dim: int, units: int, size: int, world: int,
 
 def _own_units(grad: torch.Tensor, dim: int, units: int, rank: int, world: int
                ) -> torch.Tensor:
-    start, length = _unit_span(units, grad.shape[dim], rank, world)
+    start, length = unit_span(units, grad.shape[dim], rank, world)
     mine = grad.narrow(dim, start, length)
     first = units >= world or rank % (world // units) == 0
     return _fresh(mine) if first else torch.zeros_like(mine)

@@ -12,3 +12,11 @@ def unit_range(units: int, rank: int, world: int) -> tuple[int, int]:
     per = -(-units // world)
     start = min(rank * per, units)
     return start, min(start + per, units)
+
+
+def unit_span(units: int, size: int, rank: int, world: int) -> tuple[int, int]:
+    """``(start, length)`` of the elements rank ``rank`` holds of a dim of ``size`` cut
+    into ``units`` equal units dealt as :func:`unit_range` deals them."""
+    start, stop = unit_range(units, rank, world)
+    per_unit = size // units
+    return start * per_unit, (stop - start) * per_unit

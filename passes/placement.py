@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
-from ..kernels.dealing import unit_range
+from ..kernels.dealing import unit_span
 from ..kernels.torch_compat import StridedShard
 
 R = Replicate()
@@ -105,10 +105,7 @@ def dealt_shard(dim: int, size: int, world: int):
 def local_range(p, size: int, rank: int, world: int) -> tuple[int, int]:
     """``(start, length)`` of the elements of a dim of ``size`` that ``rank`` holds under
     ``Shard`` or :class:`UnitShard` ``p`` (for ``Shard``, ``torch.chunk``'s)."""
-    units = p.units if isinstance(p, UnitShard) else size
-    start, stop = unit_range(units, rank, world)
-    per_unit = size // units
-    return start * per_unit, (stop - start) * per_unit
+    return unit_span(p.units if isinstance(p, UnitShard) else size, size, rank, world)
 
 
 def dtensor_placement(p, size: int, world: int):
