@@ -51,7 +51,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from .dealing import unit_span
-from .torch_compat import c10d_functional, detect_fake_mode
+from .torch_compat import c10d_functional, detect_fake_mode, function_apply
 
 _c10d = c10d_functional
 
@@ -294,7 +294,11 @@ def _apply(function: type[torch.autograd.Function], *args):
     """``function.apply(*args)``, or its forward alone where grad mode is off: no gradient
     to record, and none of autograd's machinery for a compiler to trace (a nested compile
     region cannot functionalize an autograd function under ``no_grad``)."""
-    return function.apply(*args) if torch.is_grad_enabled() else function.forward(*args)
+    if not torch.is_grad_enabled():
+        return function.forward(*args)
+    if torch.compiler.is_compiling():
+        return function.apply(*args)
+    return function_apply(function, *args)
 
 
 def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:

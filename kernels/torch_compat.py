@@ -40,7 +40,7 @@ __all__ = [
     "TorchDispatchMode", "disable_current_modes", "c10d_functional", "assert_async",
     "foreach_mul_", "has_kernel_for", "mark_static_address", "dtensor_of", "compiled_frame",
     "init_fake_process_group", "enter_autocast", "exit_autocast", "resolve_process_group",
-    "StridedShard", "WrappedHook"]
+    "StridedShard", "WrappedHook", "function_apply"]
 
 c10d_functional = torch.ops._c10d_functional
 """The functional collectives' op namespace (2.11, 2.13): ``all_reduce``, ``wait_tensor``..."""
@@ -82,6 +82,16 @@ def mark_static_address(t: torch.Tensor) -> None:
     """Have ``torch.compile`` treat ``t`` as parameters are treated: read in place by CUDA
     graphs, with no guard on its identity (2.13)."""
     torch._dynamo.mark_static_address(t, guard=False)
+
+
+def function_apply(function: type, *args):
+    """``function.apply(*args)`` for an autograd ``Function`` with its own ``setup_context``
+    and positional arguments only, without ``Function.apply``'s binding of default arguments
+    through ``inspect.signature`` (about 16 us a call on CPU); the binding runs where
+    functorch transforms are active, which need it (2.11, 2.13)."""
+    if torch._C._are_functorch_transforms_active():
+        return function.apply(*args)
+    return super(torch.autograd.Function, function).apply(*args)  # autograd's own apply
 
 
 def dtensor_of(local: torch.Tensor, spec) -> DTensor:

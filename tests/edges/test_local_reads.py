@@ -49,6 +49,10 @@ def grads(gm):
     return {n: p.grad for n, p in gm.named_parameters()}
 
 
+def reads(gm):
+    return [p._fxtp_read for p in gm.parameters()]
+
+
 def values(gm):
     return {n: p.detach() for n, p in gm.named_parameters()}
 
@@ -110,18 +114,22 @@ def test_a_compiled_decode_step_compiles_once_across_positions(fake_group):
     assert len(seen) == 1
 
 
+@pytest.mark.parametrize("hooked", [False, True], ids=["plain", "hooked"])
 def test_gradients_accumulate_and_restart_after_zero_grad_as_over_plain_parameters(
-        fake_group):
+        fake_group, hooked):
     fake_group(2)
     gm, plain = parallel(), parallel(dtensor_params=False)
     calls = []
-    for p in gm.parameters():
-        p.register_post_accumulate_grad_hook(lambda p: calls.append(p))
+    if hooked:  # a parameter's own hook sees its gradient, as a DTensor
+        for p in gm.parameters():
+            p.register_post_accumulate_grad_hook(
+                lambda p: calls.append(isinstance(p.grad, DTensor)))
     for model in (gm, plain):
         backward(model)
         backward(model)
-    assert len(calls) == 2 * len(list(gm.parameters()))
+    assert calls == [True] * (2 * len(list(gm.parameters())) if hooked else 0)
     assert all(isinstance(g, DTensor) for g in grads(gm).values())
+    assert all(read.grad is None for read in reads(gm))
     assert_same(grads(gm), grads(plain), "accumulated gradient")
     for model in (gm, plain):
         model.zero_grad(set_to_none=True)
@@ -131,6 +139,25 @@ def test_gradients_accumulate_and_restart_after_zero_grad_as_over_plain_paramete
         model.zero_grad(set_to_none=False)
         backward(model)
     assert_same(grads(gm), grads(plain), "gradient after zeroing in place")
+
+
+def test_a_backward_after_one_that_raised_publishes_its_gradients(fake_group):
+    fake_group(2)
+    gm, plain = parallel(), parallel(dtensor_params=False)
+
+    def fail(grad):
+        raise RuntimeError("a hook failed")
+    for model in (gm, plain):
+        loss = F.cross_entropy(model(TOKENS).flatten(0, 1), TARGETS.flatten())
+        out = model.layers[0].attention.wo.weight  # reached late in the backward
+        handle = (out._fxtp_read if isinstance(out, DTensor) else out).register_hook(fail)
+        with pytest.raises(RuntimeError, match="a hook failed"):
+            loss.backward()
+        handle.remove()
+        model.zero_grad(set_to_none=True)
+        backward(model)
+    assert_same(grads(gm), grads(plain), "gradient after a backward that raised")
+    assert all(read.grad is None for read in reads(gm))
 
 
 @pytest.mark.parametrize("kind", OPTIMIZERS)

@@ -76,3 +76,40 @@ def test_the_fake_process_group_needs_no_torch_testing():
         assert (dist.get_world_size(), dist.get_rank(), t.tolist()) == (8, 3, [1.0, 1.0])
     finally:
         dist.destroy_process_group()
+
+
+class _Scale(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, k):
+        return x * k
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.k = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.k, None
+
+
+def test_function_apply_is_autograds_apply_without_binding_arguments(monkeypatch):
+    x = torch.randn(3, requires_grad=True)
+    want = _Scale.apply(x, 2.0)
+    want.sum().backward()
+    want_grad, x.grad = x.grad, None
+
+    def no_binding(*args, **kwargs):
+        raise AssertionError("inspect.signature called")
+    monkeypatch.setattr("inspect.signature", no_binding)
+    got = torch_compat.function_apply(_Scale, x, 2.0)
+    got.sum().backward()
+    assert type(got.grad_fn) is type(want.grad_fn)
+    assert torch.equal(got, want) and torch.equal(x.grad, want_grad)
+
+
+def test_function_apply_binds_under_functorch_transforms():
+    x = torch.randn(4, 3)
+    got = torch.func.vmap(lambda row: torch_compat.function_apply(_Scale, row, 3.0))(x)
+    assert torch.equal(got, x * 3.0)
