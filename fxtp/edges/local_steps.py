@@ -22,6 +22,7 @@ which hands them back first.
 from __future__ import annotations
 
 from collections import defaultdict
+from itertools import chain
 from operator import is_
 from typing import Optional
 
@@ -54,7 +55,7 @@ class _Handover:
     def __init__(self, optimizer):
         self.key, self.stepping = _key(optimizer), False
         self.groups = []  # (group, its parameters, what it is handed)
-        self.pairs = []  # (parameter, read)
+        self.params, self.reads = [], []  # fxtp's parameters stepped locally, their reads
         for group in optimizer.param_groups:
             reads = _reads(group["params"], optimizer.state)
             if reads is None:
@@ -62,27 +63,29 @@ class _Handover:
             self.groups.append((group, group["params"],
                                 [r if r is not None else p for p, r in zip(group["params"],
                                                                            reads)]))
-            self.pairs += [(p, r) for p, r in zip(group["params"], reads) if r is not None]
+            pairs = [(p, r) for p, r in zip(group["params"], reads) if r is not None]
+            self.params += [p for p, _ in pairs]
+            self.reads += [r for _, r in pairs]
         self.state = defaultdict(dict, optimizer.state)
         self.dtensor_state = optimizer.state
-        for p, read in self.pairs:
+        for p, read in zip(self.params, self.reads):
             held = self.state.pop(p, None)
             if held is not None:
                 self.state[read] = {k: v._local_tensor if isinstance(v, DTensor) else v
                                     for k, v in held.items()}
         self.seen = [list(self.state[r].values()) if r in self.state else []
-                     for _, r in self.pairs]  # each read's state values, as last handed back
+                     for r in self.reads]  # each read's state values, as last handed back
+        self.seen_all = list(chain.from_iterable(self.seen))
 
     def hand_in(self, optimizer) -> bool:
         """Hand ``optimizer`` the reads, each with its parameter's local gradient; ``False``
         (nothing handed) where a gradient is laid out otherwise than its parameter."""
-        for p, read in self.pairs:
-            grad = p.grad  # fxtp's gradients share their parameter's spec
+        grads = [p.grad for p in self.params]
+        for p, grad in zip(self.params, grads):  # fxtp's gradients share their parameter's spec
             if grad is not None and getattr(grad, "_spec", None) is not p._spec and \
                     not laid_out_like(grad, p):
-                for _, r in self.pairs:
-                    r.grad = None
                 return False
+        for read, grad in zip(self.reads, grads):
             read.grad = None if grad is None else grad._local_tensor
         for group, _, handed in self.groups:
             group["params"] = handed
@@ -90,25 +93,31 @@ class _Handover:
         return True
 
     def hand_back(self, optimizer) -> None:
-        for _, read in self.pairs:
+        for read in self.reads:
             read.grad = None
         for group, params, _ in self.groups:
             group["params"] = params
         optimizer.state = self.dtensor_state
         if len(self.state) != len(self.dtensor_state):  # state made for plain parameters
-            reads = {id(r) for _, r in self.pairs}
+            reads = set(map(id, self.reads))
             for key, value in self.state.items():
                 if id(key) not in reads:
                     self.dtensor_state.setdefault(key, value)
-        for i, (p, read) in enumerate(self.pairs):
-            local = self.state.get(read)
+        tables = list(map(self.state.get, self.reads))
+        if None not in tables:
+            values = list(chain.from_iterable(map(dict.values, tables)))
+            if len(values) == len(self.seen_all) and all(map(is_, values, self.seen_all)):
+                return  # every read's state was stepped in place
+        for i, local in enumerate(tables):
             seen = self.seen[i]
             if local is None or (len(local) == len(seen) and all(map(is_, local.values(), seen))):
                 continue  # stepped in place
+            p = self.params[i]
             held = self.dtensor_state.get(p) or {}
             self.dtensor_state[p] = {k: v if k == "step" else _as_state(v, p, held.get(k))
                                      for k, v in local.items()}
             self.seen[i] = list(local.values())
+        self.seen_all = list(chain.from_iterable(self.seen))
 
 
 def _key(optimizer) -> tuple:
