@@ -20,7 +20,6 @@ Blocks are kept stamped where they can stand for themselves; where they cannot
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import itertools
 import warnings
@@ -47,11 +46,13 @@ from .inspection.dump import Dumper
 from .kernels.collectives import allow_in_dynamo_graphs
 from .passes.aliases import pin_written_aliases
 from .passes.buffers import shard_written_buffers
+from .passes.context import PassContext
 from .passes.decompose import (decompose_sharded_norms, decompose_sharded_unruled,
                                decompose_unruled)
 from .passes.errors import InputError, PlanError, ShardingError, StampMismatch
 from .passes.gather_early import gather_early
-from .passes.graph import PLACEMENT, REGION, STAMPED, calls_of, keep_on_copy
+from .passes.graph import (FALLBACKS, PLACEMENT, REGION, RELAID, STAMPED, calls_of,
+                           keep_on_copy)
 from .passes.localize import localize
 from .passes.modules import generate_code, outline_modules, scope_of, stamp_modules
 from .passes.posing import copy_data_attributes, give_parameter_properties
@@ -212,6 +213,7 @@ class Build:
     init_seed: int = 0
     fallbacks: list = field(default_factory=list)
     unplanned: list = field(default_factory=list)
+    ctx: Optional[PassContext] = None  # what the passes are given besides the graph
     copies: dict = field(default_factory=dict)  # a stamped block's tensor -> its reference's
     placements: dict = field(default_factory=dict)  # tensor FQN -> placement
     shapes: dict = field(default_factory=dict)  # tensor FQN -> global shape
@@ -301,55 +303,57 @@ def _agree(b: Build) -> None:
 
 
 def _seed(b: Build) -> None:
-    seed(b.gm, b.outside, b.calls, b.job.group.world, b.tied)
+    outlined = frozenset(b.job.blocks)
+    b.ctx = PassContext(b.job.group.world, b.job.group, shardings=b.outside, calls=b.calls,
+                        aliases=b.tied, scope=lambda n: scope_of(n, outlined),
+                        place=_propagate_and_relayout)
+    seed(b.gm, b.ctx)
 
 
 def _place(b: Build) -> None:
     """Placements propagated from the seeds, with the relayouts that serve what would be
-    gathered; the fallbacks left."""
-    gm, world = b.gm, b.job.group.world
-    place = functools.partial(_propagate_and_relayout, gm, world)
-    fallbacks = place()
-    # placed again where fused projections whose parts cannot be sharded together are
-    # split part by part, and where a pinned layout can be let go; gathers moved early
-    # last (propagation would undo it)
-    for redone in (unfuse_splits(gm, world, place), unpin_layouts(gm, world, place),
-                   gather_early(gm, world)):
-        fallbacks = fallbacks if redone is None else redone
-    b.fallbacks = fallbacks + copied_fallbacks(gm, b.stamped)
+    gathered; then placed again where fused projections whose parts cannot be sharded
+    together are split part by part, and where a pinned layout can be let go; gathers moved
+    early last (propagation would undo it). The fallbacks left."""
+    gm = b.gm
+    for pass_ in (_propagate_and_relayout, unfuse_splits, unpin_layouts, gather_early):
+        pass_(gm, b.ctx)
+    b.fallbacks = gm.meta[FALLBACKS] + copied_fallbacks(gm, b.stamped)
     if b.job.options.strict and b.fallbacks:  # raises on the first
-        propagate(gm, world, strict=True)
+        propagate(gm, b.ctx.but(strict=True))
     b.unplanned = unplanned_sharded_outputs(gm, b.calls, b.called)
     b.dump.placements(gm)
 
 
-def _propagate_and_relayout(gm: fx.GraphModule, world: int) -> list:
+RELAYOUTS = (decompose_sharded_unruled, stride_fused_splits, deal_sources, deal_consumers,
+             shard_written_buffers, decompose_sharded_norms, pin_written_aliases)
+"""The relayout passes, in the order they run between propagations."""
+
+
+def _propagate_and_relayout(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Propagate; then, each time one of the layouts that serve what would be gathered
     changes the graph, again: ops without a rule as torch decomposes them, fused
     projections strided, heads that do not divide by the world size dealt whole (and their
     consumers alike), buffers written in place (KV caches) placed as what is written into
     them, norms over sharded dims taken as partial sums, and values written through views
-    that take them redistributed made whole. Returns the fallbacks."""
-    fallbacks = propagate(gm, world)
-    for relayout in (decompose_sharded_unruled, stride_fused_splits, deal_sources,
-                     deal_consumers, shard_written_buffers, decompose_sharded_norms,
-                     pin_written_aliases):
-        if relayout(gm, world):
-            fallbacks = propagate(gm, world)
-    return fallbacks
+    that take them redistributed made whole."""
+    propagate(gm, ctx)
+    for relayout in RELAYOUTS:
+        if relayout(gm, ctx).meta[RELAID]:
+            propagate(gm, ctx)
+    return gm
 
 
 def _rewrite(b: Build) -> None:
-    group, outlined = b.job.group, frozenset(b.job.blocks)
-    rewrite(b.gm, group.name, group.rank, group.world, lambda n: scope_of(n, outlined))
+    rewrite(b.gm, b.ctx)
     b.dump.code("rewritten", b.gm)
 
 
 def _localize(b: Build) -> None:
     """Local shapes, checked by running the program once on fake tensors."""
     b.copies = _copied_tensors(b.gm, b.stamped)
-    localize(b.gm, b.job.group, b.copies)
-    rehearse(b.gm, b.job.group)
+    localize(b.gm, b.ctx.but(copies=b.copies))
+    rehearse(b.gm, b.ctx)
 
 
 def _assemble(b: Build) -> None:

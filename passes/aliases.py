@@ -21,6 +21,7 @@ import operator
 import torch.fx as fx
 
 from ..kernels.torch_compat import OpOverload
+from .context import PassContext, relayout
 from .effects import alias_root, alias_set, returns_alias, written_args
 from .errors import ShardingError
 from .graph import (BOUNDARY, INPUTS, PINNED, layout, module_fqn, placement_of, stamp_edge,
@@ -28,10 +29,11 @@ from .graph import (BOUNDARY, INPUTS, PINNED, layout, module_fqn, placement_of, 
 from .placement import R, describe
 
 
-def pin_written_aliases(gm: fx.GraphModule, world: int) -> bool:
+@relayout
+def pin_written_aliases(gm: fx.GraphModule, ctx: PassContext) -> bool:
     """Pin to Replicate every alias set of ``gm`` written in place and holding a view that
     redistributes its input; return whether any pin changed (propagation must then run
-    again). ``world`` is unused: the pass reads the placements propagation chose."""
+    again). It reads the placements propagation chose."""
     changed, done = False, set()
     for node in gm.graph.nodes:
         for root in written_roots(node):

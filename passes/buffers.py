@@ -22,15 +22,18 @@ import torch.fx as fx
 from torch.distributed.tensor import Shard
 
 from ..kernels.torch_compat import OpOverload
+from .context import PassContext, relayout
 from .effects import written_args, written_inputs
 from .graph import PINNED, PLACEMENT, placement_of, tensor_inputs
 from .placement import is_replicate, is_sharded
 from .rules import FACTORIES, rule_for
 
 
-def shard_written_buffers(gm: fx.GraphModule, world: int) -> bool:
+@relayout
+def shard_written_buffers(gm: fx.GraphModule, ctx: PassContext) -> bool:
     """Place each replicated buffer of ``gm`` and pin each factory's replicated output that
     is written in place as its writes need; return whether any placement changed."""
+    world = ctx.world
     buffers = {name for name, _ in gm.named_buffers()}
     reads: dict[object, list[fx.Node]] = {}
     for node in gm.graph.nodes:

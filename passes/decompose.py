@@ -24,6 +24,7 @@ from torch.distributed.tensor import Replicate
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..kernels.torch_compat import OpOverload, decomposition_table, has_kernel_for, pytree
+from .context import PassContext, relayout
 from .graph import AUTOCAST, op_arg, placement_of
 from .placement import is_blocked, is_grouped, is_sharded
 from .rules import rule_for
@@ -48,7 +49,8 @@ def decompose_unruled(gm: fx.GraphModule) -> list[str]:
     return done
 
 
-def decompose_sharded_unruled(gm: fx.GraphModule, world: int) -> bool:
+@relayout
+def decompose_sharded_unruled(gm: fx.GraphModule, ctx: PassContext) -> bool:
     """Replace each call of an ATen op without a rule that a sharded or partial value
     reaches (``hardswish``, ``rsub.Tensor``, ``floor_divide``, ``mse_loss``,
     ``binary_cross_entropy_with_logits``, ``polar``, ...: kernels of their own, which
@@ -99,7 +101,8 @@ def _all_ruled(sub: fx.GraphModule) -> bool:
                for n in sub.graph.nodes if n.op == "call_function")
 
 
-def decompose_sharded_norms(gm: fx.GraphModule, world: int) -> bool:
+@relayout
+def decompose_sharded_norms(gm: fx.GraphModule, ctx: PassContext) -> bool:
     """Replace each ``rms_norm`` whose input arrives sharded on a normalized dim (a q / k
     norm over all heads, read on a colwise projection's head shards: OLMo-core's), each
     ``layer_norm`` whose input arrives so in blocks or to groups of ranks (even and unit
@@ -108,6 +111,7 @@ def decompose_sharded_norms(gm: fx.GraphModule, world: int) -> bool:
     means, centring and scaling ops, whose rules sum the ranks' partial sums (one
     all-reduce per mean, each way) instead of gathering the input. Run between
     propagations: ``True`` where the graph changed."""
+    world = ctx.world
     changed = False
     for node in list(gm.graph.nodes):
         found = _NORMS.get(node.target)

@@ -37,7 +37,6 @@ from __future__ import annotations
 import collections
 import math
 import operator
-from typing import Optional
 
 import torch
 import torch.fx as fx
@@ -45,27 +44,28 @@ import torch.nn as nn
 from torch.distributed.tensor import Partial
 
 from .aliases import written_groups
+from .context import PassContext
 from .effects import written_args
-from .graph import (FALLBACK, INPUTS, PINNED, PLACEMENT, STAMP, UNPLANNED, attr, branches,
-                    layout, placement_of, stamp_edge, tensor_inputs, val)
+from .graph import (FALLBACK, INPUTS, PINNED, PLACEMENT, RELAID, STAMP, UNPLANNED, attr,
+                    branches, layout, placement_of, stamp_edge, tensor_inputs, val)
 from .placement import R, is_narrowing, is_replicate, transition_cost
 from .program_cost import STARTUP_BYTES, kept_if_cheaper
 from .rules import rule_for
 
 
-def gather_early(gm: fx.GraphModule, world: int) -> Optional[list]:
+def gather_early(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Compute whole the values whose inputs are cheaper to gather than they are, where the
-    program then sends less; return the fallbacks if placements changed, else ``None``."""
+    program then sends less; ``gm.meta[RELAID]``: whether placements changed."""
+    gm.meta[RELAID] = False
     if any(branches(gm, node) for node in gm.graph.nodes):
-        return None  # the rewrite edits torch.cond branches in place: no trial run
-    whole = _cut(gm, world)
-    if not whole:
-        return None
-
-    def make_whole() -> list:
-        _make_whole(gm, whole)
-        return [n.meta[FALLBACK] for n in gm.graph.nodes if FALLBACK in n.meta]
-    return kept_if_cheaper(gm, world, make_whole)
+        return gm  # the rewrite edits torch.cond branches in place: no trial run
+    whole = _cut(gm, ctx.world)
+    if whole:
+        def make_whole() -> list:
+            _make_whole(gm, whole)
+            return [n.meta[FALLBACK] for n in gm.graph.nodes if FALLBACK in n.meta]
+        gm.meta[RELAID] = kept_if_cheaper(gm, ctx.world, make_whole)
+    return gm
 
 
 def _placed_whole(node: fx.Node) -> bool:

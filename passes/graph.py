@@ -30,16 +30,24 @@ passes (:class:`ModuleSharding`, :class:`ModuleCall`). Imports no pass.
                 the node is in (:mod:`~fxtp.passes.recompute`); trace
 ==============  ==========================================================================
 
-``gm.meta`` keys of the traced module (all written by the trace, ``fxtp.frontend.trace``):
+``gm.meta`` keys:
 
 =================  =======================================================================
-``REGION``         each activation-checkpoint region's ``checkpoint`` options, by number
-``STAMPED``        a stamped block's FQN -> the FQN of the block it was copied from
+``REGION``         each activation-checkpoint region's ``checkpoint`` options, by number;
+                   trace (``fxtp.frontend.trace``)
+``STAMPED``        a stamped block's FQN -> the FQN of the block it was copied from; trace
 ``EXPORT_GUARDS``  ``torch.export``'s guards on the inputs and the names of the inputs
                    they read (``(guards, names)``, or ``None``): with dynamic dims, what
                    the program assumes of their sizes (``x.size()[1] >= 5`` where the
-                   model branched on it)
+                   model branched on it); trace
+``FALLBACKS``      why each value the placements gather to Replicate is gathered (messages,
+                   the ``torch.cond`` branches' included); propagate, and the trial passes
+                   (unfuse, unpin, gather_early) where they keep what they tried
+``RELAID``         whether the last relayout or trial pass changed a placement (propagation
+                   must then run again); the relayouts, unfuse, unpin, gather_early
 =================  =======================================================================
+
+Every pass is ``pass_(gm, ctx) -> gm`` (:class:`~fxtp.passes.context.PassContext`).
 
 Every node also keeps export's ``val`` (a fake tensor with the *global* shape) and
 ``nn_module_stack`` (module FQNs).
@@ -73,6 +81,8 @@ READS = "fxtp_reads"
 REGION = "fxtp_checkpoint"
 STAMPED = "fxtp_stamped"
 EXPORT_GUARDS = "fxtp_export_guards"
+FALLBACKS = "fxtp_fallbacks"
+RELAID = "fxtp_relaid"
 
 Layouts = Optional[tuple[Optional[Placement], ...]]
 

@@ -17,13 +17,13 @@ and local kernels, other devices and collectives may lay out their results diffe
 from __future__ import annotations
 
 import operator
-from typing import Optional
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
 from ..kernels.torch_compat import FakeTensor, OpOverload
+from .context import PassContext
 from .graph import INPUTS, PLACEMENT, branches
 from .placement import is_sharded, local_part
 from .rules import rule_for
@@ -31,12 +31,13 @@ from .rules import rule_for
 aten = torch.ops.aten
 
 
-def localize(gm: fx.GraphModule, group, copies: Optional[dict[str, str]] = None) -> None:
-    """``group``: the :class:`~fxtp.plans.mesh.Group` the module runs on; ``copies``: tensors no
-    node reads (a stamped block's, :class:`~fxtp.passes.graph.Stamp`) -> the tensor read in
-    their place, whose placement they take. Edits ``gm.graph``
-    (and recompiles the ``torch.cond`` branches it edits); recompiling ``gm`` is left to
-    the caller, which edits it further."""
+def localize(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Make ``gm``'s shapes and tensors those of ``ctx.group``'s rank. ``ctx.copies``:
+    tensors no node reads (a stamped block's, :class:`~fxtp.passes.graph.Stamp`) -> the
+    tensor read in their place, whose placement they take. Edits ``gm.graph`` (and
+    recompiles the ``torch.cond`` branches it edits); recompiling ``gm`` is left to the
+    caller, which edits it further."""
+    group, copies = ctx.group, ctx.copies
     rank, world = group.rank, group.world
     graph = gm.graph
     localized: set[str] = set()
@@ -44,7 +45,7 @@ def localize(gm: fx.GraphModule, group, copies: Optional[dict[str, str]] = None)
     placed: dict[str, object] = {}  # get_attr target -> its placement
     for node in list(graph.nodes):
         for branch in branches(gm, node):  # torch.cond: each branch is localized alike
-            localize(branch, group)
+            localize(branch, ctx.but(copies={}))
             branch.recompile()
         if node.op == "call_function":
             rule = rule_for(node.target)
@@ -62,9 +63,10 @@ def localize(gm: fx.GraphModule, group, copies: Optional[dict[str, str]] = None)
             localized.add(node.target)
             placed[node.target] = node.meta.get(PLACEMENT)
             _localize_attr(gm, node.target, placed[node.target], rank, world, shards)
-    for target, like in (copies or {}).items():
+    for target, like in copies.items():
         _localize_attr(gm, target, placed[like], rank, world, shards)
     graph.lint()
+    return gm
 
 
 def _cast_inputs_as_traced(graph: fx.Graph, node: fx.Node) -> None:

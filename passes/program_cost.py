@@ -8,29 +8,31 @@ from typing import Callable, Optional
 
 import torch.fx as fx
 
+from .context import PassContext
 from .errors import StampMismatch
 from .gradients import gradient_carriers
-from .graph import COLLECTIVE, FALLBACK, STAMP, call_args, module_fqn, val
+from .graph import COLLECTIVE, FALLBACK, FALLBACKS, STAMP, call_args, module_fqn, val
 from .placement import numel_hint
 from .rewrite import rewrite
 from .snapshot import Snapshot
 
 
-def kept_if_cheaper(gm: fx.GraphModule, world: int, change: Callable[[], list]
-                    ) -> Optional[list]:
+def kept_if_cheaper(gm: fx.GraphModule, world: int, change: Callable[[], list]) -> bool:
     """Run ``change`` (it edits ``gm``'s placements and returns the fallbacks then left)
     and keep what it did if the program then sends strictly less, forward and backward,
-    with no more fallbacks and the same nodes: return those fallbacks. Otherwise put the
-    graph back exactly as it was (:class:`~fxtp.passes.snapshot.Snapshot`) and return
-    ``None``."""
+    with no more fallbacks and the same nodes: those fallbacks are then
+    ``gm.meta[FALLBACKS]``. Otherwise put the graph and ``gm.meta[FALLBACKS]`` back exactly
+    as they were (:class:`~fxtp.passes.snapshot.Snapshot`). Returns whether it kept it."""
     cost, fallbacks = program_cost(gm, world)
-    before = Snapshot(gm.graph)
+    before, prior = Snapshot(gm.graph), gm.meta.get(FALLBACKS)
     found = change()
     now, now_fallbacks = program_cost(gm, world)
     if set(gm.graph.nodes) == set(before.nodes) and now < cost and now_fallbacks <= fallbacks:
-        return found
+        gm.meta[FALLBACKS] = found
+        return True
     before.restore()
-    return None
+    gm.meta[FALLBACKS] = prior
+    return False
 
 
 def program_cost(gm: fx.GraphModule, world: int) -> tuple[float, int]:
@@ -44,7 +46,7 @@ def program_cost(gm: fx.GraphModule, world: int) -> tuple[float, int]:
     graph.output(outputs).meta.update(output.meta)
     gm._graph = graph  # the module's own attributes, its code not regenerated
     try:
-        rewrite(gm, "", 0, world)
+        rewrite(gm, PassContext(world))
     except StampMismatch:
         return math.inf, fallbacks
     finally:

@@ -32,19 +32,28 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.tensor import Partial, Shard
 
+from .aliases import observed
+from .context import PassContext
+from .dimspec import indivisible
+from .effects import writes_first_input, written_args, written_inputs
 from .errors import ShardingError
-from .graph import (FALLBACK, INPUTS, PINNED, PLACEMENT, STAMP, attr, branches, layout,
-                    module_fqn, output_vals, placement_of, tensor_inputs, tied_attrs, val)
+from .graph import (FALLBACK, FALLBACKS, INPUTS, PINNED, PLACEMENT, STAMP, attr, branches,
+                    layout, module_fqn, output_vals, placement_of, tensor_inputs, tied_attrs, val)
 from .placement import (R, describe, is_blocked, is_narrowing, is_replicate, is_sharded,
                         transition_cost, with_dim)
-from .dimspec import indivisible
-from .aliases import observed
 from .reduce_early import reduce_early
-from .effects import writes_first_input, written_args, written_inputs
 from .rules import PASSTHROUGH, ZERO_FILLED, rule_for
 
 
-def propagate(gm: fx.GraphModule, world: int, strict: bool = False) -> list[str]:
+def propagate(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Annotate every node of ``gm`` with its placement (``PLACEMENT``) and the placements it
+    needs of its inputs (``INPUTS``), from the seeds; the fallbacks go in
+    ``gm.meta[FALLBACKS]`` (under ``ctx.strict`` the first raises)."""
+    gm.meta[FALLBACKS] = _propagate(gm, ctx.world, ctx.strict)
+    return gm
+
+
+def _propagate(gm: fx.GraphModule, world: int, strict: bool) -> list[str]:
     """Annotate ``gm`` in place; return the fallback messages."""
     fallbacks = []
     entering = {edge for n in gm.graph.nodes if STAMP in n.meta for edge in n.meta[STAMP].inputs}
@@ -292,7 +301,7 @@ def _propagate_cond(gm: fx.GraphModule, node: fx.Node, world: int, strict: bool)
         for placeholder, p in zip([n for n in module.graph.nodes if n.op == "placeholder"],
                                   needed):
             placeholder.meta[PLACEMENT] = p
-        propagate(module, world, strict)
+        _propagate(module, world, strict)
     fallbacks = []
     for i, (a, b) in enumerate(zip(*(_outputs(module) for module in modules))):
         if a != b:
@@ -305,7 +314,7 @@ def _propagate_cond(gm: fx.GraphModule, node: fx.Node, world: int, strict: bool)
             for module in modules:
                 _replicate_output(module, i)
     for module in modules:  # again: the branches' fallbacks, with the markers in place
-        fallbacks += propagate(module, world, strict)
+        fallbacks += _propagate(module, world, strict)
     outs = _outputs(modules[0])
     node.meta[INPUTS] = (R,) + tuple(needed)
     node.meta[PLACEMENT] = tuple(outs)

@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 
 from ..kernels.torch_compat import OpOverload, pytree
+from .context import PassContext
 from .errors import ShardingError
 from .graph import AUTOCAST, PLACEMENT, module_fqn
 from .placement import is_sharded
@@ -28,9 +29,10 @@ class _Unknown(Exception):
     """A value a meta stand-in cannot be made for."""
 
 
-def rehearse(gm: fx.GraphModule, group) -> fx.GraphModule:
+def rehearse(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Raise :class:`ShardingError` naming the first ATen op of ``gm`` that fails on
-    ``group``'s rank's local shapes."""
+    ``ctx.group``'s rank's local shapes."""
+    group = ctx.group
     for node in filter(_rehearsed, gm.graph.nodes):
         try:
             args, kwargs = fx.node.map_aggregate((node.args, node.kwargs),

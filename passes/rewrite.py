@@ -15,7 +15,6 @@ on unsummed, to be summed with its inputs' (a LoRA adapter's ``lora_A``).
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Optional
 import operator
 
 import torch
@@ -25,28 +24,28 @@ from torch.distributed.tensor import Partial, Replicate
 
 from ..kernels import collectives
 from .aliases import written_groups
-from .gradients import gradient_carriers
+from .context import PassContext
+from .effects import made_of_held_tensors, writes_first_input
 from .errors import StampMismatch
+from .gradients import gradient_carriers
 from .graph import (COLLECTIVE, INPUTS, PLACEMENT, STAMP, attr, branches, layout,
                     placement_of, stack_upto, stamp_edge, tensor_inputs, val)
 from .placement import (UnitShard, blocks, describe, is_replicate, is_sharded,
                         local_range, numel_hint, transition_steps)
-from .effects import made_of_held_tensors, writes_first_input
 from .rules import is_tagged_pointwise, replicated_into_partial
 
 aten = torch.ops.aten
 
 
-def rewrite(gm: fx.GraphModule, group: str, rank: int, world: int,
-            scope: Optional[Callable[[fx.Node], str]] = None) -> None:
-    """Insert the collectives every node's needed input placements call for, then the
-    gradient syncs of replicated values given partial gradients. ``scope(node)``: the FQN
-    of the outermost module the program keeps as a submodule around ``node``
-    (:mod:`fxtp.passes.modules`); parameters' gradient syncs are bucketed per scope, at its
-    start, so each such module reads only its own parameters. Edits ``gm.graph`` (and
-    recompiles the ``torch.cond`` branches it edits); recompiling ``gm`` is left to the
-    caller, which edits it further."""
-    graph = gm.graph
+def rewrite(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Insert the collectives every node's needed input placements call for, on
+    ``ctx.group``, then the gradient syncs of replicated values given partial gradients.
+    ``ctx.scope(node)``: the FQN of the outermost module the program keeps as a submodule
+    around ``node`` (:mod:`fxtp.passes.modules`); parameters' gradient syncs are bucketed
+    per scope, at its start, so each such module reads only its own parameters. Edits
+    ``gm.graph`` (and recompiles the ``torch.cond`` branches it edits); recompiling ``gm``
+    is left to the caller, which edits it further."""
+    graph, group, rank, world = gm.graph, ctx.group_name, ctx.rank, ctx.world
     made: dict[tuple[fx.Node, str], fx.Node] = {}
 
     def redistribute(src: fx.Node, dst, before: fx.Node) -> fx.Node:
@@ -82,10 +81,11 @@ def rewrite(gm: fx.GraphModule, group: str, rank: int, world: int,
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
         for branch in branches(gm, node):  # torch.cond: each branch is rewritten alike
-            rewrite(branch, group, rank, world)
+            rewrite(branch, ctx.but(scope=None))
             branch.recompile()
-    _sync_partial_grads(graph, group, scope or (lambda node: ""))
+    _sync_partial_grads(graph, group, ctx.scope or (lambda node: ""))
     graph.lint()
+    return gm
 
 
 def _check_stamp(node: fx.Node, needed) -> None:

@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Placement, Replicate, Shard
 
+from .context import PassContext
 from .errors import PlanError
 from .graph import (BOUNDARY, PLACEMENT, UNPLANNED, ModuleCall, ModuleSharding, attr,
                     calls_of, inside, layout, planned_placement, val)
@@ -20,9 +21,11 @@ from .placement import UnitShard, is_sharded, normalize
 aten = torch.ops.aten
 
 
-def seed(gm: fx.GraphModule, shardings: dict[str, ModuleSharding],
-         calls: dict[str, ModuleCall], world: int, aliases: dict[str, list[str]]) -> None:
-    """``aliases``: parameter FQN -> every FQN of the same (tied) tensor."""
+def seed(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Place ``gm``'s parameters and mark its planned modules' boundaries as the plan lays
+    them out (``ctx.shardings`` for the modules ``ctx.calls`` has calls of; ``ctx.aliases``:
+    parameter FQN -> every FQN of the same, tied, tensor)."""
+    shardings, calls, world, aliases = ctx.shardings, ctx.calls, ctx.world, ctx.aliases
     graph = gm.graph
     for node in graph.nodes:
         if node.op == "get_attr" and isinstance(val(node), torch.Tensor):
@@ -53,6 +56,7 @@ def seed(gm: fx.GraphModule, shardings: dict[str, ModuleSharding],
             _constrain_outputs(graph, fqn, sharding, call, world)
     _split_partial_bias(graph)
     graph.lint()
+    return gm
 
 
 def _param_placement(node, shardings, fqns) -> Placement | None:

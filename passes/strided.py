@@ -29,9 +29,10 @@ from collections import Counter
 import torch.fx as fx
 from torch.distributed.tensor import Shard
 
+from .context import PassContext, relayout
 from .gather_early import gather_early
-from .graph import (INPUTS, PLACEMENT, layout, module_fqn, placement_of, tensor_inputs,
-                    tied_attrs, val)
+from .graph import (FALLBACKS, INPUTS, PLACEMENT, RELAID, layout, module_fqn, placement_of,
+                    tensor_inputs, tied_attrs, val)
 from .placement import (UnitShard, block_bounds, cut_in_blocks, is_blocked, is_replicate,
                         with_dim)
 from .propagate import inputs_cost, propagate
@@ -39,7 +40,8 @@ from .rules import rule_for
 from .snapshot import Snapshot
 
 
-def stride_fused_splits(gm: fx.GraphModule, world: int) -> bool:
+@relayout
+def stride_fused_splits(gm: fx.GraphModule, ctx: PassContext) -> bool:
     """Re-seed the parameters behind every gathered fused split blocked; True if any was
     (propagation must then run again). A split's new layout is kept only if propagating it
     leaves the split's module redistributing no more (by propagation's own cost) than
@@ -51,6 +53,7 @@ def stride_fused_splits(gm: fx.GraphModule, world: int) -> bool:
     that only moves the fused output's gather is not kept: the gather would stay, no longer
     reported as the split's fallback. Where no layout is kept, the graph is put back
     exactly as it was and ``False`` returned."""
+    world = ctx.world
     costs = redistribution_costs(gm, world)
     tried: dict[str, dict[fx.Node, tuple]] = {}  # split's module -> node -> old layout
     tied = tied_attrs(gm)
@@ -73,12 +76,13 @@ def stride_fused_splits(gm: fx.GraphModule, world: int) -> bool:
             elif n.target is layout:
                 n.args = (n.args[0], with_dim(blocked, dim))
     if tried:
-        propagate(gm, world)
-        placed = redistribution_costs(gm, world)
-        moved = placed if gather_early(gm, world) is None else redistribution_costs(gm, world)
+        fallbacks = gm.meta.get(FALLBACKS)
+        placed = redistribution_costs(propagate(gm, ctx), world)
+        moved = redistribution_costs(gm, world) if gather_early(gm, ctx).meta[RELAID] else placed
         rejected = [m for m in tried if placed[m] > costs[m] and moved[m] >= costs[m]]
         if len(rejected) == len(tried):
             before.restore()
+            gm.meta[FALLBACKS] = fallbacks
             return False
         for module in rejected:
             for n, (placement, args) in tried[module].items():

@@ -19,14 +19,14 @@ graph is put back exactly as it was.
 from __future__ import annotations
 
 import operator
-from typing import Callable, Optional
 
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import Replicate
 
-from .graph import (BOUNDARY, FALLBACK, INPUTS, PLACEMENT, layout, module_fqn, placement_of,
-                    tied_attrs, val)
+from .context import PassContext
+from .graph import (BOUNDARY, FALLBACK, FALLBACKS, INPUTS, PLACEMENT, RELAID, layout,
+                    module_fqn, placement_of, tied_attrs, val)
 from .placement import dealt_shard, is_replicate, is_sharded
 from .snapshot import Snapshot
 
@@ -34,26 +34,28 @@ aten = torch.ops.aten
 _SPLITS = {aten.split_with_sizes.default, aten.split.Tensor, aten.chunk.default}
 
 
-def unfuse_splits(gm: fx.GraphModule, world: int, place: Callable[[], list]
-                  ) -> Optional[list]:
+def unfuse_splits(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Compute every fused projection whose split is gathered (at the split or further on)
-    part by part, and run ``place`` (propagation and the relayout passes; it returns the
-    fallbacks). Keep that if it falls back less and return its fallbacks; else put the
-    graph back exactly as it was and return ``None``."""
-    graph, tied = gm.graph, tied_attrs(gm)
+    part by part, and place the program again (``ctx.place``). Keep that if it falls back
+    less; else put the graph and ``gm.meta[FALLBACKS]`` back exactly as they were.
+    ``gm.meta[RELAID]``: whether it was kept."""
+    graph, tied, world = gm.graph, tied_attrs(gm), ctx.world
     found = [(split, fused) for split in graph.nodes
              if (fused := _fused_projection(split, tied, world)) is not None]
+    gm.meta[RELAID] = False
     if not found:
-        return None
+        return gm
     before, fallbacks = Snapshot(graph), sum(FALLBACK in n.meta for n in graph.nodes)
+    prior = gm.meta.get(FALLBACKS)
     for split, fused in found:
         _unfuse(graph, split, *fused, world)
     graph.lint()
-    unfused = place()
-    if len(unfused) < fallbacks:
-        return unfused
-    before.restore()
-    return None
+    kept = len(ctx.place(gm, ctx).meta[FALLBACKS]) < fallbacks
+    if not kept:
+        before.restore()
+        gm.meta[FALLBACKS] = prior
+    gm.meta[RELAID] = kept
+    return gm
 
 
 def _fused_projection(split: fx.Node, tied: set, world: int):

@@ -28,6 +28,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
+from .context import PassContext, relayout
 from .dimspec import label_base
 from .graph import (BOUNDARY, INPUTS, PLACEMENT, layout, placement_of, tensor_inputs,
                     tied_attrs, val)
@@ -38,7 +39,9 @@ from .strided import carried_from_params
 aten = torch.ops.aten
 
 
-def deal_sources(gm: fx.GraphModule, world: int) -> bool:
+@relayout
+def deal_sources(gm: fx.GraphModule, ctx: PassContext) -> bool:
+    world = ctx.world
     tied = tied_attrs(gm)
     changed = False
     for node in list(gm.graph.nodes):
@@ -61,7 +64,9 @@ def deal_sources(gm: fx.GraphModule, world: int) -> bool:
     return changed
 
 
-def deal_consumers(gm: fx.GraphModule, world: int) -> bool:
+@relayout
+def deal_consumers(gm: fx.GraphModule, ctx: PassContext) -> bool:
+    world = ctx.world
     changed = False
     tied = tied_attrs(gm)
     for marker in list(gm.graph.nodes):

@@ -25,13 +25,14 @@ before.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Callable, Optional
 
 import torch.fx as fx
 from torch.distributed.tensor import Partial
 
 from .buffers import writes_into
-from .graph import INTO_PARTIAL, PINNED, branches, layout, list_block, module_fqn, placement_of
+from .context import PassContext
+from .graph import (FALLBACKS, INTO_PARTIAL, PINNED, RELAID, branches, layout, list_block,
+                    module_fqn, placement_of)
 from .placement import is_replicate, is_sharded
 from .program_cost import kept_if_cheaper
 from .rules import ZERO_FILLED
@@ -41,23 +42,25 @@ Trial = tuple[list[fx.Node], list[fx.Node]]
 partial."""
 
 
-def unpin_layouts(gm: fx.GraphModule, world: int, place: Callable[[], list]) -> Optional[list]:
+def unpin_layouts(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Try, in turn, unpinning the gathers split again and the partial sums reduced apart,
-    running ``place`` (propagation and the relayout passes; it returns the fallbacks) for
-    each. Keep each that redistributes less with no more fallbacks and return the last
-    kept one's fallbacks; ``None`` if none was kept (``gm``'s placements as before)."""
+    placing the program again (``ctx.place``) for each. Keep each that redistributes less
+    with no more fallbacks (``gm.meta[FALLBACKS]`` then its fallbacks);
+    ``gm.meta[RELAID]``: whether one was kept."""
+    gm.meta[RELAID] = False
     if any(branches(gm, node) for node in gm.graph.nodes):
-        return None  # the rewrite edits torch.cond branches in place: no trial run
-    kept = None
+        return gm  # the rewrite edits torch.cond branches in place: no trial run
+    kept = False
     for find in (_gathers_split_again, _partial_sums_added_up):
         markers, zeros = find(gm)
         if markers:
-            kept = _try(gm, world, place, markers, zeros) or kept
-    return kept
+            kept = _try(gm, ctx, markers, zeros) or kept
+    gm.meta[RELAID] = kept
+    return gm
 
 
-def _try(gm: fx.GraphModule, world: int, place: Callable[[], list],
-         markers: list[fx.Node], zeros: list[fx.Node]) -> Optional[list]:
+def _try(gm: fx.GraphModule, ctx: PassContext, markers: list[fx.Node],
+         zeros: list[fx.Node]) -> bool:
     def unpin() -> list:
         for marker in markers:
             marker.args = (marker.args[0], placement_of(marker.args[0]))
@@ -66,8 +69,8 @@ def _try(gm: fx.GraphModule, world: int, place: Callable[[], list],
         for node, reached in _upstream(gm, markers).items():
             if reached:  # adds computed from what the markers leave unreduced
                 node.meta[INTO_PARTIAL] = True
-        return place()
-    return kept_if_cheaper(gm, world, unpin)
+        return ctx.place(gm, ctx).meta[FALLBACKS]
+    return kept_if_cheaper(gm, ctx.world, unpin)
 
 
 def _gathers_split_again(gm: fx.GraphModule) -> Trial:

@@ -8,6 +8,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 import fxtp
+from fxtp.passes.graph import FALLBACKS, RELAID
 from fxtp.passes.program_cost import kept_if_cheaper
 from fxtp.passes.snapshot import Snapshot
 from tests.helpers.parity import check_parity, example
@@ -51,8 +52,9 @@ def everything_a_pass_may_do(gm: fx.GraphModule) -> list:
 def test_a_rejected_trial_restores_the_graph_node_for_node():
     gm = chain()
     before = graph_state(gm.graph)
-    assert kept_if_cheaper(gm, 2, lambda: everything_a_pass_may_do(gm)) is None  # no saving
-    assert graph_state(gm.graph) == before
+    gm.meta[FALLBACKS] = ["before"]
+    assert not kept_if_cheaper(gm, 2, lambda: everything_a_pass_may_do(gm))  # no saving
+    assert graph_state(gm.graph) == before and gm.meta[FALLBACKS] == ["before"]
     gm.graph.lint()
     gm.recompile()
     x = torch.randn(4)
@@ -109,17 +111,21 @@ def test_a_rejected_unfuse_trial_restores_the_graph_node_for_node(fake_group, mo
     parallelize_module = importlib.import_module("fxtp.pipeline")
     unfuse_splits, seen = parallelize_module.unfuse_splits, {}
 
-    def rejected(gm, world, place):
-        seen["before"] = graph_state(gm.graph)
+    def rejected(gm, ctx):
+        seen["before"], fallbacks = graph_state(gm.graph), gm.meta[FALLBACKS]
+        place = ctx.place
 
-        def falls_back_more():
+        def falls_back_more(gm, ctx):
             seen["linears"] = len(gm.graph.find_nodes(op="call_function",
                                                       target=aten.linear.default))
-            return place() + ["more"] * len(gm.graph.nodes)
-        assert unfuse_splits(gm, world, falls_back_more) is None
+            placed = place(gm, ctx)
+            placed.meta[FALLBACKS] = placed.meta[FALLBACKS] + ["more"] * len(gm.graph.nodes)
+            return placed
+        assert not unfuse_splits(gm, ctx.but(place=falls_back_more)).meta[RELAID]
         seen["after"] = graph_state(gm.graph)
         seen["fused"] = len(gm.graph.find_nodes(op="call_function", target=aten.linear.default))
-        return None
+        assert gm.meta[FALLBACKS] == fallbacks
+        return gm
     monkeypatch.setattr(parallelize_module, "unfuse_splits", rejected)
     fake_group(4)
     fxtp.parallelize(models.FusedStack(2, split="gqa"), models.FUSED_PLAN,

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from fxtp.passes.context import PassContext
 from fxtp.passes.graph import INPUTS, PLACEMENT
 from fxtp.passes.placement import BlockShard
 from fxtp.passes.propagate import placement_of, propagate
@@ -144,7 +145,7 @@ def test_strided_inputs_reach_the_split_without_redistribution(name, world):
     gm, values = _record(fn, args)
     for node, p in zip([n for n in gm.graph.nodes if n.op == "placeholder"], placements):
         node.meta[PLACEMENT] = p
-    propagate(gm, world)
+    propagate(gm, PassContext(world))
     for node in _ops(gm):
         actual = [placement_of(a) for a in tensor_inputs(node)]
         assert list(node.meta[INPUTS]) == actual, node.format_node()
@@ -182,7 +183,7 @@ def test_a_view_merging_a_sharded_dim_with_dims_before_it_keeps_it_sharded(name,
     fn, x, placement, expected = MERGED[name]
     gm, values = _record(fn, [x])
     next(n for n in gm.graph.nodes if n.op == "placeholder").meta[PLACEMENT] = placement
-    propagate(gm, world)
+    propagate(gm, PassContext(world))
     merged = []
     for node in _ops(gm):
         actual = [placement_of(a) for a in tensor_inputs(node)]
