@@ -6,7 +6,7 @@ trace         the model to one graph, equal blocks stamped (:mod:`fxtp.frontend.
               rank holding the same plan, model and graph
 seed          the plan's layouts at module boundaries (:mod:`fxtp.passes.seed`)
 place         placements propagated over every op, with the relayouts that spare a gather
-              (:mod:`fxtp.passes.propagate` and the passes :func:`_propagate_and_relayout` names)
+              (:mod:`fxtp.passes.place`)
 rewrite       collectives where placements change (:mod:`fxtp.passes.rewrite`)
 localize      global shapes made local, checked on fake tensors (:mod:`fxtp.passes.localize`)
 assemble      tensors in, inputs guarded, modules and checkpoint regions outlined, parameters
@@ -44,27 +44,19 @@ from .frontend.stamping import copied_fallbacks
 from .frontend.trace import trace
 from .inspection.dump import Dumper
 from .kernels.collectives import allow_in_dynamo_graphs
-from .passes.aliases import pin_written_aliases
-from .passes.buffers import shard_written_buffers
 from .passes.context import PassContext
-from .passes.decompose import (decompose_sharded_norms, decompose_sharded_unruled,
-                               decompose_unruled)
+from .passes.decompose import decompose_unruled
 from .passes.errors import InputError, PlanError, ShardingError, StampMismatch
-from .passes.gather_early import gather_early
-from .passes.graph import (FALLBACKS, PLACEMENT, REGION, RELAID, STAMPED, calls_of,
-                           keep_on_copy)
+from .passes.graph import FALLBACKS, PLACEMENT, REGION, STAMPED, calls_of, keep_on_copy
 from .passes.localize import localize
 from .passes.modules import generate_code, outline_modules, scope_of, stamp_modules
+from .passes.place import place
 from .passes.posing import copy_data_attributes, give_parameter_properties
 from .passes.propagate import propagate
 from .passes.recompute import copy_written_collectives, outline_checkpoints
 from .passes.rehearse import rehearse
 from .passes.rewrite import rewrite
 from .passes.seed import seed
-from .passes.strided import stride_fused_splits
-from .passes.unfuse import unfuse_splits
-from .passes.units import deal_consumers, deal_sources
-from .passes.unpin import unpin_layouts
 from .passes.unused import drop_unused
 from .plans.mesh import resolve_group
 from .plans.resolution import Plan, block_fqns, module_fqns, resolve_plan, tied_names
@@ -305,43 +297,19 @@ def _agree(b: Build) -> None:
 def _seed(b: Build) -> None:
     outlined = frozenset(b.job.blocks)
     b.ctx = PassContext(b.job.group.world, b.job.group, shardings=b.outside, calls=b.calls,
-                        aliases=b.tied, scope=lambda n: scope_of(n, outlined),
-                        place=_propagate_and_relayout)
+                        aliases=b.tied, scope=lambda n: scope_of(n, outlined))
     seed(b.gm, b.ctx)
 
 
 def _place(b: Build) -> None:
-    """Placements propagated from the seeds, with the relayouts that serve what would be
-    gathered; then placed again where fused projections whose parts cannot be sharded
-    together are split part by part, and where a pinned layout can be let go; gathers moved
-    early last (propagation would undo it). The fallbacks left."""
-    gm = b.gm
-    for pass_ in (_propagate_and_relayout, unfuse_splits, unpin_layouts, gather_early):
-        pass_(gm, b.ctx)
+    """Placements propagated from the seeds, with the relayouts and trials that spare a
+    gather (:mod:`fxtp.passes.place`); the fallbacks left."""
+    gm = place(b.gm, b.ctx)
     b.fallbacks = gm.meta[FALLBACKS] + copied_fallbacks(gm, b.stamped)
     if b.job.options.strict and b.fallbacks:  # raises on the first
         propagate(gm, b.ctx.but(strict=True))
     b.unplanned = unplanned_sharded_outputs(gm, b.calls, b.called)
     b.dump.placements(gm)
-
-
-RELAYOUTS = (decompose_sharded_unruled, stride_fused_splits, deal_sources, deal_consumers,
-             shard_written_buffers, decompose_sharded_norms, pin_written_aliases)
-"""The relayout passes, in the order they run between propagations."""
-
-
-def _propagate_and_relayout(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    """Propagate; then, each time one of the layouts that serve what would be gathered
-    changes the graph, again: ops without a rule as torch decomposes them, fused
-    projections strided, heads that do not divide by the world size dealt whole (and their
-    consumers alike), buffers written in place (KV caches) placed as what is written into
-    them, norms over sharded dims taken as partial sums, and values written through views
-    that take them redistributed made whole."""
-    propagate(gm, ctx)
-    for relayout in RELAYOUTS:
-        if relayout(gm, ctx).meta[RELAID]:
-            propagate(gm, ctx)
-    return gm
 
 
 def _rewrite(b: Build) -> None:

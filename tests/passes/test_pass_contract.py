@@ -6,11 +6,11 @@ import inspect
 import pytest
 
 import fxtp
-from fxtp import pipeline
-from fxtp.passes import graph
+from fxtp.passes import graph, place as place_module
 from fxtp.passes.context import PassContext
 from fxtp.passes.gather_early import gather_early
 from fxtp.passes.localize import localize
+from fxtp.passes.place import RELAYOUTS, place, propagate_and_relayout
 from fxtp.passes.propagate import propagate
 from fxtp.passes.rehearse import rehearse
 from fxtp.passes.rewrite import rewrite
@@ -19,8 +19,8 @@ from fxtp.passes.unfuse import unfuse_splits
 from fxtp.passes.unpin import unpin_layouts
 from tests.helpers.parity import example
 
-PASSES = [seed, propagate, *pipeline.RELAYOUTS, unfuse_splits, unpin_layouts, gather_early,
-          rewrite, localize, rehearse]
+PASSES = [seed, propagate, *RELAYOUTS, unfuse_splits, unpin_layouts, gather_early,
+          propagate_and_relayout, place, rewrite, localize, rehearse]
 
 
 @pytest.mark.parametrize("pass_", PASSES, ids=lambda p: p.__name__)
@@ -51,8 +51,7 @@ def test_the_placing_passes_leave_the_fallbacks_and_whether_they_relaid_on_the_m
             seen[pass_.__name__] = (list(gm.meta[graph.FALLBACKS]), gm.meta.get(graph.RELAID))
             return out
         return run
-    for name in ("unfuse_splits", "unpin_layouts", "gather_early"):
-        monkeypatch.setattr(pipeline, name, recorded(getattr(pipeline, name)))
+    monkeypatch.setattr(place_module, "TRIALS", tuple(map(recorded, place_module.TRIALS)))
     from tests.helpers import models
     gm = fxtp.parallelize(models.FusedStack(2, split="gqa"), models.FUSED_PLAN,
                           example_inputs=(example(2, 8, 16),))

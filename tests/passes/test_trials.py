@@ -106,10 +106,10 @@ def test_a_rejected_trial_that_decomposed_a_norm_leaves_a_valid_program(ranks):
 def test_a_rejected_unfuse_trial_restores_the_graph_node_for_node(fake_group, monkeypatch):
     """2 KV heads at 4 ranks: the unfuse pass computes the fused q / k / v projection by
     parts; told the result falls back more, it puts the placed graph back as it was."""
-    import importlib
+    from fxtp.passes import place
+    from fxtp.passes.unfuse import unfuse_splits
     from tests.helpers import models
-    parallelize_module = importlib.import_module("fxtp.pipeline")
-    unfuse_splits, seen = parallelize_module.unfuse_splits, {}
+    seen = {}
 
     def rejected(gm, ctx):
         seen["before"], fallbacks = graph_state(gm.graph), gm.meta[FALLBACKS]
@@ -126,7 +126,8 @@ def test_a_rejected_unfuse_trial_restores_the_graph_node_for_node(fake_group, mo
         seen["fused"] = len(gm.graph.find_nodes(op="call_function", target=aten.linear.default))
         assert gm.meta[FALLBACKS] == fallbacks
         return gm
-    monkeypatch.setattr(parallelize_module, "unfuse_splits", rejected)
+    monkeypatch.setattr(place, "TRIALS", tuple(rejected if t is unfuse_splits else t
+                                               for t in place.TRIALS))
     fake_group(4)
     fxtp.parallelize(models.FusedStack(2, split="gqa"), models.FUSED_PLAN,
                      example_inputs=(example(2, 8, 16),))
