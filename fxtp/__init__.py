@@ -19,6 +19,7 @@ _ON_FIRST_USE = {
                      "ParallelStyle", "Shard", "Replicate", "Partial"], ".plans.styles"),
     "count_collectives": ".inspection.comm_count", "Report": ".inspection.report",
     "parallelize": ".pipeline", "explain": ".inspection.explanation",
+    "derive_plan": ".planning.derive",
     "cross_entropy": ".edges.loss",
     "state_dict": ".edges.checkpoint", "load_state_dict": ".edges.checkpoint",
     "full_state_dict": ".edges.checkpoint", "load_full_state_dict": ".edges.checkpoint",
@@ -30,8 +31,8 @@ _ON_FIRST_USE = {
 """Public name -> the module that defines it, imported when the name is first read."""
 
 __all__ = [
-    "parallelize", "explain", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
-    "ExpertTensorParallel",
+    "parallelize", "derive_plan", "explain", "ColwiseParallel", "RowwiseParallel",
+    "SequenceParallel", "ExpertTensorParallel",
     "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "ParallelStyle",
     "Shard", "Replicate", "Partial", "count_collectives", "cross_entropy", "Report",
     "state_dict", "load_state_dict", "full_state_dict", "load_full_state_dict",

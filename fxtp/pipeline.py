@@ -58,6 +58,7 @@ from .passes.rehearse import rehearse
 from .passes.rewrite import rewrite
 from .passes.seed import seed
 from .passes.unused import drop_unused
+from .planning.derive import derive_plan
 from .plans.mesh import resolve_group
 from .plans.resolution import Plan, block_fqns, module_fqns, resolve_plan, tied_names
 from .runtime.first_call import agree_until_first_success
@@ -75,8 +76,9 @@ def parallelize(model: nn.Module, plan: Plan, mesh=None, *, example_inputs: Sequ
                 dtensor_params: bool = True, param_dtype: Optional[torch.dtype] = None,
                 stamp_blocks: bool = True) -> fx.GraphModule:
     """Return this rank's tensor-parallel ``GraphModule`` for ``model`` under ``plan``: a
-    style, a dict of FQN patterns to styles (or Hugging Face plan strings), or ``"auto"``
-    (a Hugging Face model's own plan, :mod:`fxtp.plans.huggingface`).
+    style, a dict of FQN patterns to styles (or Hugging Face plan strings), ``"auto"``
+    (a Hugging Face model's own plan, :mod:`fxtp.plans.huggingface`) or ``"derive"`` (the
+    plan :func:`fxtp.derive_plan` reads off the model's program at the group's size).
 
     ``example_inputs`` / ``example_kwargs`` are full (single-device) inputs used for
     tracing, positional and by keyword as the model is called (either may be left out,
@@ -218,6 +220,10 @@ def _resolve(model: nn.Module, plan: Plan, mesh, options: Options) -> Job:
                          "as the model is called")
     allow_in_dynamo_graphs()  # the result may be compiled: its collectives stay calls
     check_fresh(model)
+    if isinstance(plan, str) and plan == "derive":
+        plan = derive_plan(model, example_inputs=options.example_inputs,
+                           example_kwargs=options.example_kwargs,
+                           world_size=resolve_group(mesh).world)
     shardings = resolve_plan(model, plan, options.strict,
                              lambda: resolve_group(mesh).device_mesh())
     checkpointed = module_fqns(model, options.checkpoint, "checkpoint pattern")

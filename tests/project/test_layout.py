@@ -15,6 +15,7 @@ LAYERS = [
     {"fxtp.plans"},
     {"fxtp.edges"},
     {"fxtp.runtime", "fxtp.inspection"},
+    {"fxtp.planning"},
     {"fxtp.pipeline"},
     {"fxtp.compiling", "fxtp.serving", "fxtp.examples"},
     {"fxtp.cli"},

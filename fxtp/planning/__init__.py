@@ -1,0 +1,1 @@
+"""Plans derived from a model's traced program (:func:`derive_plan`)."""

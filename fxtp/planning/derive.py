@@ -1,0 +1,247 @@
+"""``derive_plan``: a tensor-parallel plan read off a model's traced program.
+
+The model is traced once. Its linears are paired as Megatron pairs them
+(:mod:`fxtp.planning.projections`): the linears whose outputs feed another through ops that
+keep features split are column-wise, that one row-wise. A linear whose output is the
+program's (the head) is column-wise, its logits gathered, or kept sharded by class where
+the program computes the cross-entropy (loss parallel). The embedding is vocabulary- or
+feature-parallel, whichever sends less. Each candidate plan is placed by fxtp's own passes
+(seed and place, no process group) and costed by its cost model
+(:func:`~fxtp.passes.program_cost.program_cost`): a pair or head whose layout would make
+the program gather where no rule serves it (a fallback) is left replicated, and the report
+says why.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+from torch.distributed.tensor import Replicate, Shard
+
+from ..edges.materialize import fake_tensors, meta_tensors, swapped
+from ..frontend.trace import trace
+from ..passes.context import PassContext
+from ..passes.graph import FALLBACKS, PLACEMENT
+from ..passes.errors import PlanError
+from ..passes.place import place
+from ..passes.placement import is_replicate
+from ..passes.program_cost import program_cost
+from ..passes.seed import seed
+from ..passes.snapshot import Snapshot
+from ..plans.resolution import resolve_plan, tied_names
+from ..plans.styles import ColwiseParallel, ParallelStyle, RowwiseParallel
+from .projections import Projection, projections
+
+
+@dataclass(frozen=True)
+class Placed:
+    """What a candidate plan makes of the program: its fallbacks, what it sends per rank
+    forward and backward (bytes plus a fixed cost per collective, fxtp's cost model) and the
+    bytes of parameters each rank holds."""
+
+    fallbacks: tuple
+    sent: float
+    held: int
+
+
+class DerivedPlan(dict):
+    """A plan (FQN pattern -> style) with what was left replicated and why (``report``:
+    FQN -> reason) and what the plan makes of the program (``placed``)."""
+
+    def __init__(self, plan: dict, report: dict, placed: Placed, world: int):
+        super().__init__(plan)
+        self.report, self.placed, self.world = report, placed, world
+
+    def __str__(self):
+        width = max((len(k) for k in self), default=0)
+        lines = [f"{k:<{width}}  {short(style)}" for k, style in self.items()]
+        lines += [f"{k:<{width}}  (replicated: {why})" for k, why in self.report.items()]
+        lines.append(f"at world {self.world}: {self.placed.sent / 2 ** 20:.2f} MiB sent per "
+                     f"rank a training step, {self.placed.held / 2 ** 20:.2f} MiB of "
+                     f"parameters a rank, {len(self.placed.fallbacks)} fallbacks")
+        return "\n".join(lines)
+
+
+def short(style: ParallelStyle) -> str:
+    """``style`` with the arguments that differ from its defaults."""
+    default = vars(type(style)())
+    args = ", ".join(f"{k}={v!r}" for k, v in vars(style).items() if default.get(k) != v)
+    return f"{type(style).__name__}({args})"
+
+
+def derive_plan(model: nn.Module, *, example_inputs=(), example_kwargs=None,
+                world_size: Optional[int] = None, sequence_parallel: bool = False,
+                loss_parallel: Optional[bool] = None, memory_slack: float = 0.02
+                ) -> DerivedPlan:
+    """The Megatron plan of ``model`` at ``world_size`` ranks (default: the process group's),
+    traced on ``example_inputs`` / ``example_kwargs`` as it is called. ``loss_parallel``:
+    the head's logits stay sharded by class (``None``: where the traced program computes
+    a cross-entropy of them). ``memory_slack``: how many more parameter bytes a rank may
+    hold than under Megatron's full sharding (every block projection, the embeddings and
+    the head sharded), to send less: an embedding or head whose sharding costs more
+    collectives than the bytes it saves are worth is left whole where that stays within
+    (``memory_slack=0.1``: 10% more; ``0``: fully sharded). The result is a dict FQN
+    pattern -> style, deterministic for a model and world size, to print, edit and pass to
+    :func:`fxtp.parallelize`."""
+    if sequence_parallel:
+        raise NotImplementedError("derive_plan(sequence_parallel=True) is not built yet: "
+                                  "derive the plan without it and add SequenceParallel "
+                                  "to the norms")
+    world = world_size or (dist.get_world_size() if dist.is_initialized() else None)
+    if not world:
+        raise PlanError("derive_plan needs world_size=... (or an initialized process group)")
+    program = _Program(model, example_inputs, example_kwargs, world)
+    found = program.projections
+    roles, report = _megatron_roles(found)
+    head_loss = {fqn: (found[fqn].to_loss if loss_parallel is None else loss_parallel)
+                 for fqn, role in roles.items() if role == "head"}
+    embeddings = [fqn for fqn, p in found.items() if p.kind == "embedding"]
+    plan = {fqn: _style(role, head_loss.get(fqn)) for fqn, role in roles.items()}
+    if embeddings:  # Megatron's full sharding: every pair, the heads, the word embedding
+        sizes = {fqn: model.get_submodule(fqn).num_embeddings for fqn in embeddings}
+        plan[max(embeddings, key=sizes.get)] = _VOCABULARY
+    budget = program.place(plan).held * (1 + memory_slack)
+    for fqn in [*embeddings, *head_loss]:  # the layout that sends least within the budget
+        options = [_VOCABULARY, _FEATURES, None] if fqn in embeddings else [plan[fqn], None]
+        options.sort(key=lambda o: o is not plan.get(fqn))  # a tie keeps Megatron's
+        plan = min(({**plan, fqn: o} if o is not None else _without(plan, fqn)
+                    for o in options), key=lambda trial: program.rank(trial, budget))
+        if fqn not in plan:
+            report[fqn] = (f"sharding it sends more, and whole it stays within "
+                           f"memory_slack={memory_slack}")
+    placed = program.place(plan)
+    for group in _groups(roles, found, embeddings):  # what falls back is left replicated
+        if not placed.fallbacks:
+            break
+        trial = {k: v for k, v in plan.items() if k not in group}
+        tried = program.place(trial)
+        if len(tried.fallbacks) < len(placed.fallbacks):
+            why = f"sharded, the program would gather: {placed.fallbacks[0]}"
+            report.update({fqn: why for fqn in group})
+            plan, placed = trial, tried
+    order = list(found)  # the plan in the order the program calls the modules
+    plan = dict(sorted(plan.items(), key=lambda kv: order.index(kv[0])))
+    return DerivedPlan(_patterns(plan, model), _patterns(report, model), placed, world)
+
+
+_VOCABULARY = RowwiseParallel(input_layouts=Replicate())
+_FEATURES = ColwiseParallel(output_layouts=Replicate())
+
+
+def _without(plan: dict, fqn: str) -> dict:
+    return {k: v for k, v in plan.items() if k != fqn}
+
+
+def _megatron_roles(found: dict[str, Projection]) -> tuple[dict, dict]:
+    """FQN -> ``"col"``, ``"row"`` or ``"head"`` for the linears Megatron's layout shards;
+    FQN -> why for the linears it leaves replicated."""
+    roles: dict[str, str] = {}
+    for fqn, p in found.items():
+        if p.kind != "linear" or not p.feeds or p.from_stream:
+            continue
+        if all(roles.get(f) in (None, "col") for f in p.feeds):
+            roles.update(dict.fromkeys(sorted(p.feeds), "col"))
+            roles[fqn] = "row"
+    report = {}
+    for fqn, p in found.items():
+        if p.kind == "linear" and fqn not in roles:
+            if p.to_output or p.to_loss:
+                roles[fqn] = "head"
+            else:
+                report[fqn] = "no linear reads its output through ops that keep it split"
+    return dict(sorted(roles.items(), key=lambda kv: list(found).index(kv[0]))), report
+
+
+def _style(role: str, loss_parallel: Optional[bool]) -> ParallelStyle:
+    if role == "col":
+        return ColwiseParallel()
+    if role == "row":
+        return RowwiseParallel()
+    return ColwiseParallel(output_layouts=Shard(-1) if loss_parallel else Replicate())
+
+
+def _groups(roles: dict, found: dict, embeddings: list) -> list[list[str]]:
+    """The units a plan keeps or drops whole: each row-wise linear with the column-wise
+    ones feeding it, each head, each embedding."""
+    groups = [[*sorted(found[fqn].feeds), fqn] for fqn, role in roles.items() if role == "row"]
+    groups += [[fqn] for fqn, role in roles.items() if role == "head"]
+    return groups + [[fqn] for fqn in embeddings]
+
+
+class _Program:
+    """The model traced once, placed under candidate plans."""
+
+    def __init__(self, model: nn.Module, args, kwargs, world: int):
+        self.model, self.world = model, world
+        boundaries = [fqn for fqn, m in model.named_modules()
+                      if isinstance(m, (nn.Linear, nn.Embedding)) or
+                      type(m).__name__ == "Conv1D"]
+        meta = meta_tensors(model)
+        with swapped(model, fake_tensors(meta, torch.device("cpu"))):
+            self.gm, self.calls = trace(model, tuple(args), dict(kwargs or {}) or None,
+                                        boundaries)
+        self.aliases = tied_names(model)
+        self.projections = projections(self.gm, model, self.aliases)
+
+    def rank(self, plan: dict, budget: float) -> tuple:
+        """How good ``plan`` is, least first: fewer fallbacks, then within the parameter
+        bytes ``budget``, then sending less (a tie keeps the earlier plan: ``min``)."""
+        try:
+            placed = self.place(plan)
+        except PlanError:  # a layout the plan cannot give (a tied weight split two ways)
+            return math.inf, True, math.inf
+        return len(placed.fallbacks), placed.held > budget, placed.sent
+
+    def place(self, plan: dict) -> Placed:
+        gm = self.gm
+        before, meta = Snapshot(gm.graph), dict(gm.meta)
+        try:
+            ctx = PassContext(self.world, shardings=resolve_plan(self.model, plan),
+                              calls=self.calls, aliases=self.aliases)
+            place(seed(gm, ctx), ctx)
+            fallbacks = tuple(gm.meta[FALLBACKS])
+            sent, _ = program_cost(gm, self.world)
+            held = sum(_held_bytes(n, self.world) for n in gm.graph.nodes
+                       if n.op == "get_attr" and PLACEMENT in n.meta)
+        finally:
+            before.restore()
+            gm.meta.clear()
+            gm.meta.update(meta)
+        return Placed(fallbacks, sent, held)
+
+
+def _held_bytes(node: fx.Node, world: int) -> int:
+    """The bytes of the tensor ``node`` reads that each rank holds, as it is placed."""
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor):
+        return 0
+    whole = value.numel() * value.element_size()
+    return whole if is_replicate(node.meta[PLACEMENT]) else -(-whole // world)
+
+
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)")
+
+
+def _patterns(entries: dict, model: nn.Module) -> dict:
+    """``entries`` (FQN -> value) with the FQNs that differ only in list indices written as
+    one ``*`` pattern, where every module the pattern matches has the same value."""
+    modules = [fqn for fqn, _ in model.named_modules()]
+    by_pattern: dict[str, list[str]] = {}
+    for fqn in entries:
+        by_pattern.setdefault(_INDEX.sub("*", fqn), []).append(fqn)
+    out = {}
+    for pattern, fqns in by_pattern.items():
+        matching = [m for m in modules if _INDEX.sub("*", m) == pattern]
+        values = {repr(entries[f]) for f in fqns}
+        if pattern != fqns[0] and len(values) == 1 and sorted(matching) == sorted(fqns):
+            out[pattern] = entries[fqns[0]]
+        else:
+            out.update({f: entries[f] for f in fqns})
+    return out
+

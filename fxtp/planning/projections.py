@@ -1,0 +1,206 @@
+"""The projections of a traced program and the values that flow between them: what
+Megatron's layout pairs column-wise then row-wise.
+
+A *projection* is a module whose weight one op of the program multiplies by (``linear``,
+Hugging Face's transposed ``Conv1D`` as ``addmm``, ``embedding``). A value's *sources* are
+the projections whose outputs reach it through *carriers* only: ops that keep a feature
+split among ranks split (pointwise ops, views, attention, a softmax over another dim, a
+concatenation), as opposed to a norm or a reduction over the features, which must read
+them whole. A linear whose input comes from other linears through carriers alone, and
+from nothing else the model computed (constants such as rotary tables and masks do not
+count), is the second of a pair: those linears are column-wise and it is row-wise.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Optional
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from ..passes.effects import returns_alias
+from ..passes.graph import val
+from ..passes.rules import is_tagged_pointwise
+
+aten = torch.ops.aten
+
+_CARRIERS = {
+    aten.scaled_dot_product_attention, aten._scaled_dot_product_flash_attention_for_cpu,
+    aten.matmul, aten.bmm, aten._softmax, aten.softmax, aten._log_softmax, aten.log_softmax,
+    aten.cat, aten.stack, aten.clone, aten.contiguous, aten._to_copy, aten.to, aten.type_as,
+    aten.dropout, aten.native_dropout, aten.masked_fill, aten.where, aten.reshape, aten.repeat,
+    aten.repeat_interleave, aten.flatten, aten.unflatten, aten.split, aten.chunk,
+    aten.unbind, aten.einsum, aten.baddbmm, aten.view_as_complex, aten.view_as_real,
+}
+_LOSSES = {aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_forward, aten.nll_loss2d}
+
+
+@dataclass
+class Projection:
+    """A module the program multiplies by its weight: ``kind`` ``"linear"`` (``nn.Linear``
+    or a transposed ``Conv1D``) or ``"embedding"``."""
+
+    fqn: str
+    kind: str
+    nodes: list = field(default_factory=list)  # its calls in the graph
+    feeds: set = field(default_factory=set)  # linears whose outputs reach its input
+    from_stream: bool = False  # its input is also computed from something else
+    to_output: bool = False  # its output reaches the program's output through carriers
+    to_loss: bool = False  # ... or a cross-entropy computed in the program
+
+
+def projections(gm: fx.GraphModule, model: nn.Module, aliases: Optional[dict] = None
+                ) -> dict[str, Projection]:
+    """FQN -> :class:`Projection` of every projection ``gm`` (traced from ``model``) calls,
+    in the order of first call. ``aliases``: parameter FQN -> every FQN of the same tensor
+    (a head tied to the embedding reads one tensor under either name)."""
+    modules = dict(model.named_modules())
+    found: dict[str, Projection] = {}
+    at: dict[fx.Node, str] = {}
+    for node in gm.graph.nodes:
+        kind, fqn = _projection_of(node, modules, aliases or {})
+        if fqn is not None:
+            found.setdefault(fqn, Projection(fqn, kind)).nodes.append(node)
+            at[node] = fqn
+    sources = _Sources(at, {f for f, p in found.items() if p.kind == "linear"})
+    for fqn, p in found.items():
+        if p.kind == "linear":
+            for node in p.nodes:
+                feeds, stream = sources.of(node.args[0])
+                p.feeds |= feeds
+                p.from_stream |= stream
+        p.to_output, p.to_loss = _reaches_output(p.nodes)
+    return found
+
+
+def _projection_of(node: fx.Node, modules: dict, aliases: dict
+                   ) -> tuple[Optional[str], Optional[str]]:
+    """``(kind, module FQN)`` where ``node`` multiplies by a module's own weight (under any
+    of the weight's names)."""
+    if node.op != "call_function":
+        return None, None
+    if node.target is aten.linear.default:
+        weight = node.args[1]
+    elif node.target is aten.addmm.default:
+        weight = node.args[2]
+    elif node.target is aten.embedding.default:
+        weight = node.args[0]
+    else:
+        return None, None
+    if not isinstance(weight, fx.Node) or weight.op != "get_attr":
+        return None, None
+    for fqn in aliases.get(weight.target, [weight.target]):
+        owner, _, name = fqn.rpartition(".")
+        module = modules.get(owner)
+        if name != "weight" or module is None:
+            continue
+        if node.target is aten.embedding.default and isinstance(module, nn.Embedding):
+            return "embedding", owner
+        if node.target is aten.linear.default and isinstance(module, nn.Linear):
+            return "linear", owner
+        if node.target is aten.addmm.default and type(module).__name__ == "Conv1D":
+            return "linear", owner
+    return None, None
+
+
+def carries(node: fx.Node) -> bool:
+    """Does ``node`` keep a feature split among ranks split (see the module docstring)?"""
+    target = node.target
+    if node.op != "call_function":
+        return False
+    if target is operator.getitem:
+        return True
+    packet = getattr(target, "overloadpacket", None)
+    return packet in _CARRIERS or is_tagged_pointwise(target) or \
+        (packet is not None and returns_alias(target) and not _is_reduction(target))
+
+
+@lru_cache(maxsize=None)
+def _is_reduction(target) -> bool:
+    return torch.Tag.reduction in getattr(target, "tags", ())
+
+
+class _Sources:
+    """The linears each value comes from through carriers, and whether it also comes from
+    something the model computed otherwise (a norm, the embedding, the residual stream)."""
+
+    def __init__(self, at: dict, linears: set):
+        self.at, self.linears = at, linears
+        self.known: dict[fx.Node, tuple[frozenset, bool, bool]] = {}
+
+    def of(self, value) -> tuple[set, bool]:
+        feeds, stream, _ = self._walk(value)
+        return set(feeds), stream
+
+    def _walk(self, value) -> tuple[frozenset, bool, bool]:
+        """``(linears, stream, constant)`` for ``value``."""
+        if not isinstance(value, fx.Node):
+            return frozenset(), False, True
+        if value in self.known:
+            return self.known[value]
+        stack, order = [value], []
+        while stack:  # the producers first, without recursion (deep graphs)
+            node = stack.pop()
+            if node in self.known or node in order:
+                continue
+            order.append(node)
+            stack.extend(i for i in node.all_input_nodes if i not in self.known)
+        for node in sorted(order, key=_position):
+            self.known[node] = self._decide(node)
+        return self.known[value]
+
+    def _decide(self, node: fx.Node) -> tuple[frozenset, bool, bool]:
+        fqn = self.at.get(node)
+        if fqn is not None:  # a linear starts a chain; the embedding is the stream
+            return (frozenset({fqn}), False, False) if fqn in self.linears else \
+                (frozenset(), True, False)
+        inputs = [self.known[i] for i in node.all_input_nodes if isinstance(val(i), torch.Tensor)
+                  or i in self.known]
+        if node.op in ("placeholder", "get_attr") or not inputs or \
+                all(constant for _, _, constant in inputs):
+            return frozenset(), node.op == "placeholder" and _is_stream_input(node), \
+                node.op != "placeholder" or not _is_stream_input(node)
+        if carries(node):
+            feeds = frozenset().union(*(f for f, _, _ in inputs))
+            return feeds, any(s for _, s, _ in inputs), False
+        return frozenset(), True, False
+
+
+def _is_stream_input(node: fx.Node) -> bool:
+    """A floating-point input of the program (hidden states passed in) is computed data; an
+    integer one (token ids, positions) only indexes."""
+    v = val(node)
+    return isinstance(v, torch.Tensor) and v.is_floating_point()
+
+
+def _position(node: fx.Node) -> int:
+    return node.meta.setdefault("fxtp_plan_position", _index(node))
+
+
+def _index(node: fx.Node) -> int:
+    for i, n in enumerate(node.graph.nodes):
+        n.meta["fxtp_plan_position"] = i
+    return node.meta["fxtp_plan_position"]
+
+
+def _reaches_output(nodes: list) -> tuple[bool, bool]:
+    """Whether the outputs of ``nodes`` reach the program's output, and a loss, through
+    carriers."""
+    seen, stack = set(), list(nodes)
+    output = loss = False
+    while stack:
+        node = stack.pop()
+        for user in node.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if user.op == "output":
+                output = True
+            elif getattr(user.target, "overloadpacket", None) in _LOSSES:
+                loss = True
+            elif carries(user):
+                stack.append(user)
+    return output, loss

@@ -1,0 +1,148 @@
+"""``fxtp.derive_plan`` reads the Megatron plan off a model's program: linears joined by ops
+that keep features split are column-wise then row-wise, the head column-wise, the
+embedding vocabulary- or feature-parallel by what it sends; what it cannot shard without a
+fallback stays replicated, with the reason. The plan reaches single-device parity and
+issues no more collectives than the hand-written plan."""
+import pytest
+import torch
+import torch.nn as nn
+
+import fxtp
+from fxtp.examples.llama import Llama, LlamaConfig, llama_tp_plan
+from fxtp.planning.derive import short
+from tests.helpers import models, transformer_models
+from tests.helpers.parity import check_parity, example
+
+CFG = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16)
+TOKENS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+
+
+def styles(plan) -> dict:
+    return {key: short(style) for key, style in plan.items()}
+
+
+def test_a_llama_gets_megatrons_pairs_a_head_and_an_embedding():
+    plan = fxtp.derive_plan(Llama(CFG), example_inputs=(TOKENS,), world_size=2)
+    assert styles(plan) == {
+        "tok_embeddings": styles(plan)["tok_embeddings"],  # chosen by cost, below
+        "layers.*.attention.wq": "ColwiseParallel()",
+        "layers.*.attention.wk": "ColwiseParallel()",
+        "layers.*.attention.wv": "ColwiseParallel()",
+        "layers.*.attention.wo": "RowwiseParallel()",
+        "layers.*.feed_forward.w1": "ColwiseParallel()",
+        "layers.*.feed_forward.w3": "ColwiseParallel()",
+        "layers.*.feed_forward.w2": "RowwiseParallel()",
+        "output": "ColwiseParallel(output_layouts=Replicate())"}
+    assert list(plan)[0] == "tok_embeddings"  # in the order the program calls them
+    assert plan.report == {} and plan.placed.fallbacks == ()
+
+
+def test_the_embedding_takes_the_layout_that_sends_less():
+    plan = fxtp.derive_plan(Llama(CFG), example_inputs=(TOKENS,), world_size=2)
+    program = fxtp.planning.derive._Program(Llama(CFG), (TOKENS,), None, 2)
+    vocab = program.place({**plan, "tok_embeddings": fxtp.RowwiseParallel(
+        input_layouts=fxtp.Replicate())})
+    features = program.place({**plan, "tok_embeddings": fxtp.ColwiseParallel(
+        output_layouts=fxtp.Replicate())})
+    chosen = vocab if isinstance(plan["tok_embeddings"], fxtp.RowwiseParallel) else features
+    assert chosen.sent == min(vocab.sent, features.sent)
+    assert vocab.held == features.held  # either shards the table
+
+
+def test_the_plan_is_the_same_every_time_and_prints_as_a_table():
+    first = fxtp.derive_plan(Llama(CFG), example_inputs=(TOKENS,), world_size=4)
+    again = fxtp.derive_plan(Llama(CFG), example_inputs=(TOKENS,), world_size=4)
+    assert isinstance(first, dict) and repr(dict(first)) == repr(dict(again))
+    lines = str(first).splitlines()
+    assert [line.split() for line in lines if line.startswith("layers.*.attention.wo")] == [
+        ["layers.*.attention.wo", "RowwiseParallel()"]]
+    assert lines[-1].startswith("at world 4: ") and lines[-1].endswith(" 0 fallbacks")
+
+
+class ReadWhole(nn.Module):
+    """``up``'s output is normalized over its features before ``down`` reads it: no pair."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.norm, self.down = nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.down(self.norm(self.up(x)))
+
+
+def test_a_linear_whose_output_is_read_whole_stays_replicated_and_is_reported():
+    plan = fxtp.derive_plan(ReadWhole(), example_inputs=(example(2, 4, 16),), world_size=2)
+    assert styles(plan) == {"down": "ColwiseParallel(output_layouts=Replicate())"}
+    assert plan.report == {
+        "up": "no linear reads its output through ops that keep it split"}
+
+
+def test_the_head_keeps_logits_sharded_where_the_program_computes_the_loss():
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    inputs = (tokens, models.TARGETS)
+    plan = fxtp.derive_plan(models.WithLoss(Llama(CFG)), example_inputs=inputs, world_size=2)
+    assert short(plan["lm.output"]) == "ColwiseParallel()"  # logits sharded by class
+    gathered = fxtp.derive_plan(models.WithLoss(Llama(CFG)), example_inputs=inputs,
+                                world_size=2, loss_parallel=False)
+    assert short(gathered["lm.output"]) == "ColwiseParallel(output_layouts=Replicate())"
+
+
+def test_a_position_embedding_stays_whole_where_sharding_it_only_costs():
+    plan = fxtp.derive_plan(gpt2(), example_inputs=(torch.randint(0, 64, (2, 8)),),
+                            world_size=2)
+    assert short(plan["wte"]) == "RowwiseParallel(input_layouts=Replicate())"
+    assert "wpe" not in plan
+    assert plan.report == {
+        "wpe": "sharding it sends more, and whole it stays within memory_slack=0.02"}
+
+
+def test_memory_slack_trades_parameter_bytes_for_collectives():
+    megatron = fxtp.derive_plan(Llama(CFG), example_inputs=(TOKENS,), world_size=2)
+    roomy = fxtp.derive_plan(Llama(CFG), example_inputs=(TOKENS,), world_size=2,
+                             memory_slack=0.5)
+    assert {"tok_embeddings", "output"} <= megatron.keys()
+    assert not {"tok_embeddings", "output"} & roomy.keys()
+    assert set(roomy.report) == {"tok_embeddings", "output"}
+    assert megatron.placed.held < roomy.placed.held <= 1.5 * megatron.placed.held
+    assert roomy.placed.sent < megatron.placed.sent
+
+
+def test_a_world_size_is_needed_outside_a_process_group():
+    with pytest.raises(fxtp.PlanError, match="world_size"):
+        fxtp.derive_plan(Llama(CFG), example_inputs=(TOKENS,))
+
+
+def llama():
+    return Llama(CFG)
+
+
+def gpt2():
+    return transformer_models.GPT2(transformer_models.GPT2Config())
+
+
+def derived_against_written(rank, world, make, written, inputs, dtype=torch.float64):
+    derived = check_parity(rank, world, make, "derive", inputs, dtype=dtype, strict=True,
+                           input_grads=False)
+    hand = check_parity(rank, world, make, written, inputs, dtype=dtype, input_grads=False)
+    return derived, hand
+
+
+def total(counts) -> int:
+    fwd, bwd = counts
+    return sum(fwd.values()) + sum(bwd.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_the_derived_llama_plan_trains_like_one_device_with_no_more_collectives(ranks, dtype):
+    derived, hand = ranks.run(derived_against_written, llama, llama_tp_plan(), [TOKENS],
+                              dtype)[0]
+    assert total(derived) <= total(hand), (derived, hand)
+
+
+def test_the_derived_gpt2_plan_trains_like_one_device_with_no_more_collectives(ranks):
+    megatron = {"wte": fxtp.RowwiseParallel(input_layouts=fxtp.Replicate()),
+                **transformer_models.gpt2_layer_plan(),
+                "lm_head": fxtp.ColwiseParallel(output_layouts=fxtp.Replicate())}
+    derived, hand = ranks.run(derived_against_written, gpt2, megatron,
+                              [torch.randint(0, 64, (2, 8))])[0]
+    assert total(derived) <= total(hand), (derived, hand)
