@@ -27,7 +27,7 @@ from torch.distributed.tensor import Replicate, Shard
 from ..edges.materialize import fake_tensors, meta_tensors, swapped
 from ..frontend.trace import trace
 from ..passes.context import PassContext
-from ..passes.graph import FALLBACKS, PLACEMENT
+from ..passes.graph import FALLBACKS, PLACEMENT, calls_of
 from ..passes.errors import PlanError
 from ..passes.place import place
 from ..passes.placement import is_replicate
@@ -35,7 +35,8 @@ from ..passes.program_cost import program_cost
 from ..passes.seed import seed
 from ..passes.snapshot import Snapshot
 from ..plans.resolution import resolve_plan, tied_names
-from ..plans.styles import ColwiseParallel, ParallelStyle, RowwiseParallel
+from ..plans.styles import (ColwiseParallel, ParallelStyle, RowwiseParallel,
+                            SequenceParallel)
 from .projections import Projection, projections
 
 
@@ -89,10 +90,6 @@ def derive_plan(model: nn.Module, *, example_inputs=(), example_kwargs=None,
     (``memory_slack=0.1``: 10% more; ``0``: fully sharded). The result is a dict FQN
     pattern -> style, deterministic for a model and world size, to print, edit and pass to
     :func:`fxtp.parallelize`."""
-    if sequence_parallel:
-        raise NotImplementedError("derive_plan(sequence_parallel=True) is not built yet: "
-                                  "derive the plan without it and add SequenceParallel "
-                                  "to the norms")
     world = world_size or (dist.get_world_size() if dist.is_initialized() else None)
     if not world:
         raise PlanError("derive_plan needs world_size=... (or an initialized process group)")
@@ -102,13 +99,19 @@ def derive_plan(model: nn.Module, *, example_inputs=(), example_kwargs=None,
     head_loss = {fqn: (found[fqn].to_loss if loss_parallel is None else loss_parallel)
                  for fqn, role in roles.items() if role == "head"}
     embeddings = [fqn for fqn, p in found.items() if p.kind == "embedding"]
-    plan = {fqn: _style(role, head_loss.get(fqn)) for fqn, role in roles.items()}
-    if embeddings:  # Megatron's full sharding: every pair, the heads, the word embedding
-        sizes = {fqn: model.get_submodule(fqn).num_embeddings for fqn in embeddings}
-        plan[max(embeddings, key=sizes.get)] = _VOCABULARY
+    word = _word_embedding(model, embeddings, program.aliases)
+    norms = program.stream_norms(roles) if sequence_parallel else []
+    plan = {fqn: _style(role, head_loss.get(fqn), sequence_parallel)
+            for fqn, role in roles.items()}
+    plan.update({fqn: SequenceParallel() for fqn in norms})
+    if word is not None:  # Megatron's full sharding: every pair, the heads, the word embedding
+        plan[word] = _embedding_styles(sequence_parallel)[0]
     budget = program.place(plan).held * (1 + memory_slack)
     for fqn in [*embeddings, *head_loss]:  # the layout that sends least within the budget
-        options = [_VOCABULARY, _FEATURES, None] if fqn in embeddings else [plan[fqn], None]
+        options = [plan[fqn], None] if fqn in head_loss else \
+            [*_embedding_styles(sequence_parallel and fqn == word), None]
+        if _tied_to_plan(fqn, plan, program.aliases):
+            options.remove(None)  # a tied weight follows the other module's layout anyway
         options.sort(key=lambda o: o is not plan.get(fqn))  # a tie keeps Megatron's
         plan = min(({**plan, fqn: o} if o is not None else _without(plan, fqn)
                     for o in options), key=lambda trial: program.rank(trial, budget))
@@ -125,13 +128,30 @@ def derive_plan(model: nn.Module, *, example_inputs=(), example_kwargs=None,
             why = f"sharded, the program would gather: {placed.fallbacks[0]}"
             report.update({fqn: why for fqn in group})
             plan, placed = trial, tried
-    order = list(found)  # the plan in the order the program calls the modules
-    plan = dict(sorted(plan.items(), key=lambda kv: order.index(kv[0])))
+    order = {fqn: i for i, (fqn, _) in enumerate(model.named_modules())}
+    plan = dict(sorted(plan.items(), key=lambda kv: order[kv[0]]))  # as the model lists them
     return DerivedPlan(_patterns(plan, model), _patterns(report, model), placed, world)
 
 
-_VOCABULARY = RowwiseParallel(input_layouts=Replicate())
-_FEATURES = ColwiseParallel(output_layouts=Replicate())
+def _embedding_styles(sequence_sharded: bool) -> list[ParallelStyle]:
+    """Vocabulary-parallel, then feature-parallel, with the output sequence-sharded (the
+    word embedding under sequence parallelism) or whole."""
+    out = Shard(1) if sequence_sharded else Replicate()
+    return [RowwiseParallel(input_layouts=Replicate(), output_layouts=out),
+            ColwiseParallel(output_layouts=out)]
+
+
+def _word_embedding(model: nn.Module, embeddings: list, aliases: dict) -> Optional[str]:
+    """The embedding of the tokens: the one tied to a head, else the one with most rows."""
+    tied = [fqn for fqn in embeddings if f"{fqn}.weight" in aliases]
+    return max(tied or embeddings, key=lambda f: model.get_submodule(f).num_embeddings,
+               default=None)
+
+
+def _tied_to_plan(fqn: str, plan: dict, aliases: dict) -> bool:
+    """Is ``fqn``'s weight also another planned module's?"""
+    return any(name.rpartition(".")[0] in plan and name.rpartition(".")[0] != fqn
+               for name in aliases.get(f"{fqn}.weight", ()))
 
 
 def _without(plan: dict, fqn: str) -> dict:
@@ -158,11 +178,15 @@ def _megatron_roles(found: dict[str, Projection]) -> tuple[dict, dict]:
     return dict(sorted(roles.items(), key=lambda kv: list(found).index(kv[0]))), report
 
 
-def _style(role: str, loss_parallel: Optional[bool]) -> ParallelStyle:
+def _style(role: str, loss_parallel: Optional[bool], sequence_parallel: bool
+           ) -> ParallelStyle:
+    """The style of a linear's role; under sequence parallelism a row-wise output is
+    reduce-scattered to sequence shards (the column-wise inputs are gathered from them)."""
     if role == "col":
         return ColwiseParallel()
     if role == "row":
-        return RowwiseParallel()
+        return RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else \
+            RowwiseParallel()
     return ColwiseParallel(output_layouts=Shard(-1) if loss_parallel else Replicate())
 
 
@@ -181,13 +205,25 @@ class _Program:
         self.model, self.world = model, world
         boundaries = [fqn for fqn, m in model.named_modules()
                       if isinstance(m, (nn.Linear, nn.Embedding)) or
-                      type(m).__name__ == "Conv1D"]
+                      type(m).__name__ == "Conv1D" or is_norm(m)]
         meta = meta_tensors(model)
         with swapped(model, fake_tensors(meta, torch.device("cpu"))):
             self.gm, self.calls = trace(model, tuple(args), dict(kwargs or {}) or None,
                                         boundaries)
         self.aliases = tied_names(model)
-        self.projections = projections(self.gm, model, self.aliases)
+        self.projections, self.sources = projections(self.gm, model, self.aliases)
+
+    def stream_norms(self, roles: dict) -> list[str]:
+        """The norms applied to the residual stream (not to a column-wise output: a q / k
+        norm over heads), which sequence parallelism runs on sequence shards."""
+        cols = {fqn for fqn, role in roles.items() if role == "col"}
+        found = []
+        for fqn, m in self.model.named_modules():
+            calls = calls_of(self.calls, fqn) if is_norm(m) else []
+            if calls and all(not (self.sources.of(c.args[0])[0] & cols) for c in calls
+                             if c.args):
+                found.append(fqn)
+        return found
 
     def rank(self, plan: dict, budget: float) -> tuple:
         """How good ``plan`` is, least first: fewer fallbacks, then within the parameter
@@ -214,6 +250,14 @@ class _Program:
             gm.meta.clear()
             gm.meta.update(meta)
         return Placed(fallbacks, sent, held)
+
+
+def is_norm(module: nn.Module) -> bool:
+    """A layer norm or RMS norm (torch's, or a model's own ``...Norm`` class with 1-D
+    parameters only)."""
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or (
+        type(module).__name__.endswith("Norm") and
+        all(p.dim() == 1 for p in module.parameters(recurse=False)))
 
 
 def _held_bytes(node: fx.Node, world: int) -> int:

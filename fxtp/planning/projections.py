@@ -53,10 +53,11 @@ class Projection:
 
 
 def projections(gm: fx.GraphModule, model: nn.Module, aliases: Optional[dict] = None
-                ) -> dict[str, Projection]:
+                ) -> tuple[dict[str, Projection], "Sources"]:
     """FQN -> :class:`Projection` of every projection ``gm`` (traced from ``model``) calls,
-    in the order of first call. ``aliases``: parameter FQN -> every FQN of the same tensor
-    (a head tied to the embedding reads one tensor under either name)."""
+    in the order of first call, and the :class:`Sources` of the program's values.
+    ``aliases``: parameter FQN -> every FQN of the same tensor (a head tied to the
+    embedding reads one tensor under either name)."""
     modules = dict(model.named_modules())
     found: dict[str, Projection] = {}
     at: dict[fx.Node, str] = {}
@@ -65,7 +66,7 @@ def projections(gm: fx.GraphModule, model: nn.Module, aliases: Optional[dict] = 
         if fqn is not None:
             found.setdefault(fqn, Projection(fqn, kind)).nodes.append(node)
             at[node] = fqn
-    sources = _Sources(at, {f for f, p in found.items() if p.kind == "linear"})
+    sources = Sources(at, {f for f, p in found.items() if p.kind == "linear"})
     for fqn, p in found.items():
         if p.kind == "linear":
             for node in p.nodes:
@@ -73,7 +74,7 @@ def projections(gm: fx.GraphModule, model: nn.Module, aliases: Optional[dict] = 
                 p.feeds |= feeds
                 p.from_stream |= stream
         p.to_output, p.to_loss = _reaches_output(p.nodes)
-    return found
+    return found, sources
 
 
 def _projection_of(node: fx.Node, modules: dict, aliases: dict
@@ -123,7 +124,7 @@ def _is_reduction(target) -> bool:
     return torch.Tag.reduction in getattr(target, "tags", ())
 
 
-class _Sources:
+class Sources:
     """The linears each value comes from through carriers, and whether it also comes from
     something the model computed otherwise (a norm, the embedding, the residual stream)."""
 

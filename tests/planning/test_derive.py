@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import fxtp
-from fxtp.examples.llama import Llama, LlamaConfig, llama_tp_plan
+from fxtp.examples.llama import Llama, LlamaConfig, llama_sp_plan, llama_tp_plan
 from fxtp.planning.derive import short
 from tests.helpers import models, transformer_models
 from tests.helpers.parity import check_parity, example
@@ -33,7 +33,7 @@ def test_a_llama_gets_megatrons_pairs_a_head_and_an_embedding():
         "layers.*.feed_forward.w3": "ColwiseParallel()",
         "layers.*.feed_forward.w2": "RowwiseParallel()",
         "output": "ColwiseParallel(output_layouts=Replicate())"}
-    assert list(plan)[0] == "tok_embeddings"  # in the order the program calls them
+    assert list(plan)[0] == "tok_embeddings"  # in the order the model lists its modules
     assert plan.report == {} and plan.placed.fallbacks == ()
 
 
@@ -120,8 +120,10 @@ def gpt2():
     return transformer_models.GPT2(transformer_models.GPT2Config())
 
 
-def derived_against_written(rank, world, make, written, inputs, dtype=torch.float64):
-    derived = check_parity(rank, world, make, "derive", inputs, dtype=dtype, strict=True,
+def derived_against_written(rank, world, make, written, inputs, dtype=torch.float64,
+                            sequence_parallel=False):
+    plan = fxtp.derive_plan(make(), example_inputs=inputs, sequence_parallel=sequence_parallel)
+    derived = check_parity(rank, world, make, plan, inputs, dtype=dtype, strict=True,
                            input_grads=False)
     hand = check_parity(rank, world, make, written, inputs, dtype=dtype, input_grads=False)
     return derived, hand
@@ -145,4 +147,24 @@ def test_the_derived_gpt2_plan_trains_like_one_device_with_no_more_collectives(r
                 "lm_head": fxtp.ColwiseParallel(output_layouts=fxtp.Replicate())}
     derived, hand = ranks.run(derived_against_written, gpt2, megatron,
                               [torch.randint(0, 64, (2, 8))])[0]
+    assert total(derived) <= total(hand), (derived, hand)
+
+
+def test_under_sequence_parallelism_the_stream_norms_run_on_sequence_shards():
+    plan = fxtp.derive_plan(Llama(CFG), example_inputs=(TOKENS,), world_size=2,
+                            sequence_parallel=True)
+    assert {k: short(v) for k, v in plan.items() if "Sequence" in short(v) or
+            "Shard(dim=1)" in short(v)} == {
+        "tok_embeddings": "RowwiseParallel(input_layouts=Replicate(), "
+                          "output_layouts=Shard(dim=1))",
+        "layers.*.attention_norm": "SequenceParallel()",
+        "layers.*.attention.wo": "RowwiseParallel(output_layouts=Shard(dim=1))",
+        "layers.*.ffn_norm": "SequenceParallel()",
+        "layers.*.feed_forward.w2": "RowwiseParallel(output_layouts=Shard(dim=1))",
+        "norm": "SequenceParallel()"}
+
+
+def test_the_derived_sequence_parallel_llama_plan_trains_like_one_device(ranks):
+    derived, hand = ranks.run(derived_against_written, llama, llama_sp_plan(), [TOKENS],
+                              torch.float64, True)[0]
     assert total(derived) <= total(hand), (derived, hand)
