@@ -11,9 +11,14 @@ process, and the report of one rank is printed::
 
     python -m fxtp explain --model pkg.module:factory --plan pkg.module:plan_fn \\
         --world-size 8 --input 8x2048:int64 [--seq-parallel] [--dump-dir d] [--json]
+    python -m fxtp explain --hf-config LlamaConfig --plan derive --compare auto \\
+        --world-size 8 --input 1x2048:int64
 
-``factory()`` returns the model; ``plan_fn()`` returns the plan (``plan_fn(seq_parallel=
-True)`` with ``--seq-parallel``); a plan dict may be named instead of a function. Each
+``factory()`` returns the model, or ``--hf-config`` names a Hugging Face config to build a
+causal LM from (no weights); ``plan_fn()`` returns the plan (``plan_fn(seq_parallel=True)``
+with ``--seq-parallel``); a plan dict may be named instead of a function, or ``auto`` (the
+model's own Hugging Face plan) or ``derive`` (:func:`fxtp.derive_plan`'s plan, printed
+first); ``--compare`` prints what another plan sends and holds beside it. Each
 ``--input`` is one positional example input, ``SHAPE[:DTYPE]`` (``2x16:int64``; float32
 by default), made on the meta device; without any, one ``1x16:int64`` batch of token ids.
 
@@ -35,6 +40,7 @@ from .inspection.explanation import explain
 from .kernels.torch_compat import init_fake_process_group
 from .passes.errors import FxtpError
 from .pipeline import parallelize
+from .planning.derive import compared, derive_plan, place_plans
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -57,12 +63,20 @@ def add_explain(commands) -> None:
     p = commands.add_parser("explain", help="print what fxtp does to a model under a plan, "
                             "on the meta device and a fake process group",
                             description=__doc__.split("\n\n")[1])
-    p.add_argument("--model", required=True, metavar="MODULE:FACTORY",
-                   help="a function (or class) returning the model, e.g. "
-                        "tests.helpers.transformer_models:Llama")
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model", metavar="MODULE:FACTORY",
+                       help="a function (or class) returning the model, e.g. "
+                            "tests.helpers.transformer_models:Llama")
+    model.add_argument("--hf-config", metavar="PATH_OR_CLASS",
+                       help="a Hugging Face causal LM built from its config alone (no "
+                            "weights): a config file or directory, or a config class such "
+                            "as LlamaConfig (its defaults)")
     p.add_argument("--plan", required=True, metavar="MODULE:PLAN",
                    help="a function returning the plan (called with seq_parallel=True under "
-                        "--seq-parallel), or a plan dict")
+                        "--seq-parallel), a plan dict, 'auto' (a Hugging Face model's own) "
+                        "or 'derive' (fxtp.derive_plan's, printed first)")
+    p.add_argument("--compare", metavar="MODULE:PLAN",
+                   help="also place this plan and print what each sends and holds")
     p.add_argument("--world-size", required=True, type=int, help="tensor-parallel ranks")
     p.add_argument("--input", action="append", type=example_input, metavar="SHAPE[:DTYPE]",
                    help="one positional example input, e.g. 2x16:int64 (float32 if no "
@@ -81,19 +95,51 @@ DEFAULT_INPUT = "1x16:int64"
 
 def run_explain(args) -> int:
     args.input = args.input or [example_input(DEFAULT_INPUT)]
-    factory, plan = load(args.model), load(args.plan)
-    if callable(plan):
-        plan = plan(seq_parallel=True) if args.seq_parallel else plan()
-    elif args.seq_parallel:
-        raise SystemExit(f"--seq-parallel needs a plan function; {args.plan} is not callable")
     with torch.device("meta"):
-        model = factory()
+        model = hf_model(args.hf_config) if args.hf_config else load(args.model)()
+    kwargs = {"use_cache": False} if args.hf_config else None
+    if args.plan == "derive":
+        plan = derive_plan(model, example_inputs=args.input, example_kwargs=kwargs,
+                           world_size=args.world_size, sequence_parallel=args.seq_parallel)
+        if not args.json:
+            print(f"derived plan:\n{plan}\n")
+    else:
+        plan = plan_of(args.plan, args.seq_parallel)
+    if args.compare:
+        plans = {args.plan: plan, args.compare: plan_of(args.compare, args.seq_parallel)}
+        print(compared(place_plans(model, plans, example_inputs=args.input,
+                                   example_kwargs=kwargs, world_size=args.world_size)) + "\n")
     with fake_group(args.world_size, args.rank):
-        gm = parallelize(model, plan, example_inputs=args.input, dump_dir=args.dump_dir,
-                         device="meta")
+        gm = parallelize(model, plan, example_inputs=args.input, example_kwargs=kwargs,
+                         dump_dir=args.dump_dir, device="meta")
         report = explain(gm)
     print(report.to_json() if args.json else report)
     return 0
+
+
+def plan_of(spec: str, seq_parallel: bool):
+    """The plan ``spec`` names: ``"auto"``, or ``MODULE:PLAN`` (a plan function, called with
+    ``seq_parallel=True`` where asked, or a plan dict)."""
+    if spec == "auto":
+        return spec
+    plan = load(spec)
+    if callable(plan):
+        return plan(seq_parallel=True) if seq_parallel else plan()
+    if seq_parallel:
+        raise SystemExit(f"--seq-parallel needs a plan function; {spec} is not callable")
+    return plan
+
+
+def hf_model(spec: str) -> torch.nn.Module:
+    """A Hugging Face causal LM built from a config (a file, a directory, or a config class
+    of ``transformers`` with its defaults), on the current device."""
+    import transformers
+    if hasattr(transformers, spec):
+        config = getattr(transformers, spec)()
+    else:
+        config = transformers.AutoConfig.from_pretrained(spec)
+    config._attn_implementation = "sdpa"
+    return transformers.AutoModelForCausalLM.from_config(config)
 
 
 def load(spec: str):

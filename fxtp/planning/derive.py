@@ -198,6 +198,25 @@ def _groups(roles: dict, found: dict, embeddings: list) -> list[list[str]]:
     return groups + [[fqn] for fqn in embeddings]
 
 
+def place_plans(model: nn.Module, plans: dict, *, example_inputs=(), example_kwargs=None,
+                world_size: int) -> dict[str, Placed]:
+    """Name -> :class:`Placed` for each of ``plans`` (name -> plan, ``"auto"`` included):
+    what each makes of ``model``'s program at ``world_size`` ranks, placed by fxtp's passes
+    on one trace (no process group)."""
+    program = _Program(model, example_inputs, example_kwargs, world_size)
+    return {name: program.place(plan) for name, plan in plans.items()}
+
+
+def compared(placed: dict[str, Placed]) -> str:
+    """``placed`` (name -> :class:`Placed`) as a table, one plan a row."""
+    width = max(len(name) for name in placed)
+    rows = [f"{'plan':<{width}}  {'fallbacks':>9}  {'MiB sent a step':>15}  "
+            f"{'MiB of parameters':>17}"]
+    rows += [f"{name:<{width}}  {len(p.fallbacks):>9}  {p.sent / 2 ** 20:>15.2f}  "
+             f"{p.held / 2 ** 20:>17.2f}" for name, p in placed.items()]
+    return "\n".join(rows)
+
+
 class _Program:
     """The model traced once, placed under candidate plans."""
 

@@ -89,3 +89,34 @@ def test_inputs_are_shapes_with_an_optional_dtype():
     assert example_input("3").dtype == torch.float32
     with pytest.raises(argparse.ArgumentTypeError, match="SHAPE"):
         example_input("2x16:int65")
+
+
+def test_explain_derives_a_plan_prints_it_and_compares_it_with_a_given_one(capsys):
+    assert main(["explain", "--model", "tests.helpers.transformer_models:llama_8_heads",
+                 "--plan", "derive", "--compare", "tests.helpers.transformer_models:llama_plan",
+                 "--input", f"{B}x{T}:int64", "--world-size", "4"]) == 0
+    out = capsys.readouterr().out
+    derived = out[:out.index("\n\n")].splitlines()
+    assert derived[0] == "derived plan:"
+    assert [line.split() for line in derived if "feed_forward.w2" in line] == [
+        ["layers.*.feed_forward.w2", "RowwiseParallel()"]]
+    table = out.splitlines()[len(derived) + 1:len(derived) + 4]
+    assert [row.split()[:2] for row in table] == [
+        ["plan", "fallbacks"], ["derive", "0"],
+        ["tests.helpers.transformer_models:llama_plan", "0"]]
+    assert "fxtp.explain:" in out
+
+
+def test_explain_builds_a_hugging_face_model_from_its_config_alone(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=64)
+    config.save_pretrained(tmp_path)
+    assert main(["explain", "--hf-config", str(tmp_path), "--plan", "derive", "--compare",
+                 "auto", "--world-size", "2", "--input", "1x16:int64"]) == 0
+    out = capsys.readouterr().out
+    assert "model.layers.*.mlp.down_proj" in out and "fallbacks" in out
+    rows = {line.split()[0]: line.split()[1] for line in out.splitlines()
+            if line.split()[:1] in (["derive"], ["auto"])}
+    assert rows == {"derive": "0", "auto": "0"}
