@@ -63,9 +63,10 @@ class DerivedPlan(dict):
         width = max((len(k) for k in self), default=0)
         lines = [f"{k:<{width}}  {short(style)}" for k, style in self.items()]
         lines += [f"{k:<{width}}  (replicated: {why})" for k, why in self.report.items()]
-        lines.append(f"at world {self.world}: {self.placed.sent / 2 ** 20:.2f} MiB sent per "
-                     f"rank a training step, {self.placed.held / 2 ** 20:.2f} MiB of "
-                     f"parameters a rank, {len(self.placed.fallbacks)} fallbacks")
+        lines.append(f"at world {self.world}, per rank: communication cost "
+                     f"{self.placed.sent / 2 ** 20:.2f} MiB a training step (bytes sent plus "
+                     f"a fixed cost per collective), {self.placed.held / 2 ** 20:.2f} MiB of "
+                     f"parameters, {len(self.placed.fallbacks)} fallbacks")
         return "\n".join(lines)
 
 
@@ -210,7 +211,7 @@ def place_plans(model: nn.Module, plans: dict, *, example_inputs=(), example_kwa
 def compared(placed: dict[str, Placed]) -> str:
     """``placed`` (name -> :class:`Placed`) as a table, one plan a row."""
     width = max(len(name) for name in placed)
-    rows = [f"{'plan':<{width}}  {'fallbacks':>9}  {'MiB sent a step':>15}  "
+    rows = [f"{'plan':<{width}}  {'fallbacks':>9}  {'comm cost MiB':>15}  "
             f"{'MiB of parameters':>17}"]
     rows += [f"{name:<{width}}  {len(p.fallbacks):>9}  {p.sent / 2 ** 20:>15.2f}  "
              f"{p.held / 2 ** 20:>17.2f}" for name, p in placed.items()]

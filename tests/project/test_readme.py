@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-SCRIPTS = {"quickstart.py", "plans.py", "scale_out.py", "serve.py"}  # what the tests run
+SCRIPTS = {"quickstart.py", "derive.py", "plans.py", "scale_out.py", "serve.py"}  # tests run
 
 
 def saved_scripts() -> dict[str, list[str]]:
@@ -85,6 +85,16 @@ def test_quick_start_runs_as_written(tmp_path):
     assert lines[0][1] == lines[1][1]  # the same loss on both ranks
     assert all(line[2:] == ["(32,", "16)"] for line in lines)
     assert "fxtp_kernels_collectives_all_reduce" in out[0]
+
+
+def test_deriving_a_plan_runs_as_written(tmp_path):
+    out, _ = run_readme_script(tmp_path, "derive.py")
+    assert ["layers.*.feed_forward.w2", "RowwiseParallel()"] in \
+        [line.split() for line in out[0].splitlines()]
+    assert " 0 fallbacks" in out[0]
+    losses = [[float(line.split()[-1]) for line in out[rank].splitlines() if " loss " in line]
+              for rank in (0, 1)]
+    assert losses[0] == losses[1] and len(losses[0]) == 3 and losses[0][-1] < losses[0][0]
 
 
 def test_plans_from_other_projects_run_as_written(tmp_path):
