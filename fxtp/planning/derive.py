@@ -35,8 +35,8 @@ from ..passes.program_cost import program_cost
 from ..passes.seed import seed
 from ..passes.snapshot import Snapshot
 from ..plans.resolution import resolve_plan, tied_names
-from ..plans.styles import (ColwiseParallel, ParallelStyle, RowwiseParallel,
-                            SequenceParallel)
+from ..plans.styles import (ColwiseParallel, ExpertTensorParallel, ParallelStyle,
+                            RowwiseParallel, SequenceParallel)
 from .projections import Projection, projections
 
 
@@ -105,6 +105,8 @@ def derive_plan(model: nn.Module, *, example_inputs=(), example_kwargs=None,
     plan = {fqn: _style(role, head_loss.get(fqn), sequence_parallel)
             for fqn, role in roles.items()}
     plan.update({fqn: SequenceParallel() for fqn in norms})
+    experts = [fqn for fqn, m in model.named_modules() if _holds_experts(fqn, m)]
+    plan.update({fqn: ExpertTensorParallel() for fqn in experts})
     if word is not None:  # Megatron's full sharding: every pair, the heads, the word embedding
         plan[word] = _embedding_styles(sequence_parallel)[0]
     budget = program.place(plan).held * (1 + memory_slack)
@@ -120,8 +122,8 @@ def derive_plan(model: nn.Module, *, example_inputs=(), example_kwargs=None,
             report[fqn] = (f"sharding it sends more, and whole it stays within "
                            f"memory_slack={memory_slack}")
     placed = program.place(plan)
-    for group in _groups(roles, found, embeddings):  # what falls back is left replicated
-        if not placed.fallbacks:
+    for group in [*_groups(roles, found, embeddings), *([f] for f in experts)]:  # what falls
+        if not placed.fallbacks:  # back is left replicated
             break
         trial = {k: v for k, v in plan.items() if k not in group}
         tried = program.place(trial)
@@ -132,6 +134,20 @@ def derive_plan(model: nn.Module, *, example_inputs=(), example_kwargs=None,
     order = {fqn: i for i, (fqn, _) in enumerate(model.named_modules())}
     plan = dict(sorted(plan.items(), key=lambda kv: order[kv[0]]))  # as the model lists them
     return DerivedPlan(_patterns(plan, model), _patterns(report, model), placed, world)
+
+
+def _holds_experts(fqn: str, module: nn.Module) -> bool:
+    """Does ``module`` hold a mixture's experts as 3-D weights that
+    :class:`~fxtp.plans.styles.ExpertTensorParallel` shards (each expert's projections a
+    column-wise / row-wise pair)?"""
+    weights = [p for p in module.parameters(recurse=False) if p.dim() == 3]
+    if len(weights) < 2 or len({p.shape[0] for p in weights}) != 1:
+        return False
+    try:
+        ExpertTensorParallel().shard(fqn, module)
+    except PlanError:
+        return False
+    return True
 
 
 def _embedding_styles(sequence_sharded: bool) -> list[ParallelStyle]:
@@ -175,7 +191,7 @@ def _megatron_roles(found: dict[str, Projection]) -> tuple[dict, dict]:
             if p.to_output or p.to_loss:
                 roles[fqn] = "head"
             else:
-                report[fqn] = "no linear reads its output through ops that keep it split"
+                report[fqn] = "no linear reads its output, nor is it the program's output"
     return dict(sorted(roles.items(), key=lambda kv: list(found).index(kv[0]))), report
 
 

@@ -3,12 +3,14 @@ Megatron's layout pairs column-wise then row-wise.
 
 A *projection* is a module whose weight one op of the program multiplies by (``linear``,
 Hugging Face's transposed ``Conv1D`` as ``addmm``, ``embedding``). A value's *sources* are
-the projections whose outputs reach it through *carriers* only: ops that keep a feature
-split among ranks split (pointwise ops, views, attention, a softmax over another dim, a
-concatenation), as opposed to a norm or a reduction over the features, which must read
-them whole. A linear whose input comes from other linears through carriers alone, and
-from nothing else the model computed (constants such as rotary tables and masks do not
-count), is the second of a pair: those linears are column-wise and it is row-wise.
+the linears whose outputs reach it, and whether it is also computed from the *stream*: the
+embedding's output or a floating-point input of the program (constants such as rotary
+tables and masks, computed from buffers and positions, are neither). A linear whose input
+comes from other linears and not from the stream is the second of a pair: those linears
+are column-wise and it is row-wise. Whether the ops between them keep the features split
+(pointwise ops, views, attention: *carriers*) or need them whole (a norm over them) is
+left to fxtp's placement: a pair it cannot shard without a fallback is dropped
+(:mod:`fxtp.planning.derive`). The head is found through carriers alone.
 """
 from __future__ import annotations
 
@@ -164,9 +166,9 @@ class Sources:
                 all(constant for _, _, constant in inputs):
             return frozenset(), node.op == "placeholder" and _is_stream_input(node), \
                 node.op != "placeholder" or not _is_stream_input(node)
-        if carries(node):
-            feeds = frozenset().union(*(f for f, _, _ in inputs))
-            return feeds, any(s for _, s, _ in inputs), False
+        feeds = frozenset().union(*(f for f, _, _ in inputs))
+        if carries(node) or feeds:  # an op that may need features whole (a per-head norm
+            return feeds, any(s for _, s, _ in inputs), False  # may not): placing decides
         return frozenset(), True, False
 
 

@@ -59,8 +59,8 @@ def test_the_plan_is_the_same_every_time_and_prints_as_a_table():
     assert lines[-1].startswith("at world 4, per rank: ") and lines[-1].endswith(" 0 fallbacks")
 
 
-class ReadWhole(nn.Module):
-    """``up``'s output is normalized over its features before ``down`` reads it: no pair."""
+class NormedBetween(nn.Module):
+    """``up``'s output is normalized over its features before ``down`` reads it."""
 
     def __init__(self):
         super().__init__()
@@ -70,11 +70,38 @@ class ReadWhole(nn.Module):
         return self.down(self.norm(self.up(x)))
 
 
-def test_a_linear_whose_output_is_read_whole_stays_replicated_and_is_reported():
-    plan = fxtp.derive_plan(ReadWhole(), example_inputs=(example(2, 4, 16),), world_size=2)
-    assert styles(plan) == {"down": "ColwiseParallel(output_layouts=Replicate())"}
+def test_a_pair_joined_by_a_norm_over_its_features_is_sharded_the_norm_as_partial_sums():
+    plan = fxtp.derive_plan(NormedBetween(), example_inputs=(example(2, 4, 16),),
+                            world_size=2)
+    assert styles(plan) == {"up": "ColwiseParallel()", "down": "RowwiseParallel()"}
+    assert plan.placed.fallbacks == () and plan.report == {}
+
+
+def test_a_pair_whose_sharding_would_fall_back_stays_replicated_and_says_why():
+    plan = fxtp.derive_plan(models.Unruled(), example_inputs=(example(2, 8, models.DIM),),
+                            world_size=2)
+    assert dict(plan) == {} and plan.placed.fallbacks == ()
+    assert set(plan.report) == {"up", "down"}
+    assert plan.report["up"].startswith("sharded, the program would gather: no sharding rule "
+                                        "for aten.fft_fft.default")
+
+
+class Gate(nn.Module):
+    """``gate``'s output is summed to one number per token: no linear reads it."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(16, 32)
+
+    def forward(self, x):
+        return x * self.gate(x).sum(-1, keepdim=True)
+
+
+def test_a_linear_no_linear_reads_stays_replicated_and_says_why():
+    plan = fxtp.derive_plan(Gate(), example_inputs=(example(2, 4, 16),), world_size=2)
+    assert dict(plan) == {}
     assert plan.report == {
-        "up": "no linear reads its output through ops that keep it split"}
+        "gate": "no linear reads its output, nor is it the program's output"}
 
 
 def test_the_head_keeps_logits_sharded_where_the_program_computes_the_loss():
