@@ -47,7 +47,8 @@ from .kernels.collectives import allow_in_dynamo_graphs
 from .passes.context import PassContext
 from .passes.decompose import decompose_unruled
 from .passes.errors import InputError, PlanError, ShardingError, StampMismatch
-from .passes.graph import FALLBACKS, PLACEMENT, REGION, STAMPED, calls_of, keep_on_copy
+from .passes.graph import (FALLBACKS, INLINED, PLACEMENT, RECOMPUTED, REGION, STAMPED,
+                           calls_of, keep_on_copy)
 from .passes.localize import localize
 from .passes.modules import generate_code, outline_modules, scope_of, stamp_modules
 from .passes.place import place
@@ -275,9 +276,9 @@ def _trace(b: Build) -> None:
                             job.checkpointed, job.repeated if options.stamp_blocks else (),
                             {k: s.style for k, s in job.shardings.items()}, b.keep_stamps)
     boundaries = [n for c in b.calls.values() for n in (*c.args, *c.kwargs.values(), *c.outputs)]
-    if drop_unused(gm.graph, boundaries):
-        gm.recompile()
-    decompose_unruled(gm)  # composite ops without a rule of their own
+    b.ctx = PassContext(job.group.world, job.group, kept=frozenset(boundaries), model=job.model,
+                        regions=gm.meta[REGION])
+    decompose_unruled(drop_unused(gm, b.ctx), b.ctx)  # composite ops without a rule
     for fqn in job.recast.keys() - job.meta.keys():  # the model's own, not the recast
         owner, _, name = fqn.rpartition(".")
         gm.get_submodule(owner)._parameters[name] = job.model.get_parameter(fqn)
@@ -302,8 +303,8 @@ def _agree(b: Build) -> None:
 
 def _seed(b: Build) -> None:
     outlined = frozenset(b.job.blocks)
-    b.ctx = PassContext(b.job.group.world, b.job.group, shardings=b.outside, calls=b.calls,
-                        aliases=b.tied, scope=lambda n: scope_of(n, outlined))
+    b.ctx = b.ctx.but(shardings=b.outside, calls=b.calls, aliases=b.tied,
+                      scope=lambda n: scope_of(n, outlined))
     seed(b.gm, b.ctx)
 
 
@@ -345,20 +346,20 @@ def _assemble(b: Build) -> None:
         materialize(gm, job.model, job.meta, b.placements, job.group, device_mesh, job.device,
                     options.init_fn, b.init_seed)
     guard_inputs(gm, job.group.world)
+    ctx = b.ctx.but(outline=(*job.shardings, *job.blocks), stamped=b.stamped)
     if gm.meta[REGION]:
-        copy_written_collectives(gm)
-    inlined = outline_modules(gm, [*job.shardings, *job.blocks], job.model, b.stamped)
+        copy_written_collectives(gm, ctx)
+    inlined = outline_modules(gm, ctx).meta[INLINED]
     if options.dtensor_params:
         as_dtensors(gm, b.placements, b.shapes, device_mesh, job.group.world)
     recomputed: set[int] = set()  # modules a region of their caller recomputes whole
     for module in [m for m in gm.modules() if isinstance(m, fx.GraphModule)]:
         if id(module) not in recomputed:
-            for called in outline_checkpoints(module, gm.meta[REGION]):
+            for called in outline_checkpoints(module, ctx).meta[RECOMPUTED]:
                 recomputed.update(id(m) for m in called.modules())
-    generate_code(gm)
-    stamp_modules(gm, b.stamped, job.model)
-    copy_data_attributes(gm, job.model)
-    give_parameter_properties(gm, job.model)
+    for pass_ in (generate_code, stamp_modules, copy_data_attributes,
+                  give_parameter_properties):
+        pass_(gm, ctx)
     b.dump.code("localized", gm)
     gm.fxtp = _info(b, device_mesh, inlined)
     keep_on_copy(gm, "fxtp")

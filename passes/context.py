@@ -41,6 +41,17 @@ class PassContext:
     place: Optional[Callable[[fx.GraphModule, "PassContext"], fx.GraphModule]] = None
     """unfuse_splits, unpin_layouts: the pass that places the program again (propagation and
     the relayouts)."""
+    kept: frozenset = frozenset()
+    """drop_unused: nodes to keep though nothing reads them (module boundaries)."""
+    model: Any = None
+    """The assembly passes: the single-device model the program was traced from (its
+    classes, attributes and state-dict keys)."""
+    outline: tuple = ()
+    """outline_modules: the FQNs of the modules kept as submodules."""
+    stamped: Mapping = field(default_factory=dict)
+    """outline_modules, stamp_modules: a stamped block's FQN -> its reference's."""
+    regions: Mapping = field(default_factory=dict)
+    """outline_checkpoints: each activation-checkpoint region's ``checkpoint`` options."""
 
     @property
     def rank(self) -> int:

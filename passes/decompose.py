@@ -25,16 +25,17 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..kernels.torch_compat import OpOverload, decomposition_table, has_kernel_for, pytree
 from .context import PassContext, relayout
-from .graph import AUTOCAST, op_arg, placement_of
+from .graph import AUTOCAST, DECOMPOSED, op_arg, placement_of
 from .placement import is_blocked, is_grouped, is_sharded
 from .rules import rule_for
 
 aten = torch.ops.aten
 
 
-def decompose_unruled(gm: fx.GraphModule) -> list[str]:
+def decompose_unruled(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Replace, in ``gm`` and its graph submodules, every call of a composite ATen op that
-    has no rule by its decomposition; return the ops replaced, by node name."""
+    has no rule by its decomposition; ``gm.meta[DECOMPOSED]``: the ops replaced, by node
+    name."""
     done = []
     for module in [m for m in gm.modules() if isinstance(m, fx.GraphModule)]:
         replaced = [n for n in list(module.graph.nodes) if n.op == "call_function" and
@@ -46,7 +47,8 @@ def decompose_unruled(gm: fx.GraphModule) -> list[str]:
                 module.graph.erase_node(node)
             module.graph.lint()
             module.recompile()
-    return done
+    gm.meta[DECOMPOSED] = done
+    return gm
 
 
 @relayout

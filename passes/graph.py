@@ -45,6 +45,12 @@ passes (:class:`ModuleSharding`, :class:`ModuleCall`). Imports no pass.
                    (unfuse, unpin, gather_early) where they keep what they tried
 ``RELAID``         whether the last relayout or trial pass changed a placement (propagation
                    must then run again); the relayouts, unfuse, unpin, gather_early
+``DECOMPOSED``     the composite ops without a rule replaced by their decompositions, by
+                   node name; decompose_unruled
+``INLINED``        the FQNs of the modules to outline left inline (called more than once, or
+                   not at all); outline_modules
+``RECOMPUTED``     the modules a checkpoint region of this graph module calls (recomputed
+                   whole with it); outline_checkpoints
 =================  =======================================================================
 
 Every pass is ``pass_(gm, ctx) -> gm`` (:class:`~fxtp.passes.context.PassContext`).
@@ -83,6 +89,9 @@ STAMPED = "fxtp_stamped"
 EXPORT_GUARDS = "fxtp_export_guards"
 FALLBACKS = "fxtp_fallbacks"
 RELAID = "fxtp_relaid"
+DECOMPOSED = "fxtp_decomposed"
+INLINED = "fxtp_inlined"
+RECOMPUTED = "fxtp_recomputed"
 
 Layouts = Optional[tuple[Optional[Placement], ...]]
 

@@ -32,9 +32,10 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..kernels.torch_compat import LazyGraphModule, WrappedHook
+from .context import PassContext
 from .effects import made_of_held_tensors
 from .errors import StampMismatch
-from .graph import COLLECTIVE, STAMP, Stamp, attr, recompile_alone, stamp_edge
+from .graph import COLLECTIVE, INLINED, STAMP, Stamp, attr, recompile_alone, stamp_edge
 from .posing import COPIED, copy_plain_state, posing_class
 from .recompute import call_submodule, run_checkpointed
 
@@ -54,14 +55,14 @@ def scope_of(node: fx.Node, outlined: AbstractSet[str]) -> str:
     return next((path for path in _paths(node) if path in outlined), "")
 
 
-def outline_modules(gm: fx.GraphModule, fqns: Iterable[str], model: nn.Module,
-                    stamped: Optional[dict[str, str]] = None) -> list[str]:
-    """Outline each module of ``fqns`` (and every called module above one) in ``gm``, in
-    place; ``model`` gives the classes of the rebuilt containers. ``stamped``: block FQN ->
-    reference FQN of the blocks whose call is a stamp node (:class:`Stamp`): each is called
-    as its reference's module is, and holds its own tensors until :func:`stamp_modules`
-    makes it a copy of that module. Returns the FQNs left inline."""
-    stamped = stamped or {}
+def outline_modules(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Outline each module of ``ctx.outline`` (and every called module above one) in
+    ``gm``, in place; ``ctx.model`` gives the classes of the rebuilt containers.
+    ``ctx.stamped``: block FQN -> reference FQN of the blocks whose call is a stamp node
+    (:class:`Stamp`): each is called as its reference's module is, and holds its own
+    tensors until :func:`stamp_modules` makes it a copy of that module. The FQNs left
+    inline are ``gm.meta[INLINED]``."""
+    fqns, model, stamped = ctx.outline, ctx.model, ctx.stamped
     _drop_stamp_edges(gm.graph)
     calls = called_modules(gm.graph)
     copied = tuple(f + "." for f in stamped)  # their modules are the references' copies
@@ -90,15 +91,17 @@ def outline_modules(gm: fx.GraphModule, fqns: Iterable[str], model: nn.Module,
     _follow_order(gm, model)
     gm.graph.lint()
     recompile_alone(gm)
-    return sorted(skipped)
+    gm.meta[INLINED] = sorted(skipped)
+    return gm
 
 
-def generate_code(gm: nn.Module) -> None:
+def generate_code(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Generate the code of every outlined module below ``gm`` whose graph changed since
     (each once: a parent's recompile only marks its children)."""
     for module in gm.modules():
         if isinstance(module, LazyGraphModule):
             module.real_recompile()
+    return gm
 
 
 def _ancestors(fqn: str) -> list[str]:
@@ -339,11 +342,12 @@ def _drop_stamp_edges(graph: fx.Graph) -> None:
             stamp.outputs[:] = [resolved.get(n, n) for n in stamp.outputs]
 
 
-def stamp_modules(gm: nn.Module, stamped: dict[str, str], model: nn.Module) -> None:
-    """Each stamped block (FQN -> reference FQN), a holder of its own tensors, becomes a
-    copy of its reference's module: the same class, graph and generated code, holding the
-    block's tensors (and their state-dict hooks) at the same paths, and the plain
-    attributes of its own module in ``model``."""
+def stamp_modules(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Each stamped block (``ctx.stamped``: FQN -> reference FQN), a holder of its own
+    tensors, becomes a copy of its reference's module: the same class, graph and generated
+    code, holding the block's tensors (and their state-dict hooks) at the same paths, and
+    the plain attributes of its own module in ``ctx.model``."""
+    stamped, model = ctx.stamped, ctx.model
     for fqn, reference in stamped.items():
         owner, _, name = fqn.rpartition(".")
         parent = gm.get_submodule(owner)
@@ -351,6 +355,7 @@ def stamp_modules(gm: nn.Module, stamped: dict[str, str], model: nn.Module) -> N
                                              parent._modules[name], fqn,
                                              model.get_submodule(fqn))
         parent._modules[name].meta[STAMP] = reference  # read by inline_program
+    return gm
 
 
 _HELD = ("_parameters", "_buffers", "_non_persistent_buffers_set", "_fxtp_plain",

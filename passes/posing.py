@@ -31,6 +31,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..kernels.torch_compat import LazyGraphModule
+from .context import PassContext
 from .graph import keep_on_copy, own_method
 
 _KEPT = frozenset({"__module__", "__qualname__", "__doc__", "__dict__", "__weakref__",
@@ -106,13 +107,15 @@ PARAMETER_PROPERTIES = {"device": _device, "dtype": _dtype}
 for one has them, read from its own parameters, where the class defines them."""
 
 
-def give_parameter_properties(gm: fx.GraphModule, model: nn.Module) -> None:
-    """Give the root ``gm`` (and its copies) the :data:`PARAMETER_PROPERTIES` ``model``'s
-    class defines (outlined modules have theirs from :func:`posing_class`)."""
+def give_parameter_properties(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Give the root ``gm`` (and its copies) the :data:`PARAMETER_PROPERTIES` the class of
+    ``ctx.model`` defines (outlined modules have theirs from :func:`posing_class`)."""
+    model = ctx.model
     for name, read in PARAMETER_PROPERTIES.items():
         if isinstance(getattr(type(model), name, None), property) and \
                 not hasattr(type(gm), name):
             own_method(gm, name, property(read))
+    return gm
 
 
 COPIED = "_fxtp_plain_attributes"  # the names copy_plain_state gave a module
@@ -139,14 +142,14 @@ def copy_plain_state(module: nn.Module, original: nn.Module) -> None:
     module.__dict__[COPIED] = tuple(copied)
 
 
-def copy_data_attributes(gm: fx.GraphModule, model: nn.Module) -> None:
+def copy_data_attributes(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Give ``gm`` and each graph module in it the public data attributes of its module in
-    ``model`` that they lack: plain values (at the root; :func:`copy_plain_state` gave the
+    ``ctx.model`` that they lack: plain values (at the root; :func:`copy_plain_state` gave the
     others theirs) and objects holding no tensor or module, such as a model's ``config``
     (``gm.config.vocab_size``). Objects are deep copies, made once for all modules sharing
     one (every layer's ``config`` is the root's copy), so nothing set on them reaches
     ``model``; ``copy.deepcopy(gm)`` carries them."""
-    memo: dict = {}
+    model, memo = ctx.model, {}
     for fqn, module in gm.named_modules():
         try:
             original = model.get_submodule(fqn)
@@ -167,6 +170,7 @@ def copy_data_attributes(gm: fx.GraphModule, model: nn.Module) -> None:
                     continue
             module.__dict__[name] = copied
             keep_on_copy(module, name)
+    return gm
 
 
 _NOT_DATA = object()

@@ -29,10 +29,11 @@ import torch.nn as nn
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts, noop_context_fn)
 
-from ..kernels.torch_compat import c10d_functional
 from ..kernels.collectives import KINDS
+from ..kernels.torch_compat import c10d_functional
+from .context import PassContext
 from .effects import written_through
-from .graph import COLLECTIVE, REGION, recompile_alone
+from .graph import COLLECTIVE, RECOMPUTED, REGION, recompile_alone
 
 PREFIX = "checkpoint_"
 
@@ -62,21 +63,22 @@ def region_of(node: fx.Node) -> Optional[int]:
     return (node.meta.get("custom") or {}).get(REGION)
 
 
-def outline_checkpoints(gm: fx.GraphModule, options: dict[int, dict]) -> list[nn.Module]:
-    """Move each marked region into a checkpointed submodule; ``options``: region number ->
-    ``checkpoint`` keyword options. Returns the submodules the regions call (recomputed
-    whole with them: their own marks are to be left alone)."""
-    spans = _spans(gm)
+def outline_checkpoints(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Move each marked region into a checkpointed submodule; ``ctx.regions``: region
+    number -> ``checkpoint`` keyword options. ``gm.meta[RECOMPUTED]``: the submodules the
+    regions call (recomputed whole with them: their own marks are to be left alone)."""
+    options, spans = ctx.regions, _spans(gm)
     called: list[nn.Module] = []
     for i, (region, span) in enumerate(spans):
         called += _outline(gm, span, options.get(region, {}), f"{PREFIX}{i}")
     if spans:
         gm.graph.lint()
         recompile_alone(gm)
-    return called
+    gm.meta[RECOMPUTED] = called
+    return gm
 
 
-def copy_written_collectives(gm: fx.GraphModule) -> fx.GraphModule:
+def copy_written_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Give each collective result that a checkpoint region writes in place (directly or
     through a view) a copy for the writes, on the graph before outlining."""
     aten = torch.ops.aten

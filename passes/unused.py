@@ -6,18 +6,17 @@ collective is spent on them. Ops with effects stay: in-place and ``out=`` ops, r
 boundary, which the plan's styles are seeded on."""
 from __future__ import annotations
 
-from typing import Iterable
-
 import torch.fx as fx
 
 from ..kernels.torch_compat import OpOverload
+from .context import PassContext
 from .graph import STAMP
 
 
-def drop_unused(graph: fx.Graph, kept: Iterable[fx.Node] = ()) -> int:
-    """Erase the pure ATen calls of ``graph`` nothing reads (and those only they read),
-    except ``kept``; return how many."""
-    kept = set(kept)
+def drop_unused(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Erase the pure ATen calls of ``gm`` nothing reads (and those only they read), except
+    ``ctx.kept``; recompile ``gm`` if any was."""
+    graph, kept = gm.graph, ctx.kept
     dropped = 0
     for node in reversed(list(graph.nodes)):
         if node.op == "call_function" and not node.users and node not in kept and \
@@ -25,4 +24,6 @@ def drop_unused(graph: fx.Graph, kept: Iterable[fx.Node] = ()) -> int:
                 and not node.is_impure():
             graph.erase_node(node)
             dropped += 1
-    return dropped
+    if dropped:
+        gm.recompile()
+    return gm

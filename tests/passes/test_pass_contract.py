@@ -8,19 +8,26 @@ import pytest
 import fxtp
 from fxtp.passes import graph, place as place_module
 from fxtp.passes.context import PassContext
+from fxtp.passes.decompose import decompose_unruled
 from fxtp.passes.gather_early import gather_early
 from fxtp.passes.localize import localize
+from fxtp.passes.modules import generate_code, outline_modules, stamp_modules
 from fxtp.passes.place import RELAYOUTS, place, propagate_and_relayout
+from fxtp.passes.posing import copy_data_attributes, give_parameter_properties
 from fxtp.passes.propagate import propagate
+from fxtp.passes.recompute import copy_written_collectives, outline_checkpoints
 from fxtp.passes.rehearse import rehearse
 from fxtp.passes.rewrite import rewrite
 from fxtp.passes.seed import seed
 from fxtp.passes.unfuse import unfuse_splits
 from fxtp.passes.unpin import unpin_layouts
+from fxtp.passes.unused import drop_unused
 from tests.helpers.parity import example
 
-PASSES = [seed, propagate, *RELAYOUTS, unfuse_splits, unpin_layouts, gather_early,
-          propagate_and_relayout, place, rewrite, localize, rehearse]
+PASSES = [drop_unused, decompose_unruled, seed, propagate, *RELAYOUTS, unfuse_splits,
+          unpin_layouts, gather_early, propagate_and_relayout, place, rewrite, localize,
+          rehearse, copy_written_collectives, outline_modules, outline_checkpoints,
+          generate_code, stamp_modules, copy_data_attributes, give_parameter_properties]
 
 
 @pytest.mark.parametrize("pass_", PASSES, ids=lambda p: p.__name__)
@@ -34,7 +41,8 @@ def test_a_pass_takes_the_graph_module_and_the_context_and_returns_the_graph_mod
 def test_the_meta_keys_the_passes_write_are_documented_in_one_table():
     names = [n for n in dir(graph) if n.isupper() and isinstance(getattr(graph, n), str)
              and getattr(graph, n).startswith("fxtp_")]
-    assert {"FALLBACKS", "RELAID", "PLACEMENT", "REGION"} <= set(names)
+    assert {"FALLBACKS", "RELAID", "PLACEMENT", "REGION", "INLINED", "RECOMPUTED",
+            "DECOMPOSED"} <= set(names)
     undocumented = [n for n in names if f"``{n}``" not in graph.__doc__]
     assert undocumented == []
 
