@@ -95,35 +95,73 @@ def derive_plan(model: nn.Module, *, example_inputs=(), example_kwargs=None,
     if not world:
         raise PlanError("derive_plan needs world_size=... (or an initialized process group)")
     program = _Program(model, example_inputs, example_kwargs, world)
-    found = program.projections
-    roles, report = _megatron_roles(found)
-    head_loss = {fqn: (found[fqn].to_loss if loss_parallel is None else loss_parallel)
-                 for fqn, role in roles.items() if role == "head"}
-    embeddings = [fqn for fqn, p in found.items() if p.kind == "embedding"]
-    word = _word_embedding(model, embeddings, program.aliases)
-    norms = program.stream_norms(roles) if sequence_parallel else []
-    plan = {fqn: _style(role, head_loss.get(fqn), sequence_parallel)
-            for fqn, role in roles.items()}
-    plan.update({fqn: SequenceParallel() for fqn in norms})
-    experts = [fqn for fqn, m in model.named_modules() if _holds_experts(fqn, m)]
-    plan.update({fqn: ExpertTensorParallel() for fqn in experts})
-    if word is not None:  # Megatron's full sharding: every pair, the heads, the word embedding
-        plan[word] = _embedding_styles(sequence_parallel)[0]
+    roles, report = _megatron_roles(program.projections)
+    megatron = _Megatron(program, roles, sequence_parallel, loss_parallel)
+    plan = _cheapest_within(program, megatron, memory_slack, report)
+    plan, placed = _without_fallbacks(program, plan, megatron.groups, report)
+    order = {fqn: i for i, (fqn, _) in enumerate(model.named_modules())}
+    plan = dict(sorted(plan.items(), key=lambda kv: order[kv[0]]))  # as the model lists them
+    return DerivedPlan(_patterns(plan, model), _patterns(report, model), placed, world)
+
+
+class _Megatron:
+    """Megatron's full sharding of a program (``plan``): every pair, the heads, the word
+    embedding, the experts (and the stream's norms under sequence parallelism); the heads
+    and embeddings whose layout is chosen by cost; the units kept or dropped whole."""
+
+    def __init__(self, program: "_Program", roles: dict, sequence_parallel: bool,
+                 loss_parallel: Optional[bool]):
+        found, model = program.projections, program.model
+        self.heads = {fqn: found[fqn].to_loss if loss_parallel is None else loss_parallel
+                      for fqn, role in roles.items() if role == "head"}
+        self.embeddings = [fqn for fqn, p in found.items() if p.kind == "embedding"]
+        self.word = _word_embedding(model, self.embeddings, program.aliases)
+        self.sequence_parallel = sequence_parallel
+        experts = [fqn for fqn, m in model.named_modules() if _holds_experts(fqn, m)]
+        plan = {fqn: _style(role, self.heads.get(fqn), sequence_parallel)
+                for fqn, role in roles.items()}
+        norms = program.stream_norms(roles) if sequence_parallel else []
+        plan.update({fqn: SequenceParallel() for fqn in norms})
+        plan.update({fqn: ExpertTensorParallel() for fqn in experts})
+        if self.word is not None:
+            plan[self.word] = _embedding_styles(sequence_parallel)[0]
+        self.plan = plan
+        self.groups = [*_groups(roles, found, self.embeddings), *([f] for f in experts)]
+
+    def options(self, fqn: str, plan: dict) -> list:
+        """The layouts to weigh for a head or an embedding (``None``: whole), Megatron's
+        first."""
+        options = [plan[fqn], None] if fqn in self.heads else \
+            [*_embedding_styles(self.sequence_parallel and fqn == self.word), None]
+        return sorted(options, key=lambda o: o is not plan.get(fqn))
+
+
+def _cheapest_within(program: "_Program", megatron: _Megatron, memory_slack: float,
+                     report: dict) -> dict:
+    """Megatron's plan with each embedding and head in the layout that sends least while a
+    rank holds at most ``1 + memory_slack`` times the parameter bytes of Megatron's (a tie
+    keeps Megatron's)."""
+    plan = megatron.plan
     budget = program.place(plan).held * (1 + memory_slack)
-    for fqn in [*embeddings, *head_loss]:  # the layout that sends least within the budget
-        options = [plan[fqn], None] if fqn in head_loss else \
-            [*_embedding_styles(sequence_parallel and fqn == word), None]
+    for fqn in [*megatron.embeddings, *megatron.heads]:
+        options = megatron.options(fqn, plan)
         if _tied_to_plan(fqn, plan, program.aliases):
             options.remove(None)  # a tied weight follows the other module's layout anyway
-        options.sort(key=lambda o: o is not plan.get(fqn))  # a tie keeps Megatron's
         plan = min(({**plan, fqn: o} if o is not None else _without(plan, fqn)
                     for o in options), key=lambda trial: program.rank(trial, budget))
         if fqn not in plan:
             report[fqn] = (f"sharding it sends more, and whole it stays within "
                            f"memory_slack={memory_slack}")
+    return plan
+
+
+def _without_fallbacks(program: "_Program", plan: dict, groups: list, report: dict
+                       ) -> tuple[dict, Placed]:
+    """``plan`` less each group (a pair, a head, an embedding, experts) whose sharding
+    leaves a fallback, and what it makes of the program."""
     placed = program.place(plan)
-    for group in [*_groups(roles, found, embeddings), *([f] for f in experts)]:  # what falls
-        if not placed.fallbacks:  # back is left replicated
+    for group in groups:
+        if not placed.fallbacks:
             break
         trial = {k: v for k, v in plan.items() if k not in group}
         tried = program.place(trial)
@@ -131,9 +169,7 @@ def derive_plan(model: nn.Module, *, example_inputs=(), example_kwargs=None,
             why = f"sharded, the program would gather: {placed.fallbacks[0]}"
             report.update({fqn: why for fqn in group})
             plan, placed = trial, tried
-    order = {fqn: i for i, (fqn, _) in enumerate(model.named_modules())}
-    plan = dict(sorted(plan.items(), key=lambda kv: order[kv[0]]))  # as the model lists them
-    return DerivedPlan(_patterns(plan, model), _patterns(report, model), placed, world)
+    return plan, placed
 
 
 def _holds_experts(fqn: str, module: nn.Module) -> bool:
