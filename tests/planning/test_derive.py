@@ -171,7 +171,7 @@ def test_the_derived_gpt2_plan_trains_like_one_device_with_no_more_collectives(r
                 **transformer_models.gpt2_layer_plan(),
                 "lm_head": fxtp.ColwiseParallel(output_layouts=fxtp.Replicate())}
     derived, hand = ranks2.run(derived_against_written, gpt2, megatron,
-                              [torch.randint(0, 64, (2, 8))])[0]
+                               [torch.randint(0, 64, (2, 8))])[0]
     assert total(derived) <= total(hand), (derived, hand)
 
 
