@@ -1,8 +1,8 @@
 """``derive_plan``: a tensor-parallel plan read off a model's traced program.
 
 The model is traced once. Its linears are paired as Megatron pairs them
-(:mod:`fxtp.planning.projections`): the linears whose outputs feed another through ops that
-keep features split are column-wise, that one row-wise. A linear whose output is the
+(:mod:`fxtp.planning.projections`): the linears whose outputs alone feed another (not the
+residual stream) are column-wise, that one row-wise. A linear whose output is the
 program's (the head) is column-wise, its logits gathered, or kept sharded by class where
 the program computes the cross-entropy (loss parallel). The embedding is vocabulary- or
 feature-parallel, whichever sends less. Each candidate plan is placed by fxtp's own passes
@@ -131,9 +131,10 @@ class _Megatron:
     def options(self, fqn: str, plan: dict) -> list:
         """The layouts to weigh for a head or an embedding (``None``: whole), Megatron's
         first."""
-        options = [plan[fqn], None] if fqn in self.heads else \
-            [*_embedding_styles(self.sequence_parallel and fqn == self.word), None]
-        return sorted(options, key=lambda o: o is not plan.get(fqn))
+        if fqn in self.heads:
+            return [plan[fqn], None]
+        styles = _embedding_styles(self.sequence_parallel and fqn == self.word)
+        return [*styles, None] if fqn == self.word else [None, *styles]
 
 
 def _cheapest_within(program: "_Program", megatron: _Megatron, memory_slack: float,
@@ -228,7 +229,7 @@ def _megatron_roles(found: dict[str, Projection]) -> tuple[dict, dict]:
                 roles[fqn] = "head"
             else:
                 report[fqn] = "no linear reads its output, nor is it the program's output"
-    return dict(sorted(roles.items(), key=lambda kv: list(found).index(kv[0]))), report
+    return {fqn: roles[fqn] for fqn in found if fqn in roles}, report  # in call order
 
 
 def _style(role: str, loss_parallel: Optional[bool], sequence_parallel: bool

@@ -49,7 +49,7 @@ class Projection:
     kind: str
     nodes: list = field(default_factory=list)  # its calls in the graph
     feeds: set = field(default_factory=set)  # linears whose outputs reach its input
-    from_stream: bool = False  # its input is also computed from something else
+    from_stream: bool = False  # its input is also computed from the stream
     to_output: bool = False  # its output reaches the program's output through carriers
     to_loss: bool = False  # ... or a cross-entropy computed in the program
 
@@ -68,7 +68,7 @@ def projections(gm: fx.GraphModule, model: nn.Module, aliases: Optional[dict] = 
         if fqn is not None:
             found.setdefault(fqn, Projection(fqn, kind)).nodes.append(node)
             at[node] = fqn
-    sources = Sources(at, {f for f, p in found.items() if p.kind == "linear"})
+    sources = Sources(gm.graph, at, {f for f, p in found.items() if p.kind == "linear"})
     for fqn, p in found.items():
         if p.kind == "linear":
             for node in p.nodes:
@@ -127,11 +127,12 @@ def _is_reduction(target) -> bool:
 
 
 class Sources:
-    """The linears each value comes from through carriers, and whether it also comes from
-    something the model computed otherwise (a norm, the embedding, the residual stream)."""
+    """The linears each value of ``graph`` comes from, and whether it also comes from the
+    stream (see the module docstring); ``at``: projection call -> its module's FQN."""
 
-    def __init__(self, at: dict, linears: set):
+    def __init__(self, graph: fx.Graph, at: dict, linears: set):
         self.at, self.linears = at, linears
+        self.position = {node: i for i, node in enumerate(graph.nodes)}
         self.known: dict[fx.Node, tuple[frozenset, bool, bool]] = {}
 
     def of(self, value) -> tuple[set, bool]:
@@ -144,14 +145,14 @@ class Sources:
             return frozenset(), False, True
         if value in self.known:
             return self.known[value]
-        stack, order = [value], []
+        stack, order = [value], set()
         while stack:  # the producers first, without recursion (deep graphs)
             node = stack.pop()
             if node in self.known or node in order:
                 continue
-            order.append(node)
+            order.add(node)
             stack.extend(i for i in node.all_input_nodes if i not in self.known)
-        for node in sorted(order, key=_position):
+        for node in sorted(order, key=self.position.__getitem__):
             self.known[node] = self._decide(node)
         return self.known[value]
 
@@ -160,12 +161,11 @@ class Sources:
         if fqn is not None:  # a linear starts a chain; the embedding is the stream
             return (frozenset({fqn}), False, False) if fqn in self.linears else \
                 (frozenset(), True, False)
-        inputs = [self.known[i] for i in node.all_input_nodes if isinstance(val(i), torch.Tensor)
-                  or i in self.known]
+        inputs = [self.known[i] for i in node.all_input_nodes]
         if node.op in ("placeholder", "get_attr") or not inputs or \
                 all(constant for _, _, constant in inputs):
-            return frozenset(), node.op == "placeholder" and _is_stream_input(node), \
-                node.op != "placeholder" or not _is_stream_input(node)
+            stream = node.op == "placeholder" and _is_stream_input(node)
+            return frozenset(), stream, not stream
         feeds = frozenset().union(*(f for f, _, _ in inputs))
         if carries(node) or feeds:  # an op that may need features whole (a per-head norm
             return feeds, any(s for _, s, _ in inputs), False  # may not): placing decides
@@ -177,16 +177,6 @@ def _is_stream_input(node: fx.Node) -> bool:
     integer one (token ids, positions) only indexes."""
     v = val(node)
     return isinstance(v, torch.Tensor) and v.is_floating_point()
-
-
-def _position(node: fx.Node) -> int:
-    return node.meta.setdefault("fxtp_plan_position", _index(node))
-
-
-def _index(node: fx.Node) -> int:
-    for i, n in enumerate(node.graph.nodes):
-        n.meta["fxtp_plan_position"] = i
-    return node.meta["fxtp_plan_position"]
 
 
 def _reaches_output(nodes: list) -> tuple[bool, bool]:
