@@ -116,7 +116,8 @@ def test_scaling_out_recipe_runs_as_written(tmp_path):
 
 
 def test_explain_output_shown_is_the_quick_starts(fake_group):
-    """The README's `print(fxtp.explain(gm))` output is what the quick start's MLP gives."""
+    """The `print(fxtp.explain(gm))` output docs/inspecting.md shows is what the README's
+    quick-start MLP gives."""
     import torch
 
     import fxtp
@@ -126,7 +127,8 @@ def test_explain_output_shown_is_the_quick_starts(fake_group):
     mlp = re.search(r"^class MLP.*?return .*?$", quick_start, re.S | re.M).group(0)
     namespace = {}
     exec(imports + "\n" + mlp, namespace)
-    shown = re.search(r"print\(fxtp\.explain\(gm\)\)\n```\n\n```text\n(.*?)```", readme,
+    inspecting = (ROOT / "docs" / "inspecting.md").read_text()
+    shown = re.search(r"print\(fxtp\.explain\(gm\)\)\n```\n\n```text\n(.*?)```", inspecting,
                       re.S).group(1)
     fake_group(2)
     gm = fxtp.parallelize(namespace["MLP"](), {"net1": fxtp.ColwiseParallel(),
