@@ -39,6 +39,16 @@ def _transpose_perm(node):
     return perm
 
 
+def _reversed_perm(node):
+    return list(range(ndim_of(node.args[0])))[::-1]
+
+
+def _last_two_swapped(node):
+    perm = list(range(ndim_of(node.args[0])))
+    perm[-2:] = perm[:-3:-1]
+    return perm
+
+
 def _movedim_perm(node):
     n = ndim_of(node.args[0])
     src, dst = node.args[1], node.args[2]
@@ -474,7 +484,12 @@ RULES: dict = {
     aten.unflatten.int: Rule(_view_spec, local_op=_localize_unflatten),
     aten.transpose.int: permutation(_transpose_perm),
     aten.permute.default: permutation(lambda n: list(n.args[1])),
-    aten.t.default: permutation(lambda n: list(range(ndim_of(n.args[0])))[::-1]),
+    aten.t.default: permutation(_reversed_perm),
+    aten.numpy_T.default: permutation(_reversed_perm),  # x.T
+    aten.mT.default: permutation(_last_two_swapped),
+    aten.adjoint.default: permutation(_last_two_swapped),  # conjugates: elementwise
+    aten.mH.default: permutation(_last_two_swapped),
+    aten.matrix_H.default: permutation(_last_two_swapped),
     aten.movedim.int: permutation(_movedim_perm),
     aten.movedim.intlist: permutation(_movedim_perm),
     aten.unsqueeze.default: Rule(_unsqueeze_spec),

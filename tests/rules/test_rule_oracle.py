@@ -216,7 +216,8 @@ PROGRAMS = {
                          torch.view_as_complex(x.view(4, 8, 6, 2))._conj(),
                          x.unflatten(1, (2, 4)), x.unflatten(2, (4, -1)),
                          x.transpose(0, 2), x.permute(2, 0, 1), x.movedim(0, 2),
-                         x.movedim((0, 1), (2, 0)), x[0].t()),
+                         x.movedim((0, 1), (2, 0)), x[0].t(), x[0].T, x.permute(2, 0, 1).T,
+                         x.mT, x.adjoint(), x.mH, x[0].H),
               lambda: (rand(4, 8, 12),)),
     "squeeze_expand": (lambda x: (x.unsqueeze(1), x.unsqueeze(1).squeeze(), x.unsqueeze(0)
                                   .squeeze(0), x.unsqueeze(1).squeeze((1,)),
