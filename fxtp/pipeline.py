@@ -287,7 +287,7 @@ def _trace(b: Build) -> None:
     b.outside = _outside(job.shardings, b.stamped)
     b.tied = tied_names(job.model)  # a tied weight read is no sign of its own module's
     read = {n.target for n in gm.graph.nodes if n.op == "get_attr" and n.users} - b.tied.keys()
-    b.uncalled = _uncalled(b.outside, b.calls, options.strict, read)
+    b.uncalled = _uncalled(b.outside, b.calls, options.strict, read, b.tied)
     b.called = {k: s for k, s in job.shardings.items() if k not in b.uncalled}
     b.dtensor_outputs = dtensor_positions(gm, b.calls, b.called)
 
@@ -413,24 +413,36 @@ def _outside(shardings: dict, stamped: dict) -> dict:
     return {k: s for k, s in shardings.items() if not (k + ".").startswith(inner)}
 
 
-def _uncalled(shardings: dict, calls: dict, strict: bool, read: set) -> dict[str, str]:
+def _uncalled(shardings: dict, calls: dict, strict: bool, read: set, tied: dict
+              ) -> dict[str, str]:
     """The plan's modules that ``forward`` did not call (an embedding, where the model was
     traced with ``inputs_embeds``), each with what it means: the program never reads their
     parameters, held as their styles split them. Under ``strict``, a :class:`PlanError`.
     A module whose parameters the program reads without calling it (Mamba's
     ``dt_proj.weight @ x``) is not one: its parameters are placed as its style says and
-    read so. ``read``: the tensors the program reads, by FQN (tied ones left out: the
-    reader may be the module sharing it)."""
+    read so; nor is one whose split parameters are all tied to modules forward calls
+    (BART's ``shared`` embedding, called as ``encoder.embed_tokens``). ``read``: the tensors
+    the program reads, by FQN (tied ones left out: the reader may be the module sharing
+    it); ``tied``: parameter FQN -> every FQN of the same tensor."""
     found = {fqn: f"module '{fqn}' is named by the plan but forward did not call it while "
                   f"tracing (a model traced with inputs_embeds does not call its input "
                   f"embedding): the program never reads its parameters, which each rank "
                   f"holds as its style splits them. Leave it out of the plan, or trace the "
                   f"call that uses it"
-             for fqn in shardings if fqn and not calls_of(calls, fqn) and
-             not any(t.startswith(fqn + ".") for t in read)}
+             for fqn, sharding in shardings.items() if fqn and not calls_of(calls, fqn) and
+             not any(t.startswith(fqn + ".") for t in read) and
+             not _called_as_another(fqn, sharding, calls, tied)}
     if strict and found:
         raise PlanError(next(iter(found.values())) + " (strict=True)")
     return found
+
+
+def _called_as_another(fqn: str, sharding, calls: dict, tied: dict) -> bool:
+    """Is every parameter ``sharding`` splits also another module's, one forward calls?"""
+    names = [f"{fqn}.{name}" for name in sharding.params]
+    return bool(names) and all(
+        any(calls_of(calls, other.rpartition(".")[0]) for other in tied.get(name, ())
+            if other != name) for name in names)
 
 
 def _copied_tensors(gm: fx.GraphModule, stamped: dict) -> dict[str, str]:
