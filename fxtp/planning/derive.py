@@ -4,8 +4,11 @@ The model is traced once. Its linears are paired as Megatron pairs them
 (:mod:`fxtp.planning.projections`): the linears whose outputs alone feed another (not the
 residual stream) are column-wise, that one row-wise. A linear whose output is the
 program's (the head) is column-wise, its logits gathered, or kept sharded by class where
-the program computes the cross-entropy (loss parallel). The embedding is vocabulary- or
-feature-parallel, whichever sends less. Each candidate plan is placed by fxtp's own passes
+the program computes the cross-entropy (loss parallel). Any other linear (a router, an
+adaptive norm's modulation) is column-wise with its output gathered. The embedding is
+vocabulary- or feature-parallel, whichever sends less; embeddings, heads and gathered
+linears stay whole where that sends less and keeps a rank's parameter bytes within
+``memory_slack`` of Megatron's full sharding. Each candidate plan is placed by fxtp's own passes
 (seed and place, no process group) and costed by its cost model
 (:func:`~fxtp.passes.program_cost.program_cost`): a pair or head whose layout would make
 the program gather where no rule serves it (a fallback) is left replicated, and the report
@@ -95,7 +98,7 @@ def derive_plan(model: nn.Module, *, example_inputs=(), example_kwargs=None,
     if not world:
         raise PlanError("derive_plan needs world_size=... (or an initialized process group)")
     program = _Program(model, example_inputs, example_kwargs, world)
-    roles, report = _megatron_roles(program.projections)
+    roles, report = _megatron_roles(program.projections), {}
     megatron = _Megatron(program, roles, sequence_parallel, loss_parallel)
     plan = _cheapest_within(program, megatron, memory_slack, report)
     plan, placed = _without_fallbacks(program, plan, megatron.groups, report)
@@ -114,6 +117,7 @@ class _Megatron:
         found, model = program.projections, program.model
         self.heads = {fqn: found[fqn].to_loss if loss_parallel is None else loss_parallel
                       for fqn, role in roles.items() if role == "head"}
+        self.gathered = _by_pattern(fqn for fqn, role in roles.items() if role == "gathered")
         self.embeddings = [fqn for fqn, p in found.items() if p.kind == "embedding"]
         self.word = _word_embedding(model, self.embeddings, program.aliases)
         self.sequence_parallel = sequence_parallel
@@ -129,9 +133,9 @@ class _Megatron:
         self.groups = [*_groups(roles, found, self.embeddings), *([f] for f in experts)]
 
     def options(self, fqn: str, plan: dict) -> list:
-        """The layouts to weigh for a head or an embedding (``None``: whole), Megatron's
-        first."""
-        if fqn in self.heads:
+        """The layouts to weigh for a head, an embedding or a gathered linear (``None``:
+        whole), Megatron's first."""
+        if fqn in self.heads or fqn not in self.embeddings:
             return [plan[fqn], None]
         styles = _embedding_styles(self.sequence_parallel and fqn == self.word)
         return [*styles, None] if fqn == self.word else [None, *styles]
@@ -139,20 +143,24 @@ class _Megatron:
 
 def _cheapest_within(program: "_Program", megatron: _Megatron, memory_slack: float,
                      report: dict) -> dict:
-    """Megatron's plan with each embedding and head in the layout that sends least while a
-    rank holds at most ``1 + memory_slack`` times the parameter bytes of Megatron's (a tie
-    keeps Megatron's)."""
+    """Megatron's plan with each embedding, head and gathered linear in the layout that
+    sends least while a rank holds at most ``1 + memory_slack`` times the parameter bytes of
+    Megatron's (a tie keeps Megatron's). Gathered linears are weighed per pattern of equal
+    blocks (``layers.*.router``), the smallest first, so the budget keeps many small ones
+    whole before one large one."""
     plan = megatron.plan
     budget = program.place(plan).held * (1 + memory_slack)
-    for fqn in [*megatron.embeddings, *megatron.heads]:
-        options = megatron.options(fqn, plan)
-        if _tied_to_plan(fqn, plan, program.aliases):
+    units = [[fqn] for fqn in [*megatron.embeddings, *megatron.heads]]
+    units += sorted(megatron.gathered, key=lambda fqns: sum(
+        p.numel() for f in fqns for p in program.model.get_submodule(f).parameters()))
+    for fqns in units:
+        options = megatron.options(fqns[0], plan)
+        if any(_tied_to_plan(fqn, plan, program.aliases) for fqn in fqns):
             options.remove(None)  # a tied weight follows the other module's layout anyway
-        plan = min(({**plan, fqn: o} if o is not None else _without(plan, fqn)
-                    for o in options), key=lambda trial: program.rank(trial, budget))
-        if fqn not in plan:
-            report[fqn] = (f"sharding it sends more, and whole it stays within "
-                           f"memory_slack={memory_slack}")
+        plan = min((_with(plan, fqns, o) for o in options),
+                   key=lambda trial: program.rank(trial, budget))
+        report.update({fqn: f"sharding it sends more, and whole it stays within "
+                            f"memory_slack={memory_slack}" for fqn in fqns if fqn not in plan})
     return plan
 
 
@@ -208,13 +216,23 @@ def _tied_to_plan(fqn: str, plan: dict, aliases: dict) -> bool:
                for name in aliases.get(f"{fqn}.weight", ()))
 
 
-def _without(plan: dict, fqn: str) -> dict:
-    return {k: v for k, v in plan.items() if k != fqn}
+def _with(plan: dict, fqns: list, style: Optional[ParallelStyle]) -> dict:
+    """``plan`` with each of ``fqns`` in ``style`` (``None``: left out, whole)."""
+    others = {k: v for k, v in plan.items() if k not in fqns}
+    return others if style is None else {**others, **dict.fromkeys(fqns, style)}
 
 
-def _megatron_roles(found: dict[str, Projection]) -> tuple[dict, dict]:
-    """FQN -> ``"col"``, ``"row"`` or ``"head"`` for the linears Megatron's layout shards;
-    FQN -> why for the linears it leaves replicated."""
+def _by_pattern(fqns) -> list[list[str]]:
+    """``fqns`` grouped by the pattern of equal blocks they share, in first-seen order."""
+    groups: dict[str, list[str]] = {}
+    for fqn in fqns:
+        groups.setdefault(_INDEX.sub("*", fqn), []).append(fqn)
+    return list(groups.values())
+
+
+def _megatron_roles(found: dict[str, Projection]) -> dict:
+    """FQN -> ``"col"``, ``"row"``, ``"head"`` or ``"gathered"`` (a linear no linear reads:
+    column-wise, its output gathered) for every linear."""
     roles: dict[str, str] = {}
     for fqn, p in found.items():
         if p.kind != "linear" or not p.feeds or p.from_stream:
@@ -222,14 +240,10 @@ def _megatron_roles(found: dict[str, Projection]) -> tuple[dict, dict]:
         if all(roles.get(f) in (None, "col") for f in p.feeds):
             roles.update(dict.fromkeys(sorted(p.feeds), "col"))
             roles[fqn] = "row"
-    report = {}
     for fqn, p in found.items():
         if p.kind == "linear" and fqn not in roles:
-            if p.to_output or p.to_loss:
-                roles[fqn] = "head"
-            else:
-                report[fqn] = "no linear reads its output, nor is it the program's output"
-    return {fqn: roles[fqn] for fqn in found if fqn in roles}, report  # in call order
+            roles[fqn] = "head" if p.to_output or p.to_loss else "gathered"
+    return {fqn: roles[fqn] for fqn in found if fqn in roles}  # in call order
 
 
 def _style(role: str, loss_parallel: Optional[bool], sequence_parallel: bool
@@ -248,7 +262,7 @@ def _groups(roles: dict, found: dict, embeddings: list) -> list[list[str]]:
     """The units a plan keeps or drops whole: each row-wise linear with the column-wise
     ones feeding it, each head, each embedding."""
     groups = [[*sorted(found[fqn].feeds), fqn] for fqn, role in roles.items() if role == "row"]
-    groups += [[fqn] for fqn, role in roles.items() if role == "head"]
+    groups += [[fqn] for fqn, role in roles.items() if role in ("head", "gathered")]
     return groups + [[fqn] for fqn in embeddings]
 
 
@@ -347,18 +361,20 @@ _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)")
 
 def _patterns(entries: dict, model: nn.Module) -> dict:
     """``entries`` (FQN -> value) with the FQNs that differ only in list indices written as
-    one ``*`` pattern, where every module the pattern matches has the same value."""
-    modules = [fqn for fqn, _ in model.named_modules()]
-    by_pattern: dict[str, list[str]] = {}
+    one pattern, ``*`` where they differ, where every module the pattern matches has the
+    same value."""
+    modules = [fqn.split(".") for fqn, _ in model.named_modules()]
+    by_shape: dict[str, list[str]] = {}
     for fqn in entries:
-        by_pattern.setdefault(_INDEX.sub("*", fqn), []).append(fqn)
+        by_shape.setdefault(_INDEX.sub("*", fqn), []).append(fqn)
     out = {}
-    for pattern, fqns in by_pattern.items():
-        matching = [m for m in modules if _INDEX.sub("*", m) == pattern]
-        values = {repr(entries[f]) for f in fqns}
-        if pattern != fqns[0] and len(values) == 1 and sorted(matching) == sorted(fqns):
-            out[pattern] = entries[fqns[0]]
+    for fqns in by_shape.values():
+        parts = [p[0] if len(set(p)) == 1 else "*" for p in zip(*(f.split(".") for f in fqns))]
+        matching = [m for m in modules if len(m) == len(parts) and
+                    all(a in ("*", b) for a, b in zip(parts, m))]
+        if len(fqns) > 1 and len({repr(entries[f]) for f in fqns}) == 1 and \
+                len(matching) == len(fqns):
+            out[".".join(parts)] = entries[fqns[0]]
         else:
             out.update({f: entries[f] for f in fqns})
     return out
-

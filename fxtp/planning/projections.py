@@ -2,10 +2,12 @@
 Megatron's layout pairs column-wise then row-wise.
 
 A *projection* is a module whose weight one op of the program multiplies by (``linear``,
-Hugging Face's transposed ``Conv1D`` as ``addmm``, ``embedding``). A value's *sources* are
-the linears whose outputs reach it, and whether it is also computed from the *stream*: the
-embedding's output or a floating-point input of the program (constants such as rotary
-tables and masks, computed from buffers and positions, are neither). A linear whose input
+``x @ w.T`` as Falcon's linears multiply, Hugging Face's transposed ``Conv1D`` as ``addmm``,
+``embedding``). A value's *sources* are
+the linears whose outputs reach it, and whether it is also computed from the *stream*: an
+embedding of the program's inputs (tokens) or a floating-point input of the program
+(constants such as rotary tables, masks and T5's position bias, computed from buffers and
+positions, are neither). A linear whose input
 comes from other linears and not from the stream is the second of a pair: those linears
 are column-wise and it is row-wise. Whether the ops between them keep the features split
 (pointwise ops, views, attention: *carriers*) or need them whole (a norm over them) is
@@ -24,7 +26,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..passes.effects import returns_alias
-from ..passes.graph import val
+from ..passes.graph import module_fqns, val
 from ..passes.rules import is_tagged_pointwise
 
 aten = torch.ops.aten
@@ -87,6 +89,8 @@ def _projection_of(node: fx.Node, modules: dict, aliases: dict
         return None, None
     if node.target is aten.linear.default:
         weight = node.args[1]
+    elif node.target in (aten.matmul.default, aten.mm.default):
+        weight = _transposed(node.args[1])
     elif node.target is aten.addmm.default:
         weight = node.args[2]
     elif node.target is aten.embedding.default:
@@ -95,18 +99,33 @@ def _projection_of(node: fx.Node, modules: dict, aliases: dict
         return None, None
     if not isinstance(weight, fx.Node) or weight.op != "get_attr":
         return None, None
-    for fqn in aliases.get(weight.target, [weight.target]):
+    called = set(module_fqns(node))  # a tied weight: the name of the module called first
+    names = sorted(aliases.get(weight.target, [weight.target]),
+                   key=lambda fqn: fqn.rpartition(".")[0] not in called)
+    for fqn in names:
         owner, _, name = fqn.rpartition(".")
         module = modules.get(owner)
         if name != "weight" or module is None:
             continue
         if node.target is aten.embedding.default and isinstance(module, nn.Embedding):
             return "embedding", owner
-        if node.target is aten.linear.default and isinstance(module, nn.Linear):
+        if node.target is not aten.embedding.default and node.target is not \
+                aten.addmm.default and isinstance(module, nn.Linear):
             return "linear", owner
         if node.target is aten.addmm.default and type(module).__name__ == "Conv1D":
             return "linear", owner
     return None, None
+
+
+def _transposed(value) -> Optional[fx.Node]:
+    """The matrix ``value`` transposes (``x @ w.T``, as Falcon's linears multiply), else
+    None."""
+    if not isinstance(value, fx.Node) or value.op != "call_function":
+        return None
+    if value.target in (aten.t.default, aten.numpy_T.default) or \
+            value.target is aten.transpose.int and sorted(value.args[1:3]) in ([0, 1], [-2, -1]):
+        return value.args[0]
+    return None
 
 
 def carries(node: fx.Node) -> bool:
@@ -158,10 +177,12 @@ class Sources:
 
     def _decide(self, node: fx.Node) -> tuple[frozenset, bool, bool]:
         fqn = self.at.get(node)
-        if fqn is not None:  # a linear starts a chain; the embedding is the stream
-            return (frozenset({fqn}), False, False) if fqn in self.linears else \
-                (frozenset(), True, False)
         inputs = [self.known[i] for i in node.all_input_nodes]
+        if fqn in self.linears:  # a linear starts a chain
+            return frozenset({fqn}), False, False
+        if fqn is not None:  # an embedding of data is the stream; of positions, a constant
+            constant = self.known[node.args[1]][2]
+            return frozenset(), not constant, constant
         if node.op in ("placeholder", "get_attr") or not inputs or \
                 all(constant for _, _, constant in inputs):
             stream = node.op == "placeholder" and _is_stream_input(node)

@@ -3,8 +3,11 @@ Face (``tests/helpers/corpus.py``): litgpt (query groups interleaved in one fuse
 mistral-inference (packed tokens with no batch dim, ``repeat_interleave`` for grouped-query
 heads, ``einsum`` attention), OLMo-1 (fused q / k / v of unequal sizes, fused SwiGLU taken
 apart by ``chunk``) and minGPT (a causal mask buffer, attention by hand), each with the plan
-its authors would write from torch's styles. Tiny (2 layers, dim 32, 4 heads, 2 KV
-groups where grouped) and seeded by the caller: nothing is downloaded."""
+its authors would write from torch's styles; and two vision models with no plan, timm's
+``VisionTransformer`` and DiT (adaptive layer norm from timesteps and labels), as their
+authors write them (timm needs torchvision, whose CPU build no registry here serves).
+Tiny (2 layers, dim 32, 4 heads, 2 KV groups where grouped) and seeded by the caller:
+nothing is downloaded."""
 import math
 
 import torch
@@ -223,6 +226,164 @@ def mingpt():
 MINGPT_PLAN = {"blocks.*.attn.c_attn": ColwiseParallel(),
                "blocks.*.attn.c_proj": RowwiseParallel(),
                "blocks.*.mlp.c_fc": ColwiseParallel(), "blocks.*.mlp.c_proj": RowwiseParallel()}
+
+
+# --- timm's VisionTransformer --------------------------------------------------------------
+
+class TimmAttention(nn.Module):
+    """timm's ``Attention``: one ``qkv`` viewed ``(B, N, 3, heads, head_dim)``, permuted with
+    the three in front and ``unbind``-ed."""
+
+    def __init__(self, dim=D, num_heads=HEADS):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, dim // num_heads
+        self.qkv = nn.Linear(dim, dim * 3)
+        self.q_norm, self.k_norm = nn.Identity(), nn.Identity()
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        q, k = self.q_norm(q), self.k_norm(k)
+        x = F.scaled_dot_product_attention(q, k, v)
+        return self.proj(x.transpose(1, 2).reshape(B, N, C))
+
+
+class TimmMlp(nn.Module):
+    """timm's ``Mlp``."""
+
+    def __init__(self, dim=D, hidden=4 * D, act=nn.GELU):
+        super().__init__()
+        self.fc1, self.act, self.norm, self.fc2 = (nn.Linear(dim, hidden), act(), nn.Identity(),
+                                                   nn.Linear(hidden, dim))
+
+    def forward(self, x):
+        return self.fc2(self.norm(self.act(self.fc1(x))))
+
+
+class TimmBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm1, self.attn, self.ls1 = nn.LayerNorm(D, eps=1e-6), TimmAttention(), nn.Identity()
+        self.norm2, self.mlp, self.ls2 = nn.LayerNorm(D, eps=1e-6), TimmMlp(), nn.Identity()
+
+    def forward(self, x):
+        x = x + self.ls1(self.attn(self.norm1(x)))
+        return x + self.ls2(self.mlp(self.norm2(x)))
+
+
+class PatchEmbed(nn.Module):
+    """timm's ``PatchEmbed``: a strided convolution, flattened to ``(B, patches, D)``."""
+
+    def __init__(self, patch=8, channels=3, dim=D):
+        super().__init__()
+        self.proj = nn.Conv2d(channels, dim, kernel_size=patch, stride=patch)
+
+    def forward(self, x):
+        return self.proj(x).flatten(2).transpose(1, 2)
+
+
+class TimmViT(nn.Module):
+    """timm's ``VisionTransformer`` (class token, learned positions, ``"token"`` pooling) on
+    32 x 32 images in 8 x 8 patches."""
+
+    def __init__(self, classes=10, image=32, patch=8):
+        super().__init__()
+        self.patch_embed = PatchEmbed(patch)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, D) * 0.02)
+        self.pos_embed = nn.Parameter(torch.randn(1, (image // patch) ** 2 + 1, D) * 0.02)
+        self.blocks = nn.Sequential(*(TimmBlock() for _ in range(L)))
+        self.norm, self.head = nn.LayerNorm(D, eps=1e-6), nn.Linear(D, classes)
+
+    def forward(self, x):
+        x = self.patch_embed(x)
+        x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1), x), dim=1) + self.pos_embed
+        return self.head(self.norm(self.blocks(x))[:, 0])
+
+
+# --- DiT (Peebles and Xie's models.py, on timm's Attention and Mlp) -----------------------------
+
+def modulate(x, shift, scale):
+    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+
+
+class TimestepEmbedder(nn.Module):
+    """DiT's sinusoidal timestep features through a two-layer MLP."""
+
+    def __init__(self, frequencies=16):
+        super().__init__()
+        self.frequencies = frequencies
+        self.mlp = nn.Sequential(nn.Linear(frequencies, D), nn.SiLU(), nn.Linear(D, D))
+
+    def forward(self, t):
+        half = self.frequencies // 2
+        freqs = torch.exp(-math.log(10000) * torch.arange(half, dtype=torch.float32) / half)
+        args = t[:, None].float() * freqs[None]
+        embedding = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+        return self.mlp(embedding.to(self.mlp[0].weight.dtype))
+
+
+class DiTBlock(nn.Module):
+    """Attention and MLP under adaptive layer norm: six modulations from the condition."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(D, elementwise_affine=False, eps=1e-6)
+        self.attn = TimmAttention()
+        self.norm2 = nn.LayerNorm(D, elementwise_affine=False, eps=1e-6)
+        self.mlp = TimmMlp(act=lambda: nn.GELU(approximate="tanh"))
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(D, 6 * D))
+
+    def forward(self, x, c):
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = \
+            self.adaLN_modulation(c).chunk(6, dim=1)
+        x = x + gate_msa.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift_msa, scale_msa))
+        return x + gate_mlp.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift_mlp,
+                                                             scale_mlp))
+
+
+class FinalLayer(nn.Module):
+    def __init__(self, patch, channels):
+        super().__init__()
+        self.norm_final = nn.LayerNorm(D, elementwise_affine=False, eps=1e-6)
+        self.linear = nn.Linear(D, patch * patch * channels)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(D, 2 * D))
+
+    def forward(self, x, c):
+        shift, scale = self.adaLN_modulation(c).chunk(2, dim=1)
+        return self.linear(modulate(self.norm_final(x), shift, scale))
+
+
+class DiT(nn.Module):
+    """``DiT(x, t, y)``: noisy latents (B, 4, 16, 16) in 4 x 4 patches, float timesteps and
+    class labels to the predicted noise; fixed sine-cosine positions."""
+
+    def __init__(self, size=16, patch=4, channels=4, classes=10):
+        super().__init__()
+        self.patch, self.channels = patch, channels
+        self.x_embedder = PatchEmbed(patch, channels)
+        self.t_embedder = TimestepEmbedder()
+        self.y_embedder = nn.Embedding(classes + 1, D)  # the last: no class (guidance)
+        grid = torch.arange(size // patch, dtype=torch.float32)
+        angles = grid[:, None] / 10000 ** (torch.arange(D // 4) / (D // 4))
+        rows = torch.cat([angles.sin(), angles.cos()], 1)
+        pos = torch.cat([rows[:, None].expand(-1, len(grid), -1),
+                         rows[None].expand(len(grid), -1, -1)], -1).reshape(1, -1, D)
+        self.register_buffer("pos_embed", pos)
+        self.blocks = nn.ModuleList(DiTBlock() for _ in range(L))
+        self.final_layer = FinalLayer(patch, channels)
+
+    def forward(self, x, t, y):
+        x = self.x_embedder(x) + self.pos_embed.to(x.dtype)
+        c = self.t_embedder(t) + self.y_embedder(y)
+        for block in self.blocks:
+            x = block(x, c)
+        x = self.final_layer(x, c)
+        h = w = int(x.shape[1] ** 0.5)
+        p, ch = self.patch, self.channels
+        x = torch.einsum("nhwpqc->nchpwq", x.reshape(x.shape[0], h, w, p, p, ch))
+        return x.reshape(x.shape[0], ch, h * p, w * p)
 
 
 PORTS = {"litgpt": (litgpt, LITGPT_PLAN), "mistral_inference": (mistral_inference, MISTRAL_PLAN),

@@ -86,6 +86,23 @@ def test_a_pair_whose_sharding_would_fall_back_stays_replicated_and_says_why():
                                         "for aten.fft_fft.default")
 
 
+class Transposed(nn.Module):
+    """Linears multiplied as ``x @ self.weight.T`` (Falcon's), not through ``F.linear``."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32, bias=False), nn.Linear(32, 16, bias=False)
+
+    def forward(self, x):
+        return torch.relu(x @ self.up.weight.T) @ self.down.weight.T
+
+
+def test_linears_written_as_a_product_with_the_transposed_weight_pair_too():
+    plan = fxtp.derive_plan(Transposed(), example_inputs=(example(2, 4, 16),), world_size=2)
+    assert styles(plan) == {"up": "ColwiseParallel()", "down": "RowwiseParallel()"}
+    assert plan.report == {} and plan.placed.fallbacks == ()
+
+
 class Gate(nn.Module):
     """``gate``'s output is summed to one number per token: no linear reads it."""
 
@@ -97,11 +114,18 @@ class Gate(nn.Module):
         return x * self.gate(x).sum(-1, keepdim=True)
 
 
-def test_a_linear_no_linear_reads_stays_replicated_and_says_why():
+def test_a_linear_no_linear_reads_is_column_wise_with_its_output_gathered():
     plan = fxtp.derive_plan(Gate(), example_inputs=(example(2, 4, 16),), world_size=2)
+    assert styles(plan) == {"gate": "ColwiseParallel(output_layouts=Replicate())"}
+    assert plan.report == {} and plan.placed.fallbacks == ()
+
+
+def test_a_linear_no_linear_reads_stays_whole_where_memory_slack_allows_and_says_why():
+    plan = fxtp.derive_plan(Gate(), example_inputs=(example(2, 4, 16),), world_size=2,
+                            memory_slack=1.0)
     assert dict(plan) == {}
-    assert plan.report == {
-        "gate": "no linear reads its output, nor is it the program's output"}
+    assert plan.report == {"gate": "sharding it sends more, and whole it stays within "
+                                   "memory_slack=1.0"}
 
 
 def test_the_head_keeps_logits_sharded_where_the_program_computes_the_loss():
