@@ -3,14 +3,17 @@ that keep features split are column-wise then row-wise, the head column-wise, th
 embedding vocabulary- or feature-parallel by what it sends; what it cannot shard without a
 fallback stays replicated, with the reason. The plan reaches single-device parity and
 issues no more collectives than the hand-written plan."""
+import functools
+
 import pytest
 import torch
 import torch.nn as nn
 
 import fxtp
+from fxtp.examples import gpt_fast
 from fxtp.examples.llama import Llama, LlamaConfig, llama_sp_plan, llama_tp_plan
 from fxtp.planning.derive import short
-from tests.helpers import models, transformer_models
+from tests.helpers import corpus, models, transformer_models
 from tests.helpers.parity import check_parity, example
 
 CFG = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16)
@@ -188,6 +191,45 @@ def total(counts) -> int:
 def test_the_derived_llama_plan_trains_like_one_device_with_no_more_collectives(ranks):
     derived, hand = ranks.run(derived_against_written, llama, llama_tp_plan(), [TOKENS])[0]
     assert total(derived) <= total(hand), (derived, hand)
+
+
+def test_torchtunes_llama_derived_trains_like_one_device_with_no_more_collectives(ranks2):
+    """torchtune's rotary embedding (adjacent pairs, its cache layout) on Meta's Llama-3
+    layout, against torchtitan's plan (the same collectives in number; the embedding by
+    features where that sends fewer bytes)."""
+    make = functools.partial(corpus.RopeLlama, "torchtune")
+    derived, hand = ranks2.run(derived_against_written, make, llama_tp_plan(),
+                               [torch.randint(0, corpus.VOCAB, (2, 8))])[0]
+    assert total(derived) <= total(hand), (derived, hand)
+
+
+def serving_gpt_fast():
+    torch.manual_seed(0)
+    return gpt_fast.Transformer(gpt_fast.ServeConfig()).setup_caches(1, 32)
+
+
+def test_gpt_fasts_blocks_get_the_collectives_of_its_tp_py_and_memory_slack_all_of_them(
+        fake_group):
+    """gpt-fast's ``tp.py`` shards the blocks and keeps the embedding and head whole. The
+    derived plan shards those too (a gather each way forward, one backward all-reduce), for
+    the parameter bytes; with the memory gpt-fast spends it is gpt-fast's, collective for
+    collective."""
+    fake_group(2)
+    inputs = (torch.randint(0, 64, (1, 8)), torch.arange(8))
+
+    def summary(plan):
+        return fxtp.explain(fxtp.parallelize(serving_gpt_fast(), plan,
+                                             example_inputs=inputs)).summary
+    hand = summary(gpt_fast.tp_plan())
+    assert (hand.forward.counts, hand.backward.counts) == ({"all_reduce": 4}, {"all_reduce": 4})
+    derived = summary(fxtp.derive_plan(serving_gpt_fast(), example_inputs=inputs))
+    assert derived.forward.counts == {"all_reduce": 4, "all_gather": 2}
+    assert derived.backward.counts == {"all_reduce": 5}
+    assert derived.param_bytes < hand.param_bytes
+    roomy = summary(fxtp.derive_plan(serving_gpt_fast(), example_inputs=inputs,
+                                     memory_slack=1.0))
+    assert (roomy.forward, roomy.backward, roomy.param_bytes) == (
+        hand.forward, hand.backward, hand.param_bytes)
 
 
 def test_the_derived_gpt2_plan_trains_like_one_device_with_no_more_collectives(ranks2):
