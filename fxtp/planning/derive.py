@@ -299,6 +299,7 @@ class _Program:
                                         boundaries)
         self.aliases = tied_names(model)
         self.projections, self.sources = projections(self.gm, model, self.aliases)
+        self.placed: dict[tuple, Placed] = {}  # a plan's styles -> what it makes
 
     def stream_norms(self, roles: dict) -> list[str]:
         """The norms applied to the residual stream (not to a column-wise output: a q / k
@@ -322,6 +323,14 @@ class _Program:
         return len(placed.fallbacks), placed.held > budget, placed.sent
 
     def place(self, plan: dict) -> Placed:
+        """What ``plan`` makes of the program (each plan placed once: a style's ``repr``
+        holds all its arguments)."""
+        key = tuple(sorted((fqn, repr(style)) for fqn, style in plan.items()))
+        if key not in self.placed:
+            self.placed[key] = self._place(plan)
+        return self.placed[key]
+
+    def _place(self, plan: dict) -> Placed:
         gm = self.gm
         before, meta = Snapshot(gm.graph), dict(gm.meta)
         try:

@@ -52,6 +52,15 @@ def test_the_embedding_takes_the_layout_that_sends_less():
     assert vocab.held == features.held  # either shards the table
 
 
+def test_each_candidate_plan_is_placed_once():
+    program = fxtp.planning.derive._Program(Llama(CFG), (TOKENS,), None, 2)
+    plan = llama_tp_plan()
+    first = program.place(plan)
+    assert program.place(dict(reversed(plan.items()))) is first
+    other = program.place({**plan, "output": fxtp.ColwiseParallel()})
+    assert other is not first and len(program.placed) == 2
+
+
 def test_the_plan_is_the_same_every_time_and_prints_as_a_table():
     first = fxtp.derive_plan(Llama(CFG), example_inputs=(TOKENS,), world_size=4)
     again = fxtp.derive_plan(Llama(CFG), example_inputs=(TOKENS,), world_size=4)
