@@ -42,7 +42,7 @@ from .graph import (FALLBACK, FALLBACKS, INPUTS, PINNED, PLACEMENT, STAMP, attr,
 from .placement import (R, describe, is_blocked, is_narrowing, is_replicate, is_sharded,
                         transition_cost, with_dim)
 from .reduce_early import reduce_early
-from .rules import PASSTHROUGH, ZERO_FILLED, rule_for
+from .rules import FACTORIES, PASSTHROUGH, ZERO_FILLED, rule_for
 
 
 def propagate(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -268,6 +268,10 @@ def _propagate_call(node: fx.Node, world: int) -> str | None:
             node.meta[PLACEMENT] = pinned
             return None
         pinned = None  # zeros of a shard's shape: placed as the shard is
+    if pinned is not None and node.target in FACTORIES and not isinstance(pinned, (Partial, tuple)):
+        node.meta[INPUTS] = (None,) * len(inputs)  # made from sizes: in any placement, a
+        node.meta[PLACEMENT] = pinned  # strided one included (MLA's q, written in 2 parts)
+        return None
     kept = [i for i in written_inputs(node) if i > 0]  # state an op updates (BatchNorm's)
     for ins, out in rule.strategies(node, world, actual):
         if writes and ins[0] != actual[0] or any(ins[i] not in (None, actual[i]) for i in kept):

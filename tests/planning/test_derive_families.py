@@ -127,7 +127,8 @@ FAMILIES = {
     "nanogpt": (nanogpt, [TOKENS, TARGETS], {}, LOSS, AR(8), AR(5)),
     "timm_vit": (ports.TimmViT, [IMAGES], {}, lambda out: out, AR(4), AR(4)),
     # DiT: its timestep MLP is a pair too (1 forward); each adaptive norm's modulation is
-    # column-wise and gathered (3 forward), and its condition's gradient reduced (3 backward)
+    # column-wise and gathered (3 forward); backward, the final linear's input and the
+    # condition's gradient, once for the (stamped) blocks and once for the final layer
     "dit": (ports.DiT, dit_inputs(), {}, lambda out: out, AR(5, gathers=4), AR(7)),
 }
 
@@ -156,3 +157,16 @@ def test_at_4_ranks_with_fewer_kv_heads_than_ranks_it_still_trains_like_one_devi
                                                                                   name):
     fwd, bwd = ranks4.run(derived, name)[0]
     assert (fwd, bwd) == AT_4[name]
+
+
+def deepseek_v2(rank, world):
+    return check_parity(rank, world, corpus.hf_deepseek_v2, "derive", [TOKENS],
+                        dtype=torch.float32, strict=True, input_grads=False, kwargs=NO_CACHE,
+                        output=logits)
+
+
+def test_deepseek_v2s_latent_attention_trains_like_one_device_under_its_derived_plan(ranks2):
+    """Its query is made by ``new_empty`` and written in two parts, each sharded by heads:
+    the buffer is made in that strided layout (it was a ShardingError while placing)."""
+    fwd, bwd = ranks2.run(deepseek_v2)[0]
+    assert (fwd, bwd) == (AR(10, gathers=3), {"all_reduce": 13, "all_gather": 1})
