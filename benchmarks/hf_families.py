@@ -1,5 +1,6 @@
 """Every transformers causal-LM family that carries a tensor-parallel plan, under
-``plan="auto"``: parity with the single-device model on 2 gloo ranks.
+``plan="auto"`` (or the plan fxtp derives, ``--plan derive``): parity with the
+single-device model on 2 gloo ranks (``--world``).
 
 Each family is built from its config class with small sizes (2 layers, hidden 32, 8 heads,
 4 KV heads, vocabulary 128, 4 experts; the MLA families with their own head dims and all
@@ -12,9 +13,13 @@ Gemma's norms, linear attention); else in fp32. A mixture of experts whose defau
 Families whose small config the config class refuses, or whose model does not run with it
 on one device, are listed as such, and so are those whose plan names no layer (their
 embedding's or head's alone), which ``"auto"`` refuses, and those torch.export itself
-cannot trace (fxtp traces with it). Results: ``benchmarks/results/hf_families.json``.
+cannot trace (fxtp traces with it). Under ``--plan derive`` the family's own plan is not
+needed, and the families that carry one for their embedding and head alone are checked
+too. Results: ``benchmarks/results/hf_families.json`` (``hf_families_derive_w4.json``
+for ``--plan derive --world 4``).
 
     python -m benchmarks.hf_families [FAMILY ...]   # some families: their entries updated
+    python -m benchmarks.hf_families --plan derive --world 4
 """
 from __future__ import annotations
 
@@ -93,11 +98,11 @@ def make(kind: str, experts: str | None = None, **overrides):
     return model
 
 
-def check(rank, world, kind, dtype, tolerance, experts=None):
+def check(rank, world, kind, dtype, tolerance, experts=None, plan="auto"):
     from tests.helpers.corpus import TOKENS
     from tests.helpers.parity import check_parity
     warnings.simplefilter("ignore")
-    counts = check_parity(rank, world, lambda: make(kind, experts), "auto", [TOKENS], dtype=dtype,
+    counts = check_parity(rank, world, lambda: make(kind, experts), plan, [TOKENS], dtype=dtype,
                           strict=True, input_grads=False, kwargs={"use_cache": False},
                           output=lambda out: out.logits, compare_dtype=tolerance)
     return [dict(c) for c in counts]
@@ -110,7 +115,7 @@ ATTEMPTS = ((torch.float64, torch.float64, None),  # (dtype, tolerance of, exper
             (torch.float32, torch.float32, None))  # a kernel without an fp64 form
 
 
-def run(pool, kind) -> dict:
+def run(pool, kind, plan="auto") -> dict:
     from tests.helpers.corpus import TOKENS
     try:  # the small config must build and run on one device
         model = make(kind)
@@ -122,14 +127,16 @@ def run(pool, kind) -> dict:
     try:  # a plan for the embedding or head alone: "auto" refuses it
         model_plan(model)
     except PlanError as e:
-        return {"result": "no layer plan", "why": str(e)}
+        if plan == "auto":
+            return {"result": "no layer plan", "why": str(e)}
     tried, grouped = [], "grouped_mm" in model.get_experts_implementation().values()
     for dtype, tolerance, experts in ATTEMPTS:
         if experts is not None and not grouped:
             continue
         start = time.perf_counter()
         try:
-            fwd, bwd = pool.run(check, kind, dtype, tolerance, experts, timeout=600)[0]
+            fwd, bwd = pool.run(check, kind, dtype, tolerance, experts, plan,
+                                timeout=600)[0]
             return {"result": "parity", "dtype": str(dtype), "tolerance": str(tolerance),
                     "experts": experts, "forward": fwd, "backward": bwd,
                     "seconds": round(time.perf_counter() - start, 1), "tried": tried}
@@ -152,21 +159,25 @@ def _last_error(message: str) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("kinds", nargs="*", help="model types (default: every family)")
+    parser.add_argument("--plan", choices=("auto", "derive"), default="auto")
+    parser.add_argument("--world", type=int, default=2)
     args = parser.parse_args()
     from tests.helpers.harness import RankPool
     import transformers
     kinds = args.kinds or [k for k in families() if k not in SKIP]
     report = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
-              "transformers": transformers.__version__, "world": 2, "skipped": SKIP,
-              "families": {}}
-    pool = RankPool(2)
+              "transformers": transformers.__version__, "world": args.world,
+              "plan": args.plan, "skipped": SKIP, "families": {}}
+    pool = RankPool(args.world)
     try:
         for kind in kinds:
-            report["families"][kind] = found = run(pool, kind)
+            report["families"][kind] = found = run(pool, kind, args.plan)
             print(kind, json.dumps(found), flush=True)
     finally:
         pool.close()
-    write_report(report, RESULTS / "hf_families.json", partial=bool(args.kinds))
+    name = "hf_families" if (args.plan, args.world) == ("auto", 2) else \
+        f"hf_families_{args.plan}_w{args.world}"
+    write_report(report, RESULTS / f"{name}.json", partial=bool(args.kinds))
 
 
 def write_report(report: dict, path: pathlib.Path, partial: bool) -> None:
