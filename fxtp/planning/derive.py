@@ -8,8 +8,8 @@ the program computes the cross-entropy (loss parallel). Any other linear (a rout
 adaptive norm's modulation) is column-wise with its output gathered. The embedding is
 vocabulary- or feature-parallel, whichever sends less; embeddings, heads and gathered
 linears stay whole where that sends less and keeps a rank's parameter bytes within
-``memory_slack`` of Megatron's full sharding. Each candidate plan is placed by fxtp's own passes
-(seed and place, no process group) and costed by its cost model
+``memory_slack`` of Megatron's full sharding. Each candidate plan is placed by fxtp's own
+passes (seed and place, no process group) and costed by its cost model
 (:func:`~fxtp.passes.program_cost.program_cost`): a pair or head whose layout would make
 the program gather where no rule serves it (a fallback) is left replicated, and the report
 says why.
@@ -89,9 +89,9 @@ def derive_plan(model: nn.Module, *, example_inputs=(), example_kwargs=None,
     the head's logits stay sharded by class (``None``: where the traced program computes
     a cross-entropy of them). ``memory_slack``: how many more parameter bytes a rank may
     hold than under Megatron's full sharding (every block projection, the embeddings and
-    the head sharded), to send less: an embedding or head whose sharding costs more
-    collectives than the bytes it saves are worth is left whole where that stays within
-    (``memory_slack=0.1``: 10% more; ``0``: fully sharded). The result is a dict FQN
+    the head sharded), to send less: an embedding, head or other linear whose sharding
+    costs more collectives than the bytes it saves are worth is left whole where that stays
+    within (``memory_slack=0.1``: 10% more; ``0``: fully sharded). The result is a dict FQN
     pattern -> style, deterministic for a model and world size, to print, edit and pass to
     :func:`fxtp.parallelize`."""
     world = world_size or (dist.get_world_size() if dist.is_initialized() else None)
