@@ -99,6 +99,7 @@ def derive_plan(model: nn.Module, *, example_inputs=(), example_kwargs=None,
         raise PlanError("derive_plan needs world_size=... (or an initialized process group)")
     program = _Program(model, example_inputs, example_kwargs, world)
     roles, report = _megatron_roles(program.projections), {}
+    _unsplittable(roles, model, world, report)
     megatron = _Megatron(program, roles, sequence_parallel, loss_parallel)
     plan = _cheapest_within(program, megatron, memory_slack, report)
     plan, placed = _without_fallbacks(program, plan, megatron.groups, report)
@@ -220,6 +221,16 @@ def _with(plan: dict, fqns: list, style: Optional[ParallelStyle]) -> dict:
     """``plan`` with each of ``fqns`` in ``style`` (``None``: left out, whole)."""
     others = {k: v for k, v in plan.items() if k not in fqns}
     return others if style is None else {**others, **dict.fromkeys(fqns, style)}
+
+
+def _unsplittable(roles: dict, model: nn.Module, world: int, report: dict) -> None:
+    """Take out of ``roles``, with the reason, the heads and gathered linears with fewer
+    output features than ranks (Qwen3-Next's one-feature shared-expert gate)."""
+    for fqn in [f for f, role in roles.items() if role in ("head", "gathered")]:
+        features = getattr(model.get_submodule(fqn), "out_features", world)
+        if features < world:
+            del roles[fqn]
+            report[fqn] = f"its {features} output feature(s) cannot be split among {world} ranks"
 
 
 def _by_pattern(fqns) -> list[list[str]]:

@@ -132,6 +132,24 @@ def test_a_linear_no_linear_reads_is_column_wise_with_its_output_gathered():
     assert plan.report == {} and plan.placed.fallbacks == ()
 
 
+class OneFeatureGate(nn.Module):
+    """Qwen3-Next's shared-expert gate: one number per token from a linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(16, 1)
+
+    def forward(self, x):
+        return x * torch.sigmoid(self.gate(x))
+
+
+def test_a_linear_with_fewer_output_features_than_ranks_stays_whole_and_says_why():
+    plan = fxtp.derive_plan(OneFeatureGate(), example_inputs=(example(2, 4, 16),),
+                            world_size=2)
+    assert dict(plan) == {}
+    assert plan.report == {"gate": "its 1 output feature(s) cannot be split among 2 ranks"}
+
+
 def test_a_linear_no_linear_reads_stays_whole_where_memory_slack_allows_and_says_why():
     plan = fxtp.derive_plan(Gate(), example_inputs=(example(2, 4, 16),), world_size=2,
                             memory_slack=1.0)
