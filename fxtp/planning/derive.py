@@ -334,9 +334,10 @@ class _Program:
         return len(placed.fallbacks), placed.held > budget, placed.sent
 
     def place(self, plan: dict) -> Placed:
-        """What ``plan`` makes of the program (each plan placed once: a style's ``repr``
-        holds all its arguments)."""
-        key = tuple(sorted((fqn, repr(style)) for fqn, style in plan.items()))
+        """What ``plan`` (a dict, or ``"auto"``) makes of the program (each plan placed
+        once: a style's ``repr`` holds all its arguments)."""
+        key = plan if isinstance(plan, str) else \
+            tuple(sorted((fqn, repr(style)) for fqn, style in plan.items()))
         if key not in self.placed:
             self.placed[key] = self._place(plan)
         return self.placed[key]
