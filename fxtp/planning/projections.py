@@ -153,6 +153,7 @@ class Sources:
         self.at, self.linears = at, linears
         self.position = {node: i for i, node in enumerate(graph.nodes)}
         self.known: dict[fx.Node, tuple[frozenset, bool, bool]] = {}
+        self.of_inputs: dict[fx.Node, bool] = {}  # computed from the program's inputs
 
     def of(self, value) -> tuple[set, bool]:
         feeds, stream, _ = self._walk(value)
@@ -172,6 +173,8 @@ class Sources:
             order.add(node)
             stack.extend(i for i in node.all_input_nodes if i not in self.known)
         for node in sorted(order, key=self.position.__getitem__):
+            self.of_inputs[node] = node.op == "placeholder" or any(
+                self.of_inputs[i] for i in node.all_input_nodes)
             self.known[node] = self._decide(node)
         return self.known[value]
 
@@ -180,9 +183,9 @@ class Sources:
         inputs = [self.known[i] for i in node.all_input_nodes]
         if fqn in self.linears:  # a linear starts a chain
             return frozenset({fqn}), False, False
-        if fqn is not None:  # an embedding of data is the stream; of positions, a constant
-            constant = self.known[node.args[1]][2]
-            return frozenset(), not constant, constant
+        if fqn is not None:  # an embedding of the inputs (tokens) is the stream; of positions
+            data = self.of_inputs[node.args[1]]  # made from sizes and buffers, a constant
+            return frozenset(), data, not data
         if node.op in ("placeholder", "get_attr") or not inputs or \
                 all(constant for _, _, constant in inputs):
             stream = node.op == "placeholder" and _is_stream_input(node)
