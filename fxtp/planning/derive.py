@@ -243,10 +243,13 @@ def _by_pattern(fqns) -> list[list[str]]:
 
 def _megatron_roles(found: dict[str, Projection]) -> dict:
     """FQN -> ``"col"``, ``"row"``, ``"head"`` or ``"gathered"`` (a linear no linear reads:
-    column-wise, its output gathered) for every linear."""
+    column-wise, its output gathered) for every linear. Pairs are taken from the program's
+    end backwards, so that of a chain of linears each fed by the one before (a low-rank
+    bottleneck: MLA's ``q_a_proj -> q_b_proj -> attention -> o_proj``) the outer pair is
+    the one: the bottleneck's second linear is a column of the block's pair."""
     roles: dict[str, str] = {}
-    for fqn, p in found.items():
-        if p.kind != "linear" or not p.feeds or p.from_stream:
+    for fqn, p in reversed(found.items()):
+        if p.kind != "linear" or not p.feeds or p.from_stream or fqn in roles:
             continue
         if all(roles.get(f) in (None, "col") for f in p.feeds):
             roles.update(dict.fromkeys(sorted(p.feeds), "col"))
