@@ -190,6 +190,37 @@ def test_a_tensor_made_like_a_shard_and_written_whole_gathers_nothing(ranks):
     assert ranks.run(padded_mask)[0] == ({"all_reduce": 1}, {"all_reduce": 1})
 
 
+class TwoParts(nn.Module):
+    """MLA's query: a buffer made by ``new_empty`` and written in two parts, each a
+    column-wise output sharded along the dim they are laid side by side on, so the buffer
+    is made in that strided layout (it was a ShardingError: no factory strategy offered
+    one); the row-wise ``down`` takes it gathered."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(D, 2 * D), nn.Linear(D, 2 * D)
+        self.down = nn.Linear(4 * D, D)
+
+    def forward(self, x):
+        a, b = self.a(x), self.b(x)
+        h = a.new_empty(*a.shape[:-1], 4 * D)
+        h[..., :2 * D] = a
+        h[..., 2 * D:] = b
+        return self.down(h)
+
+
+def two_parts(rank, world):
+    plan = {"a": fxtp.ColwiseParallel(), "b": fxtp.ColwiseParallel(),
+            "down": fxtp.RowwiseParallel()}
+    return check_parity(rank, world, TwoParts, plan, [example(B, T, D)], dtype=torch.float64,
+                        strict=True)
+
+
+def test_a_buffer_written_in_two_sharded_parts_is_made_in_their_strided_layout(ranks):
+    assert ranks.run(two_parts)[0] == ({"all_gather": 1, "all_reduce": 1},
+                                       {"all_gather": 1, "all_reduce": 1})
+
+
 class ScaleModuleOutput(MLP):
     def forward(self, x):
         h = self.up(x)
