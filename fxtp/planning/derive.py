@@ -30,6 +30,7 @@ from torch.distributed.tensor import Replicate, Shard
 from ..edges.materialize import fake_tensors, meta_tensors, swapped
 from ..frontend.trace import trace
 from ..passes.context import PassContext
+from ..passes.decompose import decompose_unruled
 from ..passes.graph import FALLBACKS, PLACEMENT, calls_of
 from ..passes.errors import PlanError
 from ..passes.place import place
@@ -37,6 +38,7 @@ from ..passes.placement import is_replicate
 from ..passes.program_cost import program_cost
 from ..passes.seed import seed
 from ..passes.snapshot import Snapshot
+from ..passes.unused import drop_unused
 from ..plans.resolution import resolve_plan, tied_names
 from ..plans.styles import (ColwiseParallel, ExpertTensorParallel, ParallelStyle,
                             RowwiseParallel, SequenceParallel)
@@ -311,6 +313,9 @@ class _Program:
         with swapped(model, fake_tensors(meta, torch.device("cpu"))):
             self.gm, self.calls = trace(model, tuple(args), dict(kwargs or {}) or None,
                                         boundaries)
+        kept = [n for c in self.calls.values() for n in (*c.args, *c.kwargs.values(), *c.outputs)]
+        ctx = PassContext(world, kept=frozenset(kept), model=model)  # as parallelize's trace
+        decompose_unruled(drop_unused(self.gm, ctx), ctx)  # stage leaves it
         self.aliases = tied_names(model)
         self.projections, self.sources = projections(self.gm, model, self.aliases)
         self.placed: dict[tuple, Placed] = {}  # a plan's styles -> what it makes

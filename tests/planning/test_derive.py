@@ -8,6 +8,7 @@ import functools
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import fxtp
 from fxtp.examples import gpt_fast
@@ -95,7 +96,7 @@ def test_a_pair_whose_sharding_would_fall_back_stays_replicated_and_says_why():
     assert dict(plan) == {} and plan.placed.fallbacks == ()
     assert set(plan.report) == {"up", "down"}
     assert plan.report["up"].startswith("sharded, the program would gather: no sharding rule "
-                                        "for aten.fft_fft.default")
+                                        "for aten._fft_r2c.default")
 
 
 class Transposed(nn.Module):
@@ -111,6 +112,27 @@ class Transposed(nn.Module):
 
 def test_linears_written_as_a_product_with_the_transposed_weight_pair_too():
     plan = fxtp.derive_plan(Transposed(), example_inputs=(example(2, 4, 16),), world_size=2)
+    assert styles(plan) == {"up": "ColwiseParallel()", "down": "RowwiseParallel()"}
+    assert plan.report == {} and plan.placed.fallbacks == ()
+
+
+class DepthwiseBetween(nn.Module):
+    """A depthwise ``F.conv1d`` over ``up``'s channels (linear attention's short
+    convolution): a composite op ``parallelize`` decomposes to ``aten.convolution``."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+        self.conv = nn.Conv1d(32, 32, 3, groups=32, padding=2, bias=False)
+
+    def forward(self, x):
+        h = F.conv1d(self.up(x).transpose(1, 2), self.conv.weight, None, padding=2, groups=32)
+        return self.down(F.silu(h[..., :x.shape[1]]).transpose(1, 2))
+
+
+def test_candidates_are_placed_on_the_program_parallelize_places():
+    plan = fxtp.derive_plan(DepthwiseBetween(), example_inputs=(example(2, 4, 16),),
+                            world_size=2)
     assert styles(plan) == {"up": "ColwiseParallel()", "down": "RowwiseParallel()"}
     assert plan.report == {} and plan.placed.fallbacks == ()
 
