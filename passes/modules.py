@@ -451,7 +451,7 @@ def _call(graph: fx.Graph, part: list, inputs: list, outputs: list, target: str,
         out.replace_all_uses_with(result)
     if len(outputs) == 1:
         call.meta = dict(outputs[0].meta)
-    last = results[-1]
+    last = results[-1] if results else call  # a module whose results nothing reads
     for node in later:
         last.append(node)
         last = node

@@ -1,10 +1,13 @@
 """Values nothing reads are dropped before placement (their inputs are then placed for the
 values that are read); ops with effects stay."""
 import torch
+import torch.nn as nn
 
+import fxtp
 from fxtp.passes.context import PassContext
 from fxtp.passes.unused import drop_unused
 from tests.helpers.oracle import record
+from tests.helpers.parity import check_parity, example
 
 aten = torch.ops.aten
 
@@ -33,3 +36,29 @@ def test_values_kept_by_the_caller_stay():
     count = len(gm.graph.nodes)
     drop_unused(gm, PassContext(world=1, kept=frozenset({total})))
     assert len(gm.graph.nodes) == count
+
+
+class CalledForNothing(nn.Module):
+    """``aux`` is called and its result dropped (DeepSeek-V4 computes a compressor's
+    projection it reads only in other configurations)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.aux, self.down = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        self.aux(x)
+        return self.down(self.up(x))
+
+
+def called_for_nothing(rank, world):
+    plan = {"up": fxtp.ColwiseParallel(), "aux": fxtp.ColwiseParallel(),
+            "down": fxtp.RowwiseParallel()}
+    return check_parity(rank, world, CalledForNothing, plan, [example(2, 6, 8)],
+                        dtype=torch.float64, strict=True)
+
+
+def test_a_planned_module_whose_result_nothing_reads_is_kept_as_a_call(ranks2):
+    """Its boundary is kept for the plan, so it is outlined as a submodule whose call gives
+    nothing (outlining it raised an IndexError); Megatron's all-reduce each way."""
+    assert ranks2.run(called_for_nothing)[0] == ({"all_reduce": 1}, {"all_reduce": 1})
