@@ -48,7 +48,7 @@ from .passes.context import PassContext
 from .passes.decompose import decompose_unruled
 from .passes.errors import InputError, PlanError, ShardingError, StampMismatch
 from .passes.graph import (FALLBACKS, INLINED, PLACEMENT, RECOMPUTED, REGION, STAMPED,
-                           calls_of, keep_on_copy)
+                           boundary_nodes, calls_of, keep_on_copy)
 from .passes.localize import localize
 from .passes.modules import generate_code, outline_modules, scope_of, stamp_modules
 from .passes.place import place
@@ -275,9 +275,8 @@ def _trace(b: Build) -> None:
                             options.example_kwargs, job.shardings, options.dynamic_shapes,
                             job.checkpointed, job.repeated if options.stamp_blocks else (),
                             {k: s.style for k, s in job.shardings.items()}, b.keep_stamps)
-    boundaries = [n for c in b.calls.values() for n in (*c.args, *c.kwargs.values(), *c.outputs)]
-    b.ctx = PassContext(job.group.world, job.group, kept=frozenset(boundaries), model=job.model,
-                        regions=gm.meta[REGION])
+    b.ctx = PassContext(job.group.world, job.group, kept=boundary_nodes(b.calls),
+                        model=job.model, regions=gm.meta[REGION])
     decompose_unruled(drop_unused(gm, b.ctx), b.ctx)  # composite ops without a rule
     for fqn in job.recast.keys() - job.meta.keys():  # the model's own, not the recast
         owner, _, name = fqn.rpartition(".")

@@ -302,6 +302,12 @@ def calls_of(calls: dict, fqn: str) -> list:
     return [calls[k] for k in ([fqn] if fqn in calls else []) + later]
 
 
+def boundary_nodes(calls: dict) -> frozenset:
+    """The graph values at every traced module call's boundary (arguments and results)."""
+    return frozenset(n for c in calls.values() for n in (*c.args, *c.kwargs.values(),
+                                                          *c.outputs))
+
+
 @dataclass
 class ModuleCall:
     """Graph values at one module's call boundary (``None`` for non-tensor values)."""

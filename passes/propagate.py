@@ -223,6 +223,16 @@ def _meeting(regions: dict) -> list[list]:
     return list(groups.values())
 
 
+def _made_as_pinned(target, pinned, actual: list) -> bool:
+    """Is a fresh tensor made in its pinned placement, reading no input? Zeros from sizes
+    (or a replicated tensor's) pinned ``Partial``: zeros on every rank are a partial sum. A
+    factory pinned to any other single placement, a strided one included (MLA's query,
+    written in two sharded parts)."""
+    if isinstance(pinned, Partial):
+        return target in ZERO_FILLED and all(map(is_replicate, actual))
+    return pinned is not None and not isinstance(pinned, tuple) and target in FACTORIES
+
+
 def _propagate_call(node: fx.Node, world: int) -> str | None:
     inputs = tensor_inputs(node)
     actual = [placement_of(a) for a in inputs]
@@ -262,16 +272,12 @@ def _propagate_call(node: fx.Node, world: int) -> str | None:
     in_vals = [val(a) for a in inputs]
     best = None
     pinned = node.meta.get(PINNED)
-    if isinstance(pinned, Partial) and node.target in ZERO_FILLED:
-        if all(map(is_replicate, actual)):  # global zeros on every rank
-            node.meta[INPUTS] = (None,) * len(inputs)
-            node.meta[PLACEMENT] = pinned
-            return None
-        pinned = None  # zeros of a shard's shape: placed as the shard is
-    if pinned is not None and node.target in FACTORIES and not isinstance(pinned, (Partial, tuple)):
-        node.meta[INPUTS] = (None,) * len(inputs)  # made from sizes: in any placement, a
-        node.meta[PLACEMENT] = pinned  # strided one included (MLA's q, written in 2 parts)
+    if _made_as_pinned(node.target, pinned, actual):
+        node.meta[INPUTS] = (None,) * len(inputs)
+        node.meta[PLACEMENT] = pinned
         return None
+    if isinstance(pinned, Partial) and node.target in ZERO_FILLED:
+        pinned = None  # zeros of a shard's shape: placed as the shard is
     kept = [i for i in written_inputs(node) if i > 0]  # state an op updates (BatchNorm's)
     for ins, out in rule.strategies(node, world, actual):
         if writes and ins[0] != actual[0] or any(ins[i] not in (None, actual[i]) for i in kept):

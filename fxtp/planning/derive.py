@@ -31,7 +31,7 @@ from ..edges.materialize import fake_tensors, meta_tensors, swapped
 from ..frontend.trace import trace
 from ..passes.context import PassContext
 from ..passes.decompose import decompose_unruled
-from ..passes.graph import FALLBACKS, PLACEMENT, calls_of
+from ..passes.graph import FALLBACKS, PLACEMENT, boundary_nodes, calls_of
 from ..passes.errors import PlanError
 from ..passes.place import place
 from ..passes.placement import is_replicate
@@ -313,9 +313,8 @@ class _Program:
         with swapped(model, fake_tensors(meta, torch.device("cpu"))):
             self.gm, self.calls = trace(model, tuple(args), dict(kwargs or {}) or None,
                                         boundaries)
-        kept = [n for c in self.calls.values() for n in (*c.args, *c.kwargs.values(), *c.outputs)]
-        ctx = PassContext(world, kept=frozenset(kept), model=model)  # as parallelize's trace
-        decompose_unruled(drop_unused(self.gm, ctx), ctx)  # stage leaves it
+        ctx = PassContext(world, kept=boundary_nodes(self.calls), model=model)
+        decompose_unruled(drop_unused(self.gm, ctx), ctx)  # the program parallelize places
         self.aliases = tied_names(model)
         self.projections, self.sources = projections(self.gm, model, self.aliases)
         self.placed: dict[tuple, Placed] = {}  # a plan's styles -> what it makes

@@ -45,7 +45,7 @@ def _reversed_perm(node):
 
 def _last_two_swapped(node):
     perm = list(range(ndim_of(node.args[0])))
-    perm[-2:] = perm[:-3:-1]
+    perm[-2], perm[-1] = perm[-1], perm[-2]
     return perm
 
 
