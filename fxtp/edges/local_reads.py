@@ -5,9 +5,11 @@ read*: a plain leaf tensor sharing the storage and version counter of its local 
 The graphs read it, never the ``DTensor``: ``read_parameter(owner._fxtp_leaves, name)``.
 So an eager call runs no ``DTensor`` code, and a compiled one guards and runs on plain
 tensors only, as over plain parameters. What a backward leaves on a read goes to its
-parameter: its ``.grad`` becomes a ``DTensor`` of the parameter's spec over it, or is added
-to in place, as autograd accumulates (the parameter's post-accumulate-grad hooks run
-after); the read's own ``.grad`` is ``None`` again. So ``param.grad``, ``zero_grad``,
+parameter when the backward ends, all reads in one pass: its ``.grad`` becomes a
+``DTensor`` of the parameter's spec over it, or is added to in place, as autograd
+accumulates; the read's own ``.grad`` is ``None`` again. A parameter with
+post-accumulate-grad hooks of its own gets its gradient as soon as it is accumulated, and
+its hooks run after. So ``param.grad``, ``zero_grad``,
 torch's clipping, DCP and optimizers see what they see of any ``DTensor`` parameter.
 
 The reads follow the parameters:
@@ -132,9 +134,38 @@ def laid_out_like(t, p: DTensor) -> bool:
 
 
 def _publish_gradient(leaf: torch.Tensor) -> None:
-    """After a backward accumulated into ``leaf`` (whose ``.grad`` is ``None`` before):
-    the gradient goes to its parameter's ``.grad``, a ``DTensor`` over it, or is added in
-    place to the one it holds."""
+    """After a backward accumulated into ``leaf``: its gradient goes to its parameter at once
+    where the parameter has hooks of its own to see it, else with every other read's at the
+    end of this backward (one :class:`_Publication` queued for it)."""
+    if leaf._fxtp_param._post_accumulate_grad_hooks:
+        _publish(leaf)
+        return
+    if not _pending:
+        torch.autograd.Variable._execution_engine.queue_callback(_Publication())
+    _pending.append(leaf)
+
+
+_pending: list = []  # reads holding a gradient their parameter has not been given
+
+
+class _Publication:
+    """Queued on a backward: publishes the pending reads when the backward ends, or when
+    it is dropped unrun (a backward that raised), as the gradients a backward leaves in
+    ``.grad`` before it raises stay there."""
+
+    def __call__(self) -> None:
+        leaves = _pending[:]
+        _pending.clear()
+        for leaf in leaves:
+            if leaf.grad is not None:
+                _publish(leaf)
+
+    __del__ = __call__
+
+
+def _publish(leaf: torch.Tensor) -> None:
+    """``leaf``'s gradient goes to its parameter's ``.grad``, a ``DTensor`` over it, or is
+    added in place to the one it holds; then the parameter's own hooks run."""
     grad, param = leaf.grad, leaf._fxtp_param
     leaf.grad = None
     held = param.grad

@@ -160,6 +160,36 @@ def test_a_backward_after_one_that_raised_publishes_its_gradients(fake_group):
     assert all(read.grad is None for read in reads(gm))
 
 
+def test_a_reentrant_checkpoint_and_a_second_backward_publish_every_gradient(fake_group):
+    fake_group(2)
+    gm, plain = parallel(), parallel(dtensor_params=False)
+    for model in (gm, plain):  # the parameters' backward runs in a backward of its own
+        start = torch.zeros((), requires_grad=True)
+        logits = torch.utils.checkpoint.checkpoint(lambda s, m=model: m(TOKENS) + s, start,
+                                                   use_reentrant=True)
+        loss = F.cross_entropy(logits.flatten(0, 1), TARGETS.flatten())
+        loss.backward(retain_graph=True)
+        loss.backward()
+    assert all(g is not None for g in grads(gm).values())
+    assert_same(grads(gm), grads(plain), "gradient of two backwards through a checkpoint")
+    assert all(read.grad is None for read in reads(gm))
+
+
+def test_backwards_on_two_threads_each_publish_their_gradients(fake_group):
+    import threading
+    fake_group(2)
+    models, plain = [parallel(), parallel()], parallel(dtensor_params=False)
+    backward(plain)
+    threads = [threading.Thread(target=backward, args=(m,)) for m in models]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for model in models:
+        assert_same(grads(model), grads(plain), "gradient of a backward on a thread")
+        assert all(read.grad is None for read in reads(model))
+
+
 @pytest.mark.parametrize("kind", OPTIMIZERS)
 def test_optimizer_steps_are_those_over_plain_parameters_bit_for_bit(fake_group, kind):
     fake_group(2)
