@@ -94,6 +94,34 @@ def function_apply(function: type, *args):
     return super(torch.autograd.Function, function).apply(*args)  # autograd's own apply
 
 
+def queue_backward_callback(callback) -> None:
+    """Run ``callback()`` when the backward now running ends; a backward that raises drops
+    it unrun (2.11, 2.13)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def run_as_python(fn):
+    """Have every frame of ``fn``'s code, and the frames it calls, run as plain Python: dynamo
+    never compiles one as a frame of its own (the hooks ``torch.compile(module)`` runs outside
+    its graph then cost a call, not a frame's cache lookup and guards), while dynamo tracing
+    a caller of ``fn`` still traces through it. ``False`` where this torch cannot (then
+    nothing changes) (2.13)."""
+    from torch._dynamo import eval_frame
+    strategy = getattr(eval_frame, "FrameExecStrategy", None)
+    if strategy is None or not hasattr(eval_frame, "_is_in_optimized_module"):
+        return False
+    skip = eval_frame.FrameAction.SKIP
+    eval_frame.set_code_exec_strategy(fn.__code__, strategy(skip, skip))
+    return True
+
+
+def in_compiled_module_call() -> bool:
+    """Is a call of a ``torch.compile`` d module running (its hooks outside its graph)
+    (2.13)?"""
+    from torch._dynamo import eval_frame
+    return eval_frame._is_in_optimized_module()
+
+
 def dtensor_of(local: torch.Tensor, spec) -> DTensor:
     """``local`` as a ``DTensor`` of ``spec``, as ``DTensor.__new__`` makes it: ``__init__``
     adds nothing to it but a dynamo-disabling wrapper that costs 3 us a call. ``local`` must

@@ -35,7 +35,8 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..kernels.torch_compat import compute_global_tensor_info, dtensor_of, mark_static_address
+from ..kernels.torch_compat import (compute_global_tensor_info, dtensor_of, mark_static_address,
+                                   queue_backward_callback)
 from ..passes.graph import own_method
 
 LEAVES = "_fxtp_leaves"
@@ -141,7 +142,7 @@ def _publish_gradient(leaf: torch.Tensor) -> None:
         _publish(leaf)
         return
     if not _pending:
-        torch.autograd.Variable._execution_engine.queue_callback(_Publication())
+        queue_backward_callback(_Publication())
     _pending.append(leaf)
 
 

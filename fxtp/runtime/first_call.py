@@ -9,7 +9,8 @@ at its end, the ranks all-gather whether they raised. A rank that raised joins t
 exchange the others wait in and raises its own error; the others raise
 :class:`~fxtp.passes.errors.RankError` naming it. Each exchange is one tiny all-gather;
 the first call that succeeds on every rank ends them. Backward is not covered; nor are
-compiled calls (the hooks stand aside while dynamo traces).
+compiled calls (the hooks stand aside while dynamo traces, and in a call of
+``torch.compile(gm)``, which runs them as Python outside its graph).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from ..kernels import collectives
+from ..kernels.torch_compat import in_compiled_module_call, run_as_python
 from ..passes.errors import RankError
 from .guards import comm_device, from_every_rank
 
@@ -45,7 +47,7 @@ def agree_until_first_success(gm: fx.GraphModule, group) -> None:
             exchange(failed=False)
 
         def before(_module, _args):
-            if state["agreed"] or torch.compiler.is_compiling():
+            if state["agreed"] or torch.compiler.is_compiling() or in_compiled_module_call():
                 return
             state["outer"] = sys.exc_info()[1]  # a call made while handling an error
             collectives.BEFORE_ISSUE.append(before_issue)
@@ -58,6 +60,8 @@ def agree_until_first_success(gm: fx.GraphModule, group) -> None:
             exchange(failed)  # raises where another rank failed
             collectives.BEFORE_ISSUE.remove(before_issue)
             state["agreed"] = not failed
+        for hook in (before, after):  # a compiled call runs them as Python, not as frames
+            run_as_python(hook)
         module.register_forward_pre_hook(before)
         module.register_forward_hook(after, always_call=True)
     register(gm)

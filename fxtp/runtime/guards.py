@@ -37,7 +37,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..edges.local_reads import renewing_apply
-from ..kernels.torch_compat import OpOverload
+from ..kernels.torch_compat import OpOverload, run_as_python
 from ..passes.effects import returns_alias, writes_first_input
 from ..passes.graph import EXPORT_GUARDS, PLACEMENT, keep_on_copy, own_method
 from ..passes.placement import describe, is_sharded
@@ -383,6 +383,7 @@ def guard_arguments(gm: fx.GraphModule, model: nn.Module) -> None:
     like = {n.name: _as_traced(n.name, n.meta.get("val"))
             for n in gm.graph.nodes if n.op == "placeholder"}
     hook = functools.partial(_check_arguments, traced, defaults, like)
+    run_as_python(_check_arguments)  # a compiled call runs it as Python, not as a frame
 
     def register(module):
         module.register_forward_pre_hook(hook, with_kwargs=True)
@@ -400,7 +401,7 @@ def _check_arguments(traced: tuple, defaults: dict, like: dict, module, args, kw
     """``(args, kwargs)`` without the arguments given at the model's default that the
     trace did not see; :class:`InputError` for any other the trace did not see, or a
     traced one left out."""
-    if len(args) + len(kwargs) == len(traced) and all(k in traced for k in kwargs):
+    if len(args) + len(kwargs) == len(traced) and all(map(traced.__contains__, kwargs)):
         return None
     takes = ", ".join(traced)
     if len(args) > len(traced):

@@ -86,6 +86,24 @@ def test_a_compiled_call_guards_and_runs_on_plain_tensors(fake_group):
     assert not [t for t in seen[0] if isinstance(t, DTensor)]
 
 
+def test_a_compiled_call_compiles_no_frame_of_fxtps_own_code(fake_group):
+    from pathlib import Path
+
+    from torch._dynamo.convert_frame import input_codes
+    fake_group(2)
+    gm = parallel()
+    torch._dynamo.reset()
+    step = torch.compile(gm, backend="eager", fullgraph=True)
+    for _ in range(3):
+        step(TOKENS)
+    root = Path(fxtp.__file__).resolve().parents[1]  # fxtp's hooks: Python, not frames
+    codes = [ref() for ref in input_codes.seen if ref() is not None]
+    assert [c.co_name for c in codes if Path(c.co_filename).is_relative_to(root)] == []
+    assert "forward" in [c.co_name for c in codes]
+    with pytest.raises(fxtp.InputError, match="input 'mask' was not given"):
+        torch.compile(gm, backend="eager")(TOKENS, mask=None)  # still checked on every call
+
+
 def test_compiled_blocks_take_plain_tensors(fake_group):
     fake_group(2)
     gm = parallel()
