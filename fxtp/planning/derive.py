@@ -121,6 +121,9 @@ class _Megatron:
         self.heads = {fqn: found[fqn].to_loss if loss_parallel is None else loss_parallel
                       for fqn, role in roles.items() if role == "head"}
         self.gathered = _by_pattern(fqn for fqn, role in roles.items() if role == "gathered")
+        self.pairs = [sorted({f for row in rows for f in (*found[row].feeds, row)})
+                      for rows in _by_pattern(f for f, role in roles.items() if role == "row")]
+        self.columns = _by_pattern(f for f, role in roles.items() if role == "col")
         self.embeddings = [fqn for fqn, p in found.items() if p.kind == "embedding"]
         self.word = _word_embedding(model, self.embeddings, program.aliases)
         self.sequence_parallel = sequence_parallel
@@ -146,22 +149,31 @@ class _Megatron:
 
 def _cheapest_within(program: "_Program", megatron: _Megatron, memory_slack: float,
                      report: dict) -> dict:
-    """Megatron's plan with each embedding, head and gathered linear in the layout that
-    sends least while a rank holds at most ``1 + memory_slack`` times the parameter bytes of
-    Megatron's (a tie keeps Megatron's). Gathered linears are weighed per pattern of equal
-    blocks (``layers.*.router``), the smallest first, so the budget keeps many small ones
-    whole before one large one."""
+    """Megatron's plan with each embedding, head, gathered linear, pair and column of a pair
+    in the layout that sends least while a rank holds at most ``1 + memory_slack`` times the
+    parameter bytes of Megatron's (a tie keeps Megatron's). A column whole leaves its pair's
+    row-wise linear sharded, slicing its input for free: a column that feeds more than its
+    pair (an indexer's projections beside attention) may send less so. Gathered linears,
+    pairs and columns are weighed per pattern of equal blocks (``layers.*.router``,
+    ``layers.*.attn.{wq,wk,wv,wo}``), the smallest first, so the budget keeps many small
+    ones whole before one large one; one whose bytes whole would not fit the budget is not
+    placed to find out."""
     plan = megatron.plan
     budget = program.place(plan).held * (1 + memory_slack)
     units = [[fqn] for fqn in [*megatron.embeddings, *megatron.heads]]
-    units += sorted(megatron.gathered, key=lambda fqns: sum(
-        p.numel() for f in fqns for p in program.model.get_submodule(f).parameters()))
+    wholes = [*megatron.pairs, *megatron.columns]  # kept as they are, or whole
+    units += sorted([*megatron.gathered, *wholes], key=lambda fqns: program.numel(fqns))
     for fqns in units:
-        options = megatron.options(fqns[0], plan)
-        if any(_tied_to_plan(fqn, plan, program.aliases) for fqn in fqns):
-            options.remove(None)  # a tied weight follows the other module's layout anyway
-        plan = min((_with(plan, fqns, o) for o in options),
-                   key=lambda trial: program.rank(trial, budget))
+        if fqns in wholes:
+            extra = program.bytes_of([f for f in fqns if f in plan]) * (1 - 1 / program.world)
+            trials = [plan, _with(plan, fqns, None)] if \
+                program.place(plan).held + extra <= budget else [plan]
+        else:
+            options = megatron.options(fqns[0], plan)
+            if any(_tied_to_plan(fqn, plan, program.aliases) for fqn in fqns):
+                options.remove(None)  # a tied weight follows the other module's layout anyway
+            trials = [_with(plan, fqns, o) for o in options]
+        plan = min(trials, key=lambda trial: program.rank(trial, budget))
         report.update({fqn: f"sharding it sends more, and whole it stays within "
                             f"memory_slack={memory_slack}" for fqn in fqns if fqn not in plan})
     return plan
@@ -318,6 +330,15 @@ class _Program:
         self.aliases = tied_names(model)
         self.projections, self.sources = projections(self.gm, model, self.aliases)
         self.placed: dict[tuple, Placed] = {}  # a plan's styles -> what it makes
+
+    def numel(self, fqns: list) -> int:
+        """The parameters' elements of the modules ``fqns``."""
+        return sum(p.numel() for f in fqns for p in self.model.get_submodule(f).parameters())
+
+    def bytes_of(self, fqns: list) -> int:
+        """The parameters' bytes of the modules ``fqns``, whole."""
+        return sum(p.numel() * p.element_size() for f in fqns
+                   for p in self.model.get_submodule(f).parameters())
 
     def stream_norms(self, roles: dict) -> list[str]:
         """The norms applied to the residual stream (not to a column-wise output: a q / k

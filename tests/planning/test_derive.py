@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import fxtp
 from fxtp.examples import gpt_fast
 from fxtp.examples.llama import Llama, LlamaConfig, llama_sp_plan, llama_tp_plan
-from fxtp.planning.derive import short
+from fxtp.planning.derive import place_plans, short
 from tests.helpers import corpus, models, transformer_models
 from tests.helpers.parity import check_parity, example
 
@@ -203,11 +203,65 @@ def test_memory_slack_trades_parameter_bytes_for_collectives():
     megatron = fxtp.derive_plan(Llama(CFG), example_inputs=(TOKENS,), world_size=2)
     roomy = fxtp.derive_plan(Llama(CFG), example_inputs=(TOKENS,), world_size=2,
                              memory_slack=0.5)
-    assert {"tok_embeddings", "output"} <= megatron.keys()
-    assert not {"tok_embeddings", "output"} & roomy.keys()
-    assert set(roomy.report) == {"tok_embeddings", "output"}
+    assert {"tok_embeddings", "output", "layers.*.attention.wo"} <= megatron.keys()
+    assert megatron.report == {}
+    left_whole = megatron.keys() - roomy.keys()  # the embedding, the head, then a pair
+    assert left_whole == {"tok_embeddings", "output", "layers.*.attention.wq",
+                          "layers.*.attention.wk", "layers.*.attention.wv",
+                          "layers.*.attention.wo"}
+    assert set(roomy.report) == left_whole
     assert megatron.placed.held < roomy.placed.held <= 1.5 * megatron.placed.held
     assert roomy.placed.sent < megatron.placed.sent
+
+
+class AdapterAfter(nn.Module):
+    """A wide MLP pair, then a low-rank adapter pair with 1% of its bytes."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 256), nn.Linear(256, 16)
+        self.adapter_in, self.adapter_out = nn.Linear(16, 2), nn.Linear(2, 16)
+
+    def forward(self, x):
+        x = x + self.down(F.gelu(self.up(x)))
+        return x + self.adapter_out(self.adapter_in(x))
+
+
+def test_a_pair_whose_bytes_fit_memory_slack_stays_whole_and_sends_less():
+    plan = fxtp.derive_plan(AdapterAfter(), example_inputs=(example(2, 4, 16),),
+                            world_size=2)
+    assert styles(plan) == {"up": "ColwiseParallel()", "down": "RowwiseParallel()"}
+    assert plan.report == dict.fromkeys(
+        ["adapter_in", "adapter_out"],
+        "sharding it sends more, and whole it stays within memory_slack=0.02")
+    megatron = fxtp.derive_plan(AdapterAfter(), example_inputs=(example(2, 4, 16),),
+                                world_size=2, memory_slack=0)
+    assert megatron.keys() == {"up", "down", "adapter_in", "adapter_out"}
+    assert plan.placed.sent < megatron.placed.sent
+    assert megatron.placed.held < plan.placed.held <= 1.02 * megatron.placed.held
+
+
+class ScaledByItsOwnSum(nn.Module):
+    """``scale`` feeds the pair's row-wise linear through a sum over its features: sharded,
+    that sum is a partial one, all-reduced."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 256), nn.Linear(256, 16)
+        self.scale = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.down(self.up(x) * self.scale(x).sum(-1, keepdim=True))
+
+
+def test_a_column_whose_whole_output_sends_less_stays_whole_beside_its_sharded_pair():
+    plan = fxtp.derive_plan(ScaledByItsOwnSum(), example_inputs=(example(2, 4, 16),),
+                            world_size=2)
+    assert styles(plan) == {"up": "ColwiseParallel()", "down": "RowwiseParallel()"}
+    assert set(plan.report) == {"scale"}
+    megatron = fxtp.derive_plan(ScaledByItsOwnSum(), example_inputs=(example(2, 4, 16),),
+                                world_size=2, memory_slack=0)
+    assert "scale" in megatron and plan.placed.sent < megatron.placed.sent
 
 
 def test_a_world_size_is_needed_outside_a_process_group():
@@ -257,7 +311,7 @@ def serving_gpt_fast():
     return gpt_fast.Transformer(gpt_fast.ServeConfig()).setup_caches(1, 32)
 
 
-def test_gpt_fasts_blocks_get_the_collectives_of_its_tp_py_and_memory_slack_all_of_them(
+def test_gpt_fasts_blocks_get_the_collectives_of_its_tp_py_and_its_memory_all_of_them(
         fake_group):
     """gpt-fast's ``tp.py`` shards the blocks and keeps the embedding and head whole. The
     derived plan shards those too (a gather each way forward, one backward all-reduce), for
@@ -271,12 +325,15 @@ def test_gpt_fasts_blocks_get_the_collectives_of_its_tp_py_and_memory_slack_all_
                                              example_inputs=inputs)).summary
     hand = summary(gpt_fast.tp_plan())
     assert (hand.forward.counts, hand.backward.counts) == ({"all_reduce": 4}, {"all_reduce": 4})
-    derived = summary(fxtp.derive_plan(serving_gpt_fast(), example_inputs=inputs))
+    megatron = fxtp.derive_plan(serving_gpt_fast(), example_inputs=inputs)
+    derived = summary(megatron)
     assert derived.forward.counts == {"all_reduce": 4, "all_gather": 2}
     assert derived.backward.counts == {"all_reduce": 5}
     assert derived.param_bytes < hand.param_bytes
+    spent = place_plans(serving_gpt_fast(), {"tp.py": gpt_fast.tp_plan()},
+                        example_inputs=inputs, world_size=2)["tp.py"].held
     roomy = summary(fxtp.derive_plan(serving_gpt_fast(), example_inputs=inputs,
-                                     memory_slack=1.0))
+                                     memory_slack=spent / megatron.placed.held - 1))
     assert (roomy.forward, roomy.backward, roomy.param_bytes) == (
         hand.forward, hand.backward, hand.param_bytes)
 
