@@ -9,7 +9,7 @@ Issue 51's target: in at least 95% of the families the derived plan sends no mor
 holds no more than the family's own, with no fallback; every family where either is larger
 is listed with its figures. Results: ``benchmarks/results/derived_plans.json``.
 
-    python -m benchmarks.derived_plans [FAMILY ...] [--world 2 4]   # FAMILY: entries updated
+    python -m benchmarks.derived_plans [FAMILY ...] [--world 2 4] [--widths real]
 """
 from __future__ import annotations
 
@@ -24,13 +24,43 @@ RESULTS = pathlib.Path(__file__).parent / "results"
 TARGET = 0.95
 
 
-def compare(kind: str, world: int) -> dict:
-    """One family at ``world`` ranks: the derived plan and the family's own, placed."""
+STRUCTURE = ("num_hidden_layers", "first_k_dense_replace", "decoder_sparse_step",
+             "tie_word_embeddings", "use_cache", "attention_dropout", "hidden_dropout",
+             "bos_token_id", "eos_token_id", "pad_token_id")  # kept small at real widths
+OWN_STRUCTURE = ("layer_types", "num_kv_shared_layers", "rope_parameters")
+
+
+def real_width(kind: str):
+    """``kind`` at its config's own widths, head counts and experts (what its plan was
+    written for), with the small configs' structure (2 layers, the second a mixture of
+    experts where the family has one), built on the meta device."""
+    import torch
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from benchmarks.hf_families import OWN, SMALL
+    sizes = {k: SMALL[k] for k in STRUCTURE}
+    sizes.update({k: v for k, v in OWN.get(kind, {}).items() if k in OWN_STRUCTURE})
+    config = CONFIG_MAPPING[kind](**sizes)
+    config._attn_implementation = "sdpa"
+    cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[kind])
+    with torch.device("meta"):
+        try:
+            return cls(config)
+        except Exception:  # noqa: BLE001 - a family that refuses SDPA
+            config._attn_implementation = "eager"
+            return cls(config)
+
+
+def compare(kind: str, world: int, real: bool = False) -> dict:
+    """One family at ``world`` ranks: the derived plan and the family's own, placed
+    (``real``: at the family's own widths, :func:`real_width`)."""
     import fxtp
     from benchmarks.hf_families import make
     from fxtp.planning.derive import place_plans
     from tests.helpers.corpus import TOKENS
-    model = make(kind)
+    model = real_width(kind) if real else make(kind)
     start = time.perf_counter()
     derived = fxtp.derive_plan(model, example_inputs=(TOKENS,),
                                example_kwargs={"use_cache": False}, world_size=world)
@@ -46,21 +76,36 @@ def compare(kind: str, world: int) -> dict:
             "replicated": dict(derived.report), "derive_seconds": round(seconds, 2)}
 
 
+def _why(found: dict) -> str:
+    """How a derived plan is worse than the family's own: what it sends and holds more of,
+    as ratios to the family's."""
+    if found["derived_fallbacks"]:
+        return f"{found['derived_fallbacks']} fallback(s)"
+    sent = found["derived_sent"] / found["own_sent"] if found["own_sent"] else float("inf")
+    held = found["derived_held"] / found["own_held"]
+    return f"sends {sent:.2f}x, holds {held:.2f}x"
+
+
 def main(argv=None):
     from benchmarks.hf_families import SKIP, families
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("kinds", nargs="*")
     parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "derived_plans.json")
+    parser.add_argument("--widths", choices=("small", "real"), default="small",
+                        help="the small configs, or each family's own widths on meta")
+    parser.add_argument("--out", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)
+    args.out = args.out or RESULTS / ("derived_plans.json" if args.widths == "small" else
+                                      "derived_plans_real.json")
     warnings.simplefilter("ignore")
     kinds = args.kinds or [k for k in families() if k not in SKIP]
-    report = {"date": datetime.date.today().isoformat(), "families": {}}
+    report = {"date": datetime.date.today().isoformat(), "widths": args.widths,
+              "families": {}}
     for kind in kinds:
         for world in args.world:
             key = f"{kind}@{world}"
             try:
-                found = compare(kind, world)
+                found = compare(kind, world, args.widths == "real")
             except Exception as e:  # noqa: BLE001 - reported
                 found = {"error": f"{type(e).__name__}: {e}"[:300]}
             report["families"][key] = found
@@ -74,8 +119,8 @@ def main(argv=None):
                          "no_worse": sum(f["no_worse"] for f in rows),
                          "share": sum(f["no_worse"] for f in rows) / max(len(rows), 1),
                          "target": TARGET,
-                         "worse": sorted(k for k, f in report["families"].items()
-                                         if "error" not in f and not f["no_worse"])}
+                         "worse": {k: _why(f) for k, f in sorted(report["families"].items())
+                                   if "error" not in f and not f["no_worse"]}}
     print(json.dumps(report["summary"], indent=1))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")

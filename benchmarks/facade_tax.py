@@ -92,8 +92,8 @@ def cuda_decode_variants(args, world: int, batch: int) -> dict:
 
 def llama_and_batch(args, world: int):
     from fxtp.examples.llama import Llama, LlamaConfig
-    cfg = LlamaConfig(vocab_size=512, dim=32 * world, n_layers=args.train_layers,
-                      n_heads=world, n_kv_heads=world, max_seq_len=32)
+    cfg = LlamaConfig(vocab_size=512, dim=args.train_dim or 32 * world,
+                      n_layers=args.train_layers, n_heads=world, n_kv_heads=world, max_seq_len=32)
     g = torch.Generator().manual_seed(2)
     tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=g)
     targets = torch.randint(0, cfg.vocab_size, (2, 16), generator=g)
@@ -180,6 +180,8 @@ def main(argv=None):
     parser.add_argument("--world", type=int, default=8)
     parser.add_argument("--layers", type=int, default=16, help="decode model layers")
     parser.add_argument("--train-layers", type=int, default=4)
+    parser.add_argument("--train-dim", type=int, default=None,
+                        help="width of the training sections (default: 32 x world)")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--calls", type=int, default=20, help="calls per variant per round")
     parser.add_argument("--only", nargs="*", help="sections to run")
