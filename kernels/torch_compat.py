@@ -100,6 +100,12 @@ def queue_backward_callback(callback) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
+def current_backward() -> int:
+    """The id of the backward running on this thread (its graph task); -1 outside one
+    (2.11, 2.13)."""
+    return torch._C._current_graph_task_id()
+
+
 def run_as_python(fn):
     """Have every frame of ``fn``'s code, and the frames it calls, run as plain Python: dynamo
     never compiles one as a frame of its own (the hooks ``torch.compile(module)`` runs outside

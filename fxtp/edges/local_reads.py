@@ -35,8 +35,8 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..kernels.torch_compat import (compute_global_tensor_info, dtensor_of, mark_static_address,
-                                   queue_backward_callback)
+from ..kernels.torch_compat import (compute_global_tensor_info, current_backward, dtensor_of,
+                                   mark_static_address, queue_backward_callback)
 from ..passes.graph import own_method
 
 LEAVES = "_fxtp_leaves"
@@ -136,30 +136,40 @@ def laid_out_like(t, p: DTensor) -> bool:
 
 def _publish_gradient(leaf: torch.Tensor) -> None:
     """After a backward accumulated into ``leaf``: its gradient goes to its parameter at once
-    where the parameter has hooks of its own to see it, else with every other read's at the
-    end of this backward (one :class:`_Publication` queued for it)."""
+    where the parameter has hooks of its own to see it, else with the other reads this
+    backward reached when it ends (one :class:`_Publication` queued on it)."""
     if leaf._fxtp_param._post_accumulate_grad_hooks:
         _publish(leaf)
         return
-    if not _pending:
-        queue_backward_callback(_Publication())
-    _pending.append(leaf)
+    task = current_backward()
+    reads = _pending.get(task)
+    if reads is None:
+        reads = _pending[task] = []
+        queue_backward_callback(_Publication(task))
+    reads.append(leaf)
 
 
-_pending: list = []  # reads holding a gradient their parameter has not been given
+_pending: dict = {}  # backward -> the reads it left a gradient on, their parameters not given it
 
 
 class _Publication:
-    """Queued on a backward: publishes the pending reads when the backward ends, or when
-    it is dropped unrun (a backward that raised), as the gradients a backward leaves in
-    ``.grad`` before it raises stay there."""
+    """Queued on a backward: publishes the reads it reached when it ends, or when it is
+    dropped unrun (a backward that raised), as the gradients a backward leaves in ``.grad``
+    before it raises stay there. Each read is published even where another raises."""
+
+    def __init__(self, task: int):
+        self.task = task
 
     def __call__(self) -> None:
-        leaves = _pending[:]
-        _pending.clear()
-        for leaf in leaves:
-            if leaf.grad is not None:
-                _publish(leaf)
+        failed = None
+        for leaf in _pending.pop(self.task, ()):
+            try:
+                if leaf.grad is not None:
+                    _publish(leaf)
+            except Exception as e:  # noqa: BLE001 - raised once every read is published
+                failed = failed or e
+        if failed is not None:
+            raise failed
 
     __del__ = __call__
 

@@ -193,6 +193,23 @@ def test_a_reentrant_checkpoint_and_a_second_backward_publish_every_gradient(fak
     assert all(read.grad is None for read in reads(gm))
 
 
+def test_a_backward_run_inside_another_gives_its_gradients_when_it_ends(fake_group):
+    fake_group(2)
+    outer, inner = parallel(), parallel()
+    given = []
+
+    def run_inner(grad):  # the outer backward has reached some of its reads by now
+        with torch.enable_grad():
+            backward(inner)
+        given.append([p.grad is not None for p in inner.parameters()])
+    read = outer.layers[0].attention.wo.weight._fxtp_read  # reached late in the backward
+    handle = read.register_hook(run_inner)
+    backward(outer)
+    handle.remove()
+    assert given == [[True] * len(list(inner.parameters()))]
+    assert all(p.grad is not None for p in outer.parameters())
+
+
 def test_backwards_on_two_threads_each_publish_their_gradients(fake_group):
     import threading
     fake_group(2)
