@@ -122,10 +122,12 @@ def run_as_python(fn):
 
 
 def in_compiled_module_call() -> bool:
-    """Is a call of a ``torch.compile`` d module running (its hooks outside its graph)
-    (2.13)?"""
+    """Is a call of a ``torch.compile`` d module running (its hooks outside its graph)?
+    ``False`` where this torch cannot tell, where :func:`run_as_python` changes nothing
+    (2.13)."""
     from torch._dynamo import eval_frame
-    return eval_frame._is_in_optimized_module()
+    running = getattr(eval_frame, "_is_in_optimized_module", None)
+    return running is not None and running()
 
 
 def dtensor_of(local: torch.Tensor, spec) -> DTensor:
