@@ -90,6 +90,10 @@ def test_a_compiled_call_compiles_no_frame_of_fxtps_own_code(fake_group):
     from pathlib import Path
 
     from torch._dynamo.convert_frame import input_codes
+
+    from fxtp.kernels.torch_compat import run_as_python
+    if not run_as_python(lambda: None):
+        pytest.skip("this torch has no frame strategies: fxtp's hooks stay frames")
     fake_group(2)
     gm = parallel()
     torch._dynamo.reset()
