@@ -35,22 +35,12 @@ def real_width(kind: str):
     written for), with the small configs' structure (2 layers, the second a mixture of
     experts where the family has one), built on the meta device."""
     import torch
-    import transformers
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from benchmarks.hf_families import OWN, SMALL
+    from benchmarks.hf_families import OWN, SMALL, build
     sizes = {k: SMALL[k] for k in STRUCTURE}
     sizes.update({k: v for k, v in OWN.get(kind, {}).items() if k in OWN_STRUCTURE})
-    config = CONFIG_MAPPING[kind](**sizes)
-    config._attn_implementation = "sdpa"
-    cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[kind])
     with torch.device("meta"):
-        try:
-            return cls(config)
-        except Exception:  # noqa: BLE001 - a family that refuses SDPA
-            config._attn_implementation = "eager"
-            return cls(config)
+        return build(kind, sizes)
 
 
 def compare(kind: str, world: int, real: bool = False) -> dict:

@@ -77,25 +77,31 @@ def families() -> list[str]:
 def make(kind: str, experts: str | None = None, **overrides):
     """The small model of ``kind``; ``experts`` names transformers' experts implementation
     (``None``: the family's default); ``overrides``: config values beyond its own."""
-    import transformers
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     sizes = dict(SMALL)
     if kind in MLA:  # head dims of their own; every head has its key
         sizes.pop("head_dim")
         sizes["num_key_value_heads"] = sizes["num_attention_heads"]
     sizes.update(OWN.get(kind, {}), **overrides)
-    config = CONFIG_MAPPING[kind](**sizes)
-    config._attn_implementation = "sdpa"
-    cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[kind])
-    try:
-        model = cls(config)
-    except Exception:  # noqa: BLE001 - a family that refuses SDPA
-        config._attn_implementation = "eager"
-        model = cls(config)
+    model = build(kind, sizes)
     if experts is not None:
         model.set_experts_implementation(experts)
     return model
+
+
+def build(kind: str, values: dict):
+    """The causal LM of ``kind`` from its config class with ``values``, with SDPA attention
+    where the family takes it (eager where it refuses), on the current default device."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    config = CONFIG_MAPPING[kind](**values)
+    config._attn_implementation = "sdpa"
+    cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[kind])
+    try:
+        return cls(config)
+    except Exception:  # noqa: BLE001 - a family that refuses SDPA
+        config._attn_implementation = "eager"
+        return cls(config)
 
 
 def check(rank, world, kind, dtype, tolerance, experts=None, plan="auto"):
