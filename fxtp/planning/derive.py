@@ -58,11 +58,14 @@ class Placed:
 
 class DerivedPlan(dict):
     """A plan (FQN pattern -> style) with what was left replicated and why (``report``:
-    FQN -> reason) and what the plan makes of the program (``placed``)."""
+    FQN -> reason), what the plan makes of the program (``placed``) and what Megatron's full
+    sharding makes of it, less the groups whose sharding would gather (``megatron``: the
+    base of ``memory_slack``)."""
 
-    def __init__(self, plan: dict, report: dict, placed: Placed, world: int):
+    def __init__(self, plan: dict, report: dict, placed: Placed, megatron: Placed,
+                 world: int):
         super().__init__(plan)
-        self.report, self.placed, self.world = report, placed, world
+        self.report, self.placed, self.megatron, self.world = report, placed, megatron, world
 
     def __str__(self):
         width = max((len(k) for k in self), default=0)
@@ -71,7 +74,8 @@ class DerivedPlan(dict):
         lines.append(f"at world {self.world}, per rank: communication cost "
                      f"{self.placed.sent / 2 ** 20:.2f} MiB a training step (bytes sent plus "
                      f"a fixed cost per collective), {self.placed.held / 2 ** 20:.2f} MiB of "
-                     f"parameters, {len(self.placed.fallbacks)} fallbacks")
+                     f"parameters ({self.placed.held / self.megatron.held:.3f}x Megatron's "
+                     f"full sharding), {len(self.placed.fallbacks)} fallbacks")
         return "\n".join(lines)
 
 
@@ -102,21 +106,23 @@ def derive_plan(model: nn.Module, *, example_inputs=(), example_kwargs=None,
     program = _Program(model, example_inputs, example_kwargs, world)
     roles, report = _megatron_roles(program.projections), {}
     _unsplittable(roles, model, world, report)
-    megatron = _Megatron(program, roles, sequence_parallel, loss_parallel)
+    megatron = _Megatron(program, roles, sequence_parallel, loss_parallel, report)
     plan = _cheapest_within(program, megatron, memory_slack, report)
     plan, placed = _without_fallbacks(program, plan, megatron.groups, report)
     order = {fqn: i for i, (fqn, _) in enumerate(model.named_modules())}
     plan = dict(sorted(plan.items(), key=lambda kv: order[kv[0]]))  # as the model lists them
-    return DerivedPlan(_patterns(plan, model), _patterns(report, model), placed, world)
+    return DerivedPlan(_patterns(plan, model), _patterns(report, model), placed,
+                       program.place(megatron.plan), world)
 
 
 class _Megatron:
     """Megatron's full sharding of a program (``plan``): every pair, the heads, the word
-    embedding, the experts (and the stream's norms under sequence parallelism); the heads
-    and embeddings whose layout is chosen by cost; the units kept or dropped whole."""
+    embedding, the experts (and the stream's norms under sequence parallelism), less each
+    group whose sharding would gather (``report`` says why); the heads and embeddings whose
+    layout is chosen by cost; the units kept or dropped whole."""
 
     def __init__(self, program: "_Program", roles: dict, sequence_parallel: bool,
-                 loss_parallel: Optional[bool]):
+                 loss_parallel: Optional[bool], report: dict):
         found, model = program.projections, program.model
         self.heads = {fqn: found[fqn].to_loss if loss_parallel is None else loss_parallel
                       for fqn, role in roles.items() if role == "head"}
@@ -135,16 +141,26 @@ class _Megatron:
         plan.update({fqn: ExpertTensorParallel() for fqn in experts})
         if self.word is not None:
             plan[self.word] = _embedding_styles(sequence_parallel)[0]
-        self.plan = plan
         self.groups = [*_groups(roles, found, self.embeddings), *([f] for f in experts)]
+        self.plan, _ = _without_fallbacks(program, plan, self.groups, report)
+        kept = lambda fqns: all(f in self.plan for f in fqns)  # noqa: E731
+        self.heads = {fqn: lp for fqn, lp in self.heads.items() if fqn in self.plan}
+        self.gathered, self.pairs, self.columns = (
+            [fqns for fqns in units if kept(fqns)]
+            for units in (self.gathered, self.pairs, self.columns))
+        if self.word not in self.plan:
+            self.embeddings = [fqn for fqn in self.embeddings if fqn != self.word]
+            self.word = None
 
     def options(self, fqn: str, plan: dict) -> list:
         """The layouts to weigh for a head, an embedding or a gathered linear (``None``:
-        whole), Megatron's first."""
+        whole), the one ``plan`` gives it first."""
         if fqn in self.heads or fqn not in self.embeddings:
-            return [plan[fqn], None]
-        styles = _embedding_styles(self.sequence_parallel and fqn == self.word)
-        return [*styles, None] if fqn == self.word else [None, *styles]
+            layouts = [self.plan[fqn], None]
+        else:
+            styles = _embedding_styles(self.sequence_parallel and fqn == self.word)
+            layouts = [*styles, None] if fqn == self.word else [None, *styles]
+        return sorted(layouts, key=lambda style: repr(style) != repr(plan.get(fqn)))
 
 
 def _cheapest_within(program: "_Program", megatron: _Megatron, memory_slack: float,
@@ -155,28 +171,101 @@ def _cheapest_within(program: "_Program", megatron: _Megatron, memory_slack: flo
     row-wise linear sharded, slicing its input for free: a column that feeds more than its
     pair (an indexer's projections beside attention) may send less so. Gathered linears,
     pairs and columns are weighed per pattern of equal blocks (``layers.*.router``,
-    ``layers.*.attn.{wq,wk,wv,wo}``), the smallest first, so the budget keeps many small
-    ones whole before one large one; one whose bytes whole would not fit the budget is not
-    placed to find out."""
+    ``layers.*.attn.{wq,wk,wv,wo}``).
+
+    The embeddings and heads are weighed first, one at a time. Then two searches, the
+    better kept: one unit at a time, the smallest first; and the units that together save
+    most within the budget, each weighed alone (:func:`_most_saved`). Each is then swept
+    again, one unit at a time, until a sweep changes nothing. A unit whose bytes whole would
+    not fit the budget is not placed to find out."""
     plan = megatron.plan
     budget = program.place(plan).held * (1 + memory_slack)
-    units = [[fqn] for fqn in [*megatron.embeddings, *megatron.heads]]
+    rank = lambda trial: program.rank(trial, budget)  # noqa: E731
+    for fqn in [*megatron.embeddings, *megatron.heads]:
+        plan = min(_trials(program, megatron, plan, [fqn], False, budget), key=rank)
     wholes = [*megatron.pairs, *megatron.columns]  # kept as they are, or whole
-    units += sorted([*megatron.gathered, *wholes], key=lambda fqns: program.numel(fqns))
-    for fqns in units:
-        if fqns in wholes:
-            extra = program.bytes_of([f for f in fqns if f in plan]) * (1 - 1 / program.world)
-            trials = [plan, _with(plan, fqns, None)] if \
-                program.place(plan).held + extra <= budget else [plan]
-        else:
-            options = megatron.options(fqns[0], plan)
-            if any(_tied_to_plan(fqn, plan, program.aliases) for fqn in fqns):
-                options.remove(None)  # a tied weight follows the other module's layout anyway
-            trials = [_with(plan, fqns, o) for o in options]
-        plan = min(trials, key=lambda trial: program.rank(trial, budget))
-        report.update({fqn: f"sharding it sends more, and whole it stays within "
-                            f"memory_slack={memory_slack}" for fqn in fqns if fqn not in plan})
+    units = sorted([*megatron.gathered, *wholes], key=lambda fqns: program.numel(fqns))
+    found = [_swept(program, megatron, start, units, wholes, budget)
+             for start in (plan, _most_saved(program, plan, units, budget))]
+    plan = min(found, key=rank)
+    report.update({fqn: f"sharding it sends more, and whole it stays within "
+                        f"memory_slack={memory_slack}"
+                   for fqns in [*([f] for f in megatron.embeddings), *([f] for f in
+                                megatron.heads), *units] for fqn in fqns if fqn not in plan})
     return plan
+
+
+def _swept(program: "_Program", megatron: _Megatron, plan: dict, units: list, wholes: list,
+           budget: float) -> dict:
+    """``plan`` with each of ``units`` in turn in its layout that sends least within
+    ``budget``, swept until a sweep changes nothing (at most :data:`_SWEEPS` times)."""
+    for _ in range(_SWEEPS):
+        start = plan
+        for fqns in units:
+            plan = min(_trials(program, megatron, plan, fqns, fqns in wholes, budget),
+                       key=lambda trial: program.rank(trial, budget))
+        if program.key(plan) == program.key(start):
+            break
+    return plan
+
+
+def _most_saved(program: "_Program", plan: dict, units: list, budget: float) -> dict:
+    """``plan`` with the ``units`` whole whose savings, each weighed alone against ``plan``,
+    add up to most within ``budget`` (a 0/1 knapsack over the bytes each adds whole)."""
+    base = program.place(plan)
+    room = budget - base.held
+    items = []  # (fqns, bytes it adds whole, what it saves)
+    for fqns in units:
+        sharded = [f for f in fqns if f in plan]
+        extra = program.bytes_of(sharded) * (1 - 1 / program.world)
+        if not sharded or extra > room or \
+                any(_tied_to_plan(f, plan, program.aliases) for f in fqns):
+            continue
+        placed = program.place(_with(plan, fqns, None))
+        if len(placed.fallbacks) <= len(base.fallbacks) and placed.sent < base.sent:
+            items.append((fqns, extra, base.sent - placed.sent))
+    for fqns in _knapsack(items, room):
+        plan = _with(plan, fqns, None)
+    return plan
+
+
+def _knapsack(items: list, room: float, steps: int = 1024) -> list:
+    """The ``(key, weight, value)`` items of most value whose weights (rounded up to
+    ``room / steps``) fit ``room``: their keys."""
+    unit = room / steps if room > 0 else 1.0
+    best = [0.0] * (steps + 1)  # most value within each capacity, by items so far
+    taken = []
+    for _, weight, value in items:
+        w = math.ceil(weight / unit - 1e-9)
+        take = [best[c - w] + value > best[c] if c >= w else False
+                for c in range(steps + 1)]
+        best = [best[c - w] + value if take[c] else best[c] for c in range(steps + 1)]
+        taken.append(take)
+    chosen, c = [], steps
+    for (key, weight, _), take in zip(reversed(items), reversed(taken)):
+        if take[c]:
+            chosen.append(key)
+            c -= math.ceil(weight / unit - 1e-9)
+    return chosen[::-1]
+
+
+def _trials(program: "_Program", megatron: _Megatron, plan: dict, fqns: list, whole: bool,
+            budget: float) -> list[dict]:
+    """``plan``, then ``plan`` with the unit ``fqns`` in each other layout it may take (a
+    pair or column whole only where its bytes whole fit ``budget``)."""
+    if whole:
+        sharded = {**plan, **{f: megatron.plan[f] for f in fqns if f in megatron.plan}}
+        extra = program.bytes_of([f for f in fqns if f in sharded]) * (1 - 1 / program.world)
+        fits = program.place(sharded).held + extra <= budget
+        return [plan, *[t for t in (sharded, _with(plan, fqns, None) if fits else None)
+                         if t is not None and program.key(t) != program.key(plan)]]
+    options = megatron.options(fqns[0], plan)
+    if any(_tied_to_plan(fqn, plan, program.aliases) for fqn in fqns):
+        options.remove(None)  # a tied weight follows the other module's layout anyway
+    return [_with(plan, fqns, o) for o in options]
+
+
+_SWEEPS = 3  # over the units, until a sweep changes nothing
 
 
 def _without_fallbacks(program: "_Program", plan: dict, groups: list, report: dict
@@ -363,12 +452,17 @@ class _Program:
 
     def place(self, plan: dict) -> Placed:
         """What ``plan`` (a dict, or ``"auto"``) makes of the program (each plan placed
-        once: a style's ``repr`` holds all its arguments)."""
-        key = plan if isinstance(plan, str) else \
-            tuple(sorted((fqn, repr(style)) for fqn, style in plan.items()))
+        once)."""
+        key = self.key(plan)
         if key not in self.placed:
             self.placed[key] = self._place(plan)
         return self.placed[key]
+
+    @staticmethod
+    def key(plan) -> tuple:
+        """``plan`` as a value (a style's ``repr`` holds all its arguments)."""
+        return plan if isinstance(plan, str) else \
+            tuple(sorted((fqn, repr(style)) for fqn, style in plan.items()))
 
     def _place(self, plan: dict) -> Placed:
         gm = self.gm

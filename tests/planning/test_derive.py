@@ -264,6 +264,42 @@ def test_a_column_whose_whole_output_sends_less_stays_whole_beside_its_sharded_p
     assert "scale" in megatron and plan.placed.sent < megatron.placed.sent
 
 
+class BlocksThenAdapter(nn.Module):
+    """Two equal MLP blocks (one pattern, ``blocks.*``), then a low-rank adapter pair: whole,
+    the blocks send two all-reduces fewer each way, the adapter one, for more bytes."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 64), nn.GELU(),
+                                                  nn.Linear(64, 16)) for _ in range(2))
+        self.adapter_in, self.adapter_out = nn.Linear(16, 4), nn.Linear(4, 16)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x + self.adapter_out(self.adapter_in(x))
+
+
+def test_the_units_kept_whole_are_those_that_together_save_most_within_the_slack():
+    """A budget that fits the blocks whole, or the adapter, not both: one unit at a time,
+    the smallest first, would spend it on the adapter."""
+    model, inputs = BlocksThenAdapter(), (example(2, 4, 16),)
+    megatron = fxtp.derive_plan(model, example_inputs=inputs, world_size=2, memory_slack=0)
+    half_bytes = lambda module: sum(p.numel() * p.element_size()  # noqa: E731
+                                    for p in module.parameters()) / 2
+    room = half_bytes(model.blocks) + half_bytes(model.adapter_in) / 2
+    plan = fxtp.derive_plan(model, example_inputs=inputs, world_size=2,
+                            memory_slack=room / megatron.megatron.held)
+    assert styles(plan) == {"adapter_in": "ColwiseParallel()",
+                            "adapter_out": "RowwiseParallel()"}
+    assert set(plan.report) == {"blocks.0.0", "blocks.0.2", "blocks.1.0", "blocks.1.2"}
+    adapter_whole = {"blocks.*.0": fxtp.ColwiseParallel(), "blocks.*.2": fxtp.RowwiseParallel()}
+    other = place_plans(model, {"adapter whole": adapter_whole}, example_inputs=inputs,
+                        world_size=2)["adapter whole"]
+    assert plan.placed.sent < other.sent < megatron.placed.sent
+    assert plan.placed.held <= megatron.megatron.held + room
+
+
 def test_a_world_size_is_needed_outside_a_process_group():
     with pytest.raises(fxtp.PlanError, match="world_size"):
         fxtp.derive_plan(Llama(CFG), example_inputs=(TOKENS,))
