@@ -300,6 +300,32 @@ def test_the_units_kept_whole_are_those_that_together_save_most_within_the_slack
     assert plan.placed.held <= megatron.megatron.held + room
 
 
+class UnruledThenAdapter(nn.Module):
+    """A pair whose sharding would gather, then a low-rank adapter pair."""
+
+    def __init__(self):
+        super().__init__()
+        self.unruled, self.adapter = models.Unruled(), AdapterAfter()
+
+    def forward(self, x):
+        return self.adapter(self.unruled(x))
+
+
+def test_memory_slack_counts_from_megatrons_layout_less_what_would_gather():
+    """The unruled pair is whole in every plan the search weighs, so the slack is counted
+    from that: what the adapter's pair is kept whole with, within it."""
+    model, inputs = UnruledThenAdapter(), (example(2, 4, models.DIM),)
+    plan = fxtp.derive_plan(model, example_inputs=inputs, world_size=2, memory_slack=0.05)
+    assert set(plan.report) >= {"unruled.up", "unruled.down"}
+    assert "adapter.adapter_in" in plan.report and plan.placed.fallbacks == ()
+    base = {"adapter.up": fxtp.ColwiseParallel(), "adapter.down": fxtp.RowwiseParallel(),
+            "adapter.adapter_in": fxtp.ColwiseParallel(),
+            "adapter.adapter_out": fxtp.RowwiseParallel()}
+    assert plan.megatron == place_plans(model, {"base": base}, example_inputs=inputs,
+                                        world_size=2)["base"]
+    assert plan.megatron.held < plan.placed.held <= 1.05 * plan.megatron.held
+
+
 def test_a_world_size_is_needed_outside_a_process_group():
     with pytest.raises(fxtp.PlanError, match="world_size"):
         fxtp.derive_plan(Llama(CFG), example_inputs=(TOKENS,))
