@@ -505,19 +505,36 @@ _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)")
 def _patterns(entries: dict, model: nn.Module) -> dict:
     """``entries`` (FQN -> value) with the FQNs that differ only in list indices written as
     one pattern, ``*`` where they differ, where every module the pattern matches has the
-    same value."""
+    same value; failing that, with the outer index alone as ``*`` (``blocks.*.0``,
+    ``blocks.*.2`` for the linears of a ``Sequential`` in each block)."""
     modules = [fqn.split(".") for fqn, _ in model.named_modules()]
-    by_shape: dict[str, list[str]] = {}
-    for fqn in entries:
-        by_shape.setdefault(_INDEX.sub("*", fqn), []).append(fqn)
     out = {}
-    for fqns in by_shape.values():
-        parts = [p[0] if len(set(p)) == 1 else "*" for p in zip(*(f.split(".") for f in fqns))]
-        matching = [m for m in modules if len(m) == len(parts) and
-                    all(a in ("*", b) for a, b in zip(parts, m))]
-        if len(fqns) > 1 and len({repr(entries[f]) for f in fqns}) == 1 and \
-                len(matching) == len(fqns):
-            out[".".join(parts)] = entries[fqns[0]]
-        else:
-            out.update({f: entries[f] for f in fqns})
+    for fqns in _grouped(entries, lambda fqn: _INDEX.sub("*", fqn)).values():
+        pattern = _one_pattern(fqns, entries, modules)
+        if pattern is not None:
+            out[pattern] = entries[fqns[0]]
+            continue
+        for inner in _grouped(fqns, lambda fqn: _INDEX.sub("*", fqn, count=1)).values():
+            pattern = _one_pattern(inner, entries, modules)
+            out.update({pattern: entries[inner[0]]} if pattern is not None else
+                       {f: entries[f] for f in inner})
     return out
+
+
+def _grouped(fqns, key) -> dict[str, list[str]]:
+    groups: dict[str, list[str]] = {}
+    for fqn in fqns:
+        groups.setdefault(key(fqn), []).append(fqn)
+    return groups
+
+
+def _one_pattern(fqns: list, entries: dict, modules: list) -> Optional[str]:
+    """The pattern of ``fqns`` (``*`` where they differ) if they are more than one, share
+    one value and are every module it matches."""
+    parts = [p[0] if len(set(p)) == 1 else "*" for p in zip(*(f.split(".") for f in fqns))]
+    matching = [m for m in modules if len(m) == len(parts) and
+                all(a in ("*", b) for a, b in zip(parts, m))]
+    if len(fqns) > 1 and len({repr(entries[f]) for f in fqns}) == 1 and \
+            len(matching) == len(fqns):
+        return ".".join(parts)
+    return None
