@@ -173,25 +173,29 @@ def _cheapest_within(program: "_Program", megatron: _Megatron, memory_slack: flo
     pairs and columns are weighed per pattern of equal blocks (``layers.*.router``,
     ``layers.*.attn.{wq,wk,wv,wo}``).
 
-    The embeddings and heads are weighed first, one at a time. Then two searches, the
-    better kept: one unit at a time, the smallest first; and the units that together save
-    most within the budget, each weighed alone (:func:`_most_saved`). Each is then swept
-    again, one unit at a time, until a sweep changes nothing. A unit whose bytes whole would
-    not fit the budget is not placed to find out."""
+    First each embedding and head takes its sharded layout that sends least. Then two
+    searches, the better kept: one unit at a time (the embeddings and heads, then the
+    others, the smallest first); and the units whole that together save most within the
+    budget, each weighed alone (:func:`_most_saved`). Each is then swept again, one unit at
+    a time, until a sweep changes nothing. A unit whose bytes whole would not fit the budget
+    is not placed to find out."""
     plan = megatron.plan
     budget = program.place(plan).held * (1 + memory_slack)
     rank = lambda trial: program.rank(trial, budget)  # noqa: E731
-    for fqn in [*megatron.embeddings, *megatron.heads]:
-        plan = min(_trials(program, megatron, plan, [fqn], False, budget), key=rank)
+    firsts = [[fqn] for fqn in [*megatron.embeddings, *megatron.heads]]
+    for fqns in firsts:
+        trials = _trials(program, megatron, plan, fqns, False, budget)
+        plan = min([t for t in trials if fqns[0] in t] if fqns[0] in plan else trials,
+                   key=rank)
     wholes = [*megatron.pairs, *megatron.columns]  # kept as they are, or whole
-    units = sorted([*megatron.gathered, *wholes], key=lambda fqns: program.numel(fqns))
+    units = [*firsts, *sorted([*megatron.gathered, *wholes],
+                              key=lambda fqns: program.numel(fqns))]
     found = [_swept(program, megatron, start, units, wholes, budget)
              for start in (plan, _most_saved(program, plan, units, budget))]
     plan = min(found, key=rank)
     report.update({fqn: f"sharding it sends more, and whole it stays within "
                         f"memory_slack={memory_slack}"
-                   for fqns in [*([f] for f in megatron.embeddings), *([f] for f in
-                                megatron.heads), *units] for fqn in fqns if fqn not in plan})
+                   for fqns in units for fqn in fqns if fqn not in plan})
     return plan
 
 
