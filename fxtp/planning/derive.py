@@ -6,9 +6,10 @@ residual stream) are column-wise, that one row-wise. A linear whose output is th
 program's (the head) is column-wise, its logits gathered, or kept sharded by class where
 the program computes the cross-entropy (loss parallel). Any other linear (a router, an
 adaptive norm's modulation) is column-wise with its output gathered. The embedding is
-vocabulary- or feature-parallel, whichever sends less; embeddings, heads and gathered
-linears stay whole where that sends less and keeps a rank's parameter bytes within
-``memory_slack`` of Megatron's full sharding. Each candidate plan is placed by fxtp's own
+vocabulary- or feature-parallel, whichever sends less. Embeddings, heads, gathered
+linears, pairs and columns of pairs stay whole where that sends less and keeps a rank's
+parameter bytes within ``memory_slack`` of Megatron's full sharding (less what would
+gather), the units searched one at a time and together. Each candidate plan is placed by fxtp's own
 passes (seed and place, no process group) and costed by its cost model
 (:func:`~fxtp.passes.program_cost.program_cost`): a pair or head whose layout would make
 the program gather where no rule serves it (a fallback) is left replicated, and the report

@@ -264,6 +264,19 @@ def test_a_column_whose_whole_output_sends_less_stays_whole_beside_its_sharded_p
     assert "scale" in megatron and plan.placed.sent < megatron.placed.sent
 
 
+def half_bytes(module: nn.Module) -> float:
+    """The bytes ``module`` adds to a rank's parameters whole rather than split in two."""
+    return sum(p.numel() * p.element_size() for p in module.parameters()) / 2
+
+
+def derived_with_room(model: nn.Module, inputs: tuple, room: float):
+    """``model``'s plan at 2 ranks with ``room`` bytes over Megatron's layout, and the plan
+    with none."""
+    megatron = fxtp.derive_plan(model, example_inputs=inputs, world_size=2, memory_slack=0)
+    return fxtp.derive_plan(model, example_inputs=inputs, world_size=2,
+                            memory_slack=room / megatron.megatron.held), megatron
+
+
 class BlocksThenAdapter(nn.Module):
     """Two equal MLP blocks (one pattern, ``blocks.*``), then a low-rank adapter pair: whole,
     the blocks send two all-reduces fewer each way, the adapter one, for more bytes."""
@@ -292,12 +305,8 @@ def test_the_units_kept_whole_are_those_that_together_save_most_within_the_slack
     """A budget that fits the blocks whole, or the adapter, not both: one unit at a time,
     the smallest first, would spend it on the adapter."""
     model, inputs = BlocksThenAdapter(), (example(2, 4, 16),)
-    megatron = fxtp.derive_plan(model, example_inputs=inputs, world_size=2, memory_slack=0)
-    half_bytes = lambda module: sum(p.numel() * p.element_size()  # noqa: E731
-                                    for p in module.parameters()) / 2
     room = half_bytes(model.blocks) + half_bytes(model.adapter_in) / 2
-    plan = fxtp.derive_plan(model, example_inputs=inputs, world_size=2,
-                            memory_slack=room / megatron.megatron.held)
+    plan, megatron = derived_with_room(model, inputs, room)
     assert styles(plan) == {"adapter_in": "ColwiseParallel()",
                             "adapter_out": "RowwiseParallel()"}
     assert set(plan.report) == {"blocks.*.0", "blocks.*.2"}
@@ -306,6 +315,28 @@ def test_the_units_kept_whole_are_those_that_together_save_most_within_the_slack
                         world_size=2)["adapter whole"]
     assert plan.placed.sent < other.sent < megatron.placed.sent
     assert plan.placed.held <= megatron.megatron.held + room
+
+
+class EmbeddedBlocks(BlocksThenAdapter):
+    """A word embedding before the blocks: whole, it sends one collective fewer."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 16)
+
+    def forward(self, tokens):
+        return super().forward(self.embed(tokens))
+
+
+def test_an_embedding_kept_whole_is_weighed_with_the_pairs_not_before_them():
+    """A budget that fits the blocks whole, or the embedding, not both: the blocks send
+    more collectives sharded."""
+    model, inputs = EmbeddedBlocks(), (TOKENS,)
+    room = half_bytes(model.blocks) + half_bytes(model.embed) / 2
+    plan, megatron = derived_with_room(model, inputs, room)
+    assert "embed" in plan
+    assert set(plan.report) == {"blocks.*.0", "blocks.*.2", "adapter_in", "adapter_out"}
+    assert plan.placed.sent < megatron.placed.sent
 
 
 class UnruledThenAdapter(nn.Module):
