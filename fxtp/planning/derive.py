@@ -130,7 +130,8 @@ class _Megatron:
         self.gathered = _by_pattern(fqn for fqn, role in roles.items() if role == "gathered")
         self.pairs = [sorted({f for row in rows for f in (*found[row].feeds, row)})
                       for rows in _by_pattern(f for f, role in roles.items() if role == "row")]
-        self.columns = _by_pattern(f for f, role in roles.items() if role == "col")
+        self.columns = [*_by_pattern(f for f, role in roles.items() if role == "col"),
+                        *_column_groups(self.pairs, roles)]
         self.embeddings = [fqn for fqn, p in found.items() if p.kind == "embedding"]
         self.word = _word_embedding(model, self.embeddings, program.aliases)
         self.sequence_parallel = sequence_parallel
@@ -288,6 +289,23 @@ def _without_fallbacks(program: "_Program", plan: dict, groups: list, report: di
             report.update({fqn: why for fqn in group})
             plan, placed = trial, tried
     return plan, placed
+
+
+def _column_groups(pairs: list, roles: dict) -> list[list[str]]:
+    """The columns of a pair that share a module, where the pair's columns are in more than
+    one (an indexer's ``wq_b`` and ``weights_proj`` beside attention's ``q_b_proj``): whole
+    together they may send less, where each alone sends no less (the other, sharded, still
+    splits what they compute)."""
+    groups = []
+    for pair in pairs:
+        by_module: dict[str, list[str]] = {}
+        for fqn in pair:
+            if roles.get(fqn) == "col":
+                by_module.setdefault(_INDEX.sub("*", fqn.rpartition(".")[0]), []).append(fqn)
+        if len(by_module) > 1:
+            groups += [fqns for fqns in by_module.values()
+                       if len({_INDEX.sub("*", f) for f in fqns}) > 1]
+    return groups
 
 
 def _holds_experts(fqn: str, module: nn.Module) -> bool:

@@ -365,6 +365,40 @@ def test_memory_slack_counts_from_megatrons_layout_less_what_would_gather():
     assert plan.megatron.held < plan.placed.held <= 1.05 * plan.megatron.held
 
 
+class ProductGate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 8), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return (self.a(x) * self.b(x)).sum(-1, keepdim=True)
+
+
+class GatedBySubmodule(nn.Module):
+    """A wide pair scaled by a gate module's two linears, multiplied and summed over their
+    features: sharded, that sum is partial (an all-reduce) unless both are whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 1024), nn.Linear(1024, 16)
+        self.gate = ProductGate()
+
+    def forward(self, x):
+        return self.down(self.up(x) * self.gate(x))
+
+
+def test_the_columns_of_a_pair_in_one_module_are_also_weighed_whole_together():
+    plan = fxtp.derive_plan(GatedBySubmodule(), example_inputs=(example(2, 4, 16),),
+                            world_size=2)
+    assert styles(plan) == {"up": "ColwiseParallel()", "down": "RowwiseParallel()"}
+    assert set(plan.report) == {"gate.a", "gate.b"}
+    one_whole = place_plans(GatedBySubmodule(), {
+        "a whole": {"up": fxtp.ColwiseParallel(), "down": fxtp.RowwiseParallel(),
+                    "gate.b": fxtp.ColwiseParallel()}}, example_inputs=(example(2, 4, 16),),
+        world_size=2)["a whole"]
+    assert plan.placed.sent < plan.megatron.sent <= one_whole.sent
+
+
 def test_a_world_size_is_needed_outside_a_process_group():
     with pytest.raises(fxtp.PlanError, match="world_size"):
         fxtp.derive_plan(Llama(CFG), example_inputs=(TOKENS,))
