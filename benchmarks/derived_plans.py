@@ -10,7 +10,7 @@ holds no more than the family's own, with no fallback; every family where either
 is listed with its figures. A family's plan may hold more than full sharding to send less,
 past the derived plan's default ``memory_slack``: where the default plan is worse, the plan
 derived within the family's own bytes (``memory_slack`` = what the family's plan holds over
-Megatron's full sharding) is measured too, as ``within_own``. Results:
+Megatron's full sharding, 0 where it holds no more) is measured too, as ``within_own``. Results:
 ``benchmarks/results/derived_plans.json``.
 
     python -m benchmarks.derived_plans [FAMILY ...] [--world 2 4] [--widths real]
@@ -64,8 +64,8 @@ def compare(kind: str, world: int, real: bool = False) -> dict:
     found = {"derive_seconds": round(seconds, 2), "own_fallbacks": len(own.fallbacks),
              "own_sent": own.sent, "own_held": own.held, **_measured(derived.placed, own),
              "replicated": dict(derived.report)}
-    slack = own.held / derived.megatron.held - 1
-    if not found["no_worse"] and slack > 0:
+    slack = max(own.held / derived.megatron.held - 1, 0.0)
+    if not found["no_worse"]:
         within = fxtp.derive_plan(model, memory_slack=slack, **inputs)
         found["within_own"] = {"memory_slack": round(slack, 4),
                                **_measured(within.placed, own)}
