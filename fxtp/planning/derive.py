@@ -222,9 +222,8 @@ def _most_saved(program: "_Program", plan: dict, units: list, budget: float) -> 
     room = budget - base.held
     items = []  # (fqns, bytes it adds whole, what it saves)
     for fqns in units:
-        sharded = [f for f in fqns if f in plan]
-        extra = program.bytes_of(sharded) * (1 - 1 / program.world)
-        if not sharded or extra > room or \
+        extra = program.added_whole(fqns, plan)
+        if not any(f in plan for f in fqns) or extra > room or \
                 any(_tied_to_plan(f, plan, program.aliases) for f in fqns):
             continue
         placed = program.place(_with(plan, fqns, None))
@@ -261,8 +260,7 @@ def _trials(program: "_Program", megatron: _Megatron, plan: dict, fqns: list, wh
     pair or column whole only where its bytes whole fit ``budget``)."""
     if whole:
         sharded = {**plan, **{f: megatron.plan[f] for f in fqns if f in megatron.plan}}
-        extra = program.bytes_of([f for f in fqns if f in sharded]) * (1 - 1 / program.world)
-        fits = program.place(sharded).held + extra <= budget
+        fits = program.place(sharded).held + program.added_whole(fqns, sharded) <= budget
         return [plan, *[t for t in (sharded, _with(plan, fqns, None) if fits else None)
                          if t is not None and program.key(t) != program.key(plan)]]
     options = megatron.options(fqns[0], plan)
@@ -447,10 +445,11 @@ class _Program:
         """The parameters' elements of the modules ``fqns``."""
         return sum(p.numel() for f in fqns for p in self.model.get_submodule(f).parameters())
 
-    def bytes_of(self, fqns: list) -> int:
-        """The parameters' bytes of the modules ``fqns``, whole."""
-        return sum(p.numel() * p.element_size() for f in fqns
-                   for p in self.model.get_submodule(f).parameters())
+    def added_whole(self, fqns: list, plan: dict) -> float:
+        """How many more parameter bytes a rank holds with the modules of ``fqns`` that
+        ``plan`` shards whole (at most: a row-wise bias is whole already)."""
+        return sum(p.numel() * p.element_size() for f in fqns if f in plan
+                   for p in self.model.get_submodule(f).parameters()) * (1 - 1 / self.world)
 
     def stream_norms(self, roles: dict) -> list[str]:
         """The norms applied to the residual stream (not to a column-wise output: a q / k
