@@ -21,9 +21,9 @@ which hands them back first.
 """
 from __future__ import annotations
 
-from collections import defaultdict
-from itertools import chain
-from operator import is_
+from collections import defaultdict, deque
+from itertools import chain, repeat
+from operator import attrgetter, is_
 from typing import Optional
 
 import torch
@@ -35,6 +35,7 @@ from . import local_reads
 from .local_reads import as_dtensor, is_ours, laid_out_like, read_of
 
 _HANDOVER = "_fxtp_handover"  # on an optimizer: its _Handover
+_grad, _spec, _local = attrgetter("grad"), attrgetter("_spec"), attrgetter("_local_tensor")
 _installed = False
 
 
@@ -66,6 +67,7 @@ class _Handover:
             pairs = [(p, r) for p, r in zip(group["params"], reads) if r is not None]
             self.params += [p for p, _ in pairs]
             self.reads += [r for _, r in pairs]
+        self.specs = [p._spec for p in self.params]
         self.state = defaultdict(dict, optimizer.state)
         self.dtensor_state = optimizer.state
         for p, read in zip(self.params, self.reads):
@@ -73,28 +75,30 @@ class _Handover:
             if held is not None:
                 self.state[read] = {k: v._local_tensor if isinstance(v, DTensor) else v
                                     for k, v in held.items()}
-        self.seen = [list(self.state[r].values()) if r in self.state else []
-                     for r in self.reads]  # each read's state values, as last handed back
-        self.seen_all = list(chain.from_iterable(self.seen))
+        self.seen = _values(self.state)  # every state value, as last handed back
 
     def hand_in(self, optimizer) -> bool:
         """Hand ``optimizer`` the reads, each with its parameter's local gradient; ``False``
         (nothing handed) where a gradient is laid out otherwise than its parameter."""
-        grads = [p.grad for p in self.params]
-        for p, grad in zip(self.params, grads):  # fxtp's gradients share their parameter's spec
-            if grad is not None and getattr(grad, "_spec", None) is not p._spec and \
-                    not laid_out_like(grad, p):
-                return False
-        for read, grad in zip(self.reads, grads):
-            read.grad = None if grad is None else grad._local_tensor
+        grads = list(map(_grad, self.params))
+        try:  # fxtp's gradients share their parameter's spec: one pass in C
+            as_published = all(map(is_, map(_spec, grads), self.specs))
+        except AttributeError:  # a parameter without a gradient, or a plain one
+            as_published = False
+        if as_published:
+            _each(setattr, self.reads, repeat("grad"), map(_local, grads))
+        elif all(g is None or laid_out_like(g, p) for g, p in zip(grads, self.params)):
+            _each(setattr, self.reads, repeat("grad"),
+                  [None if g is None else g._local_tensor for g in grads])
+        else:
+            return False
         for group, _, handed in self.groups:
             group["params"] = handed
         optimizer.state = self.state
         return True
 
     def hand_back(self, optimizer) -> None:
-        for read in self.reads:
-            read.grad = None
+        _each(setattr, self.reads, repeat("grad"), repeat(None))
         for group, params, _ in self.groups:
             group["params"] = params
         optimizer.state = self.dtensor_state
@@ -103,21 +107,33 @@ class _Handover:
             for key, value in self.state.items():
                 if id(key) not in reads:
                     self.dtensor_state.setdefault(key, value)
-        tables = list(map(self.state.get, self.reads))
-        if None not in tables:
-            values = list(chain.from_iterable(map(dict.values, tables)))
-            if len(values) == len(self.seen_all) and all(map(is_, values, self.seen_all)):
-                return  # every read's state was stepped in place
-        for i, local in enumerate(tables):
-            seen = self.seen[i]
-            if local is None or (len(local) == len(seen) and all(map(is_, local.values(), seen))):
-                continue  # stepped in place
-            p = self.params[i]
+        values = _values(self.state)
+        if len(values) == len(self.seen) and all(map(is_, values, self.seen)):
+            return  # every state was stepped in place
+        for p, local in zip(self.params, map(self.state.get, self.reads)):
             held = self.dtensor_state.get(p) or {}
-            self.dtensor_state[p] = {k: v if k == "step" else _as_state(v, p, held.get(k))
-                                     for k, v in local.items()}
-            self.seen[i] = list(local.values())
-        self.seen_all = list(chain.from_iterable(self.seen))
+            if local is not None and not _wraps(held, local):
+                self.dtensor_state[p] = {k: v if k == "step" else _as_state(v, p, held.get(k))
+                                         for k, v in local.items()}
+        self.seen = values
+
+
+def _values(state: dict) -> list:
+    """Every value of an optimizer's ``state``, in order."""
+    return list(chain.from_iterable(map(dict.values, state.values())))
+
+
+def _wraps(held: dict, local: dict) -> bool:
+    """Does a parameter's ``held`` state hold the values of its read's ``local`` state (as
+    they are, or as the local tensors of ``DTensor`` s)?"""
+    return held.keys() == local.keys() and all(
+        h is v or (isinstance(h, DTensor) and h._local_tensor is v)
+        for h, v in zip(map(held.get, local), local.values()))
+
+
+def _each(fn, *iterables) -> None:
+    """``fn`` over ``iterables`` as ``map`` pairs them, in C, for its effect."""
+    deque(map(fn, *iterables), maxlen=0)
 
 
 def _key(optimizer) -> tuple:

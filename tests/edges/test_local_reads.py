@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 import fxtp
 from fxtp.examples.llama import Llama, LlamaConfig, llama_tp_plan
@@ -252,6 +252,39 @@ def test_optimizer_steps_are_those_over_plain_parameters_bit_for_bit(fake_group,
         backward(model)
         o.step()
     assert_same(values(gm), values(plain), f"{kind} resumed from its state_dict")
+
+
+def test_a_step_where_some_parameters_have_no_gradient_is_that_over_plain_parameters(
+        fake_group):
+    fake_group(2)
+    gm, plain = parallel(), parallel(dtensor_params=False)
+    opts = {id(m): torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (gm, plain)}
+    for _ in range(2):
+        for model in (gm, plain):
+            backward(model)
+            model.layers[1].attention.wq.weight.grad = None
+            opts[id(model)].step()
+            opts[id(model)].zero_grad()
+    assert_same(values(gm), values(plain), "after steps without wq's gradient")
+    assert all(read.grad is None for read in reads(gm))
+
+
+def test_a_gradient_laid_out_otherwise_than_its_parameter_is_stepped_as_given(fake_group):
+    fake_group(2)
+    gm, plain = parallel(), parallel(dtensor_params=False)
+    opts = {id(m): torch.optim.SGD(m.parameters(), lr=1e-2) for m in (gm, plain)}
+    p = gm.layers[0].attention.wq.weight
+    full = torch.randn(p.shape, generator=torch.Generator().manual_seed(2))
+    replicated = DTensor.from_local(full, p.device_mesh, [Replicate()], run_check=False)
+    for model in (gm, plain):
+        backward(model)
+    p.grad = replicated
+    plain.layers[0].attention.wq.weight.grad = replicated.redistribute(
+        p.device_mesh, p.placements).to_local()
+    for model in (gm, plain):
+        opts[id(model)].step()
+    assert_same(values(gm), values(plain), "after a step with a replicated gradient")
+    assert p.grad is replicated and all(read.grad is None for read in reads(gm))
 
 
 def test_a_step_with_a_closure_and_one_after_a_step_that_raised_are_right(fake_group):
