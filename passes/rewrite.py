@@ -271,10 +271,12 @@ def _sync_partial_grads(graph: fx.Graph, group: str, scope) -> None:
             summed[node] = [u for u in node.users if _contributes_partial_grad(u, needs_grad)]
     for edge in [n for n, users in summed.items()
                  if n.target is stamp_edge and users and len(users) == len(n.users)]:
-        param = edge.args[0]  # a root parameter every block is given: synced once, in the root
-        if param in from_params and param in trainable:
-            summed[param] = list(dict.fromkeys(
-                summed.get(param, []) + [edge] + [u for u in param.users if STAMP in u.meta]))
+        value = edge.args[0]  # a value every block is given is synced once, in the root,
+        # where it is a parameter, or the root syncs it for readers of its own (DiT's
+        # condition, read by the blocks and the final layer)
+        if value in from_params and value in trainable or summed.get(value):
+            summed[value] = list(dict.fromkeys(
+                summed.get(value, []) + [edge] + [u for u in value.users if STAMP in u.meta]))
             del summed[edge]
     for node, partial_users in summed.items():
         if not partial_users:

@@ -128,8 +128,8 @@ FAMILIES = {
     "timm_vit": (ports.TimmViT, [IMAGES], {}, lambda out: out, AR(4), AR(4)),
     # DiT: its timestep MLP is a pair too (1 forward); each adaptive norm's modulation is
     # column-wise and gathered (3 forward); backward, the final linear's input and the
-    # condition's gradient, once for the (stamped) blocks and once for the final layer
-    "dit": (ports.DiT, dit_inputs(), {}, lambda out: out, AR(5, gathers=4), AR(7)),
+    # condition's gradient, once for the (stamped) blocks and the final layer together
+    "dit": (ports.DiT, dit_inputs(), {}, lambda out: out, AR(5, gathers=4), AR(6)),
 }
 
 
