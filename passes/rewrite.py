@@ -250,9 +250,10 @@ def _summed_anyway(a: fx.Node, reader: fx.Node, carries: frozenset, seen) -> boo
         return True
     if set(a.users) != {reader} or not _hands_on(a, carries):
         return False
-    graded = [x for x in tensor_inputs(a) if x in carries]
-    return is_replicate(placement_of(graded[0])) and \
-        _summed_anyway(graded[0], a, carries, seen | {a})
+    whole = a.args[0] if a.target is operator.getitem else a  # a split's piece: its split
+    graded = [x for x in tensor_inputs(whole) if x in carries]
+    return len(graded) == 1 and is_replicate(placement_of(graded[0])) and \
+        _summed_anyway(graded[0], whole, carries, seen | {a, whole})
 
 
 def _sync_partial_grads(graph: fx.Graph, group: str, scope) -> None:

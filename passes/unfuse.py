@@ -2,19 +2,23 @@
 together.
 
 A colwise projection whose output is split into parts (``q, k, v = qkv(x).split(...)``,
-``gate, up = w13(x).chunk(2, -1)``) is served blocked by :mod:`fxtp.passes.strided` when
-every part divides by the world size. Where one does not (fewer KV heads than ranks, an
-MLP width that does not divide), propagation gathers the fused output at the split. Such a
-projection is rewritten here as one ``linear`` per part, on row slices of the fused weight
-(and bias), each slice laid out as a colwise projection's weight. Every part then places as
-a separate projection does: KV heads dealt to the groups of ranks whose query heads use
-them and uneven widths dealt as ``torch.chunk`` deals them (:mod:`fxtp.passes.units`).
+``gate, up = w13(x).chunk(2, -1)``), or viewed by heads and sliced into runs of heads
+(Falcon-7B's multi-query ``qkv.view(b, t, heads + 2, d)[..., :-2, :]``, ``[..., [-2], :]``,
+``[..., [-1], :]``), is served blocked by :mod:`fxtp.passes.strided` when every part
+divides by the world size. Where one does not (fewer KV heads than ranks, an MLP width
+that does not divide), propagation gathers the fused output where it is split. Such a
+projection (``linear(x, w, b)``, or ``x @ w.T``) is rewritten here as one ``linear`` per
+part, on row slices of the fused weight (and bias), each slice laid out as a colwise
+projection's weight. Every part then places as a separate projection does: KV heads dealt
+to the groups of ranks whose query heads use them, one head that every query head reads
+whole on every rank, and uneven widths dealt as ``torch.chunk`` deals them
+(:mod:`fxtp.passes.units`).
 
 The fused parameter stays whole on every rank (vLLM holds a grouped KV head on each rank of
 its group so too): parameter memory is traded for the gather of every activation. A sharded
-slice's gradient is gathered, a grouped one's summed over the ranks, as those layouts do for
-any parameter. A rewrite is kept only if the program then falls back less; otherwise the
-graph is put back exactly as it was.
+slice's gradient is gathered, a grouped or whole one's summed over the ranks, as those
+layouts do for any parameter. A rewrite is kept only if the program then falls back less;
+otherwise the graph is put back exactly as it was.
 """
 from __future__ import annotations
 
@@ -25,30 +29,33 @@ import torch.fx as fx
 from torch.distributed.tensor import Replicate
 
 from .context import PassContext
-from .graph import (BOUNDARY, FALLBACK, FALLBACKS, INPUTS, PLACEMENT, RELAID, layout,
-                    module_fqn, placement_of, tied_attrs, val)
+from .graph import (BOUNDARY, FALLBACK, FALLBACKS, INPUTS, PLACEMENT, RELAID, attr,
+                    layout, module_fqn, placement_of, tied_attrs, val)
 from .placement import dealt_shard, is_replicate, is_sharded
 from .snapshot import Snapshot
 
 aten = torch.ops.aten
 _SPLITS = {aten.split_with_sizes.default, aten.split.Tensor, aten.chunk.default}
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 
 
 def unfuse_splits(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    """Compute every fused projection whose split is gathered (at the split or further on)
-    part by part, and place the program again (``ctx.place``). Keep that if it falls back
-    less; else put the graph and ``gm.meta[FALLBACKS]`` back exactly as they were.
-    ``gm.meta[RELAID]``: whether it was kept."""
+    """Compute every fused projection whose parts are gathered (where it is split or
+    further on) part by part, and place the program again (``ctx.place``). Keep that if it
+    falls back less; else put the graph and ``gm.meta[FALLBACKS]`` back exactly as they
+    were. ``gm.meta[RELAID]``: whether it was kept."""
     graph, tied, world = gm.graph, tied_attrs(gm), ctx.world
-    found = [(split, fused) for split in graph.nodes
-             if (fused := _fused_projection(split, tied, world)) is not None]
+    found = [(node, parts, fused) for node in graph.nodes
+             if (parts := _split_parts(node) or _head_parts(node, gm)) is not None
+             and (fused := _projection(node.args[0], [size for _, size in parts], tied,
+                                       world)) is not None]
     gm.meta[RELAID] = False
     if not found:
         return gm
     before, fallbacks = Snapshot(graph), sum(FALLBACK in n.meta for n in graph.nodes)
     prior = gm.meta.get(FALLBACKS)
-    for split, fused in found:
-        _unfuse(graph, split, *fused, world)
+    for node, parts, fused in found:
+        _unfuse(graph, node, parts, *fused, world)
     graph.lint()
     kept = len(ctx.place(gm, ctx).meta[FALLBACKS]) < fallbacks
     if not kept:
@@ -58,19 +65,80 @@ def unfuse_splits(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return gm
 
 
-def _fused_projection(split: fx.Node, tied: set, world: int):
-    """``(linear, markers)`` for a split of the output of a ``linear`` on its features,
-    read through module-output layout markers only, that gathers it or whose parts are
-    gathered further on, when the weight and bias are parameters read only there and every
-    part has at least ``world`` features; else ``None``."""
+def _split_parts(split: fx.Node):
+    """``[(reader, features)]``, each part's reader (a ``getitem``) in the order of the
+    features, for a split on the last dim that gathers its input or whose parts are
+    gathered further on; else ``None``."""
     if split.op != "call_function" or split.target not in _SPLITS or \
-            any(u.target is not operator.getitem for u in split.users):
+            any(u.target is not operator.getitem for u in split.users) or \
+            _split_dim(split) != val(split.args[0]).dim() - 1:
         return None
-    fused, needed = split.args[0], (split.meta.get(INPUTS) or (None,))[0]
+    needed = (split.meta.get(INPUTS) or (None,))[0]
+    if not (is_replicate(needed) or _falls_back_after(split)):
+        return None
+    readers = {u.args[1]: u for u in split.users}
+    return [(readers.get(i), part.shape[-1]) for i, part in enumerate(val(split))]
+
+
+def _head_parts(view: fx.Node, gm: fx.GraphModule):
+    """``[(reader, features)]`` in the order of the features, for a view of the last dim
+    as ``(..., heads, head_dim)`` whose readers each take a run of heads, by a slice or an
+    index by a constant run, all of them once, and gather it for want of a rule (Falcon-7B's
+    multi-query ``q, k, v = qkv[..., :-2, :], qkv[..., [-2], :], qkv[..., [-1], :]``);
+    else ``None``."""
+    if view.op != "call_function" or view.target not in _VIEWS or \
+            not isinstance(view.args[0], fx.Node) or not view.users:
+        return None
+    shape, before = val(view).shape, val(view.args[0]).shape
+    if len(shape) < 2 or len(shape) != len(before) + 1 or \
+            not isinstance(shape[-2], int) or shape[:-2] != before[:-1]:
+        return None
+    heads, dim = shape[-2], len(shape) - 2
+    runs = sorted(((run, reader) for reader in view.users
+                   if (run := _run_of_heads(reader, dim, heads, gm)) is not None),
+                  key=lambda found: found[0])
+    if len(runs) != len(view.users) or [a for (a, _), _ in runs] != \
+            [0] + [b for (_, b), _ in runs[:-1]] or runs[-1][0][1] != heads or \
+            not any(FALLBACK in reader.meta for reader in view.users):
+        return None
+    return [(reader, (b - a) * shape[-1]) for (a, b), reader in runs]
+
+
+def _run_of_heads(reader: fx.Node, dim: int, heads: int, gm: fx.GraphModule):
+    """``(start, stop)``: the heads ``reader`` takes of its input's ``dim``, where that is
+    a run (a slice of step 1, or an index by a constant tensor of consecutive heads)."""
+    if reader.target is aten.slice.Tensor:
+        _, d, start, stop, step = (list(reader.args) + [0, None, None, 1][len(reader.args) - 1:])
+        if d % (dim + 2) != dim or step != 1 or not all(
+                isinstance(x, (int, type(None))) for x in (start, stop)):
+            return None
+        start, stop, _ = slice(start, stop).indices(heads)
+        return (start, stop) if start < stop else None
+    if reader.target is aten.index.Tensor:
+        index = reader.args[1]
+        if len(index) != dim + 1 or any(i is not None for i in index[:-1]):
+            return None
+        held = index[-1]
+        if isinstance(held, fx.Node) and held.target is aten.lift_fresh_copy.default:
+            held = held.args[0]
+        if not isinstance(held, fx.Node) or held.op != "get_attr":
+            return None
+        value = attr(gm, held.target)
+        if value.is_meta or value.dim() != 1 or value.is_floating_point():
+            return None
+        taken = [i % heads for i in value.tolist()]
+        if taken and taken == list(range(taken[0], taken[0] + len(taken))):
+            return taken[0], taken[-1] + 1
+    return None
+
+
+def _projection(fused: fx.Node, sizes: list, tied: set, world: int):
+    """``(linear, markers)`` where ``fused`` is the output of a linear (:func:`_operands`)
+    sharded on its features, read through module-output layout markers only, its weight
+    and bias parameters read only there, and every part (``sizes``: features) has at least
+    ``world`` features; else ``None``."""
     have = placement_of(fused)
-    dim = _split_dim(split)
-    if not is_sharded(have) or have.dim != dim or \
-            not (is_replicate(needed) or _falls_back_after(split)):
+    if not is_sharded(have) or have.dim != val(fused).dim() - 1 or min(sizes) < world:
         return None
     markers, node = [], fused
     while node.op == "call_function" and node.target is layout:
@@ -78,13 +146,31 @@ def _fused_projection(split: fx.Node, tied: set, world: int):
             return None
         markers.append(node)
         node = node.args[0]
-    if node.target is not aten.linear.default or len(node.users) != 1 or \
-            dim != val(node).dim() - 1 or any(p.shape[dim] < world for p in val(split)):
+    operands = _operands(node)
+    if operands is None or len(node.users) != 1:
         return None
-    params = [p for p in node.args[1:3] if p is not None]
+    _, params, _ = operands
     if any(p.op != "get_attr" or len(p.users) != 1 or p in tied for p in params):
         return None
     return node, markers
+
+
+_TRANSPOSES = {aten.t.default, aten.numpy_T.default}
+
+
+def _operands(node: fx.Node):
+    """``(x, [weight, bias?], between)`` of a linear: ``linear(x, w, b)``, or ``x @ w.T``
+    with a 2-D ``w`` (Falcon's ``FalconLinear``; ``between``: the transpose); else
+    ``None``."""
+    if node.op != "call_function":
+        return None
+    if node.target is aten.linear.default:
+        return node.args[0], [p for p in node.args[1:3] if p is not None], []
+    if node.target is aten.matmul.default and isinstance(node.args[1], fx.Node):
+        w_t = node.args[1]
+        if w_t.target in _TRANSPOSES and len(w_t.users) == 1 and val(w_t).dim() == 2:
+            return node.args[0], [w_t.args[0]], [w_t]
+    return None
 
 
 def _falls_back_after(split: fx.Node) -> bool:
@@ -107,11 +193,19 @@ def _split_dim(split: fx.Node) -> int:
     return dim % val(split.args[0]).dim()
 
 
-def _unfuse(graph: fx.Graph, split: fx.Node, linear: fx.Node, markers: list, world: int):
-    """``linear(x, w, b)`` split into parts -> ``linear(x, w_i, b_i)`` per part, ``w_i`` and
-    ``b_i`` this part's rows of the whole parameters, each laid out sharded on its rows."""
-    sizes = [part.shape[-1] for part in val(split)]
-    x, params = linear.args[0], [p for p in linear.args[1:3] if p is not None]
+def _unfuse(graph: fx.Graph, reads: fx.Node, parts: list, linear: fx.Node, markers: list,
+            world: int):
+    """``linear(x, w, b)`` (or ``x @ w.T``) read by ``reads`` (a split, or a view of heads)
+    in ``parts`` (``[(reader, features)]``) -> ``linear(x, w_i, b_i)`` per part, ``w_i``
+    and ``b_i`` this part's rows of the whole parameters, each laid out sharded on its
+    rows (whole where it is one head every query head reads); each reader then reads its
+    part's, viewed as it read it."""
+    sizes = [size for _, size in parts]
+    x, params, between = _operands(linear)
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    whole = {i for i, (reader, _) in enumerate(parts)  # one head every rank's heads read
+             if reader is not None and reader.target is not operator.getitem and
+             val(reader).shape[-2] == 1}
     pieces = []
     with graph.inserting_before(linear):
         for param in params:
@@ -120,14 +214,28 @@ def _unfuse(graph: fx.Graph, split: fx.Node, linear: fx.Node, markers: list, wor
                         list(val(param).split(sizes)))
             rows = [_node(graph, linear, operator.getitem, (cut, i), v)
                     for i, v in enumerate(val(cut))]
-            pieces.append([_sharded(graph, linear, row, f"part {i} of {param.target}", world)
+            pieces.append([row if i in whole else
+                           _sharded(graph, linear, row, f"part {i} of {param.target}", world)
                            for i, row in enumerate(rows)])
-        parts = [_node(graph, linear, aten.linear.default, (x, *own), val(split)[i])
-                 for i, own in enumerate(zip(*pieces))]
-    for user in list(split.users):
-        user.replace_all_uses_with(parts[user.args[1]])
-        graph.erase_node(user)
-    for node in [split, *markers, linear]:
+        whole = val(linear)
+        linears = [_node(graph, linear, aten.linear.default, (x, *own),
+                         whole.narrow(-1, offset, size).contiguous())
+                   for own, offset, size in zip(zip(*pieces), offsets, sizes)]
+    for (reader, _), part in zip(parts, linears):
+        if reader is None:
+            continue
+        if reader.target is not operator.getitem:  # a run of heads: the part, viewed so
+            shape = list(reads.args[1])
+            shape[-2] = val(reader).shape[-2]
+            with graph.inserting_before(reader):
+                part = _node(graph, reader, aten.reshape.default, (part, shape),
+                             val(part).view(val(reader).shape))
+        reader.replace_all_uses_with(part)
+        index = reader.args[1][-1] if reader.target is aten.index.Tensor else None
+        graph.erase_node(reader)
+        if isinstance(index, fx.Node) and not index.users:
+            graph.erase_node(index)
+    for node in [reads, *markers, linear, *between]:
         graph.erase_node(node)
 
 

@@ -19,16 +19,18 @@ aten = torch.ops.aten
 
 def _sdpa_spec(node):
     """Batch and head dims shard; query/key length and head dim do not (GQA: key/value may
-    have fewer heads; they shard on the same head label). Serves ``scaled_dot_product_attention``
-    and the fused kernels it dispatches to (CPU flash, flash, efficient, cuDNN, math): tensor
-    inputs after q, k, v are masks or biases broadcast to (..., s, t); outputs are the
-    attention output, the log-sum-exp (..., s), attention weights (..., s, t), and
-    bookkeeping values (RNG state, sequence lengths) that stay replicated."""
+    have fewer heads; they shard on the same head label; one key/value head broadcast to
+    every query head, as in multi-query attention, stays whole). Serves
+    ``scaled_dot_product_attention`` and the fused kernels it dispatches to (CPU flash,
+    flash, efficient, cuDNN, math): tensor inputs after q, k, v are masks or biases
+    broadcast to (..., s, t); outputs are the attention output, the log-sum-exp (..., s),
+    attention weights (..., s, t), and bookkeeping values (RNG state, sequence lengths)
+    that stay replicated."""
     q, k, v, *masks = (val(a) for a in tensor_inputs(node))
     n = q.dim()
     batch = [f"d{j}" for j in range(n - 2)]
-    specs = [tuple(batch + ["s!", "e!"]), tuple(batch + ["t!", "e!"]),
-             tuple(batch + ["t!", "f!"])]
+    specs = [tuple(batch + ["s!", "e!"]), broadcast_labels(k.shape, batch + ["t!", "e!"]),
+             broadcast_labels(v.shape, batch + ["t!", "f!"])]
     for mask in masks:
         specs.append(broadcast_labels(mask.shape, batch + ["s!", "t!"]))
     out, *extra = output_vals(node)

@@ -64,20 +64,23 @@ def test_kv_weights_stay_whole_and_are_sliced_per_rank(fake_group, kv_heads):
     assert gm.fxtp.fallbacks == []
 
 
-# A fused q / k / v projection with fewer KV heads than ranks is not served without a
-# gather yet (docs/how-it-works.md, "Uneven sizes and few KV heads"). At these widths its output is
-# gathered where it is split, reported, and the model computes as on one device. Per
-# family: config, model, attention and block prefixes with their projections, config
-# overrides, and (forward, backward) collectives and reported gathers at 2 and 4 ranks
-# alike. Falcon-7B's layout runs attention and MLP in parallel (one all-reduce a layer) and
-# slices q, k and v out of a view by heads (three reported gathers of one value a layer);
-# GPT-BigCode splits once.
+# A fused q / k / v projection with one KV head. Falcon-7B's layout slices q, k and v out
+# of a view of the fused output by heads, and runs attention and MLP in parallel (one
+# all-reduce a layer): it is computed part by part, q's rows sharded and k's and v's whole
+# on every rank, its one KV head broadcast to each rank's query heads. Backward: per layer
+# the block input's gradient, k's (each rank's query heads give it a partial sum) and the
+# bucket of the whole KV rows' gradients are summed, and the q rows' gradient is gathered
+# into the whole fused weight. GPT-BigCode splits q from k and v, then k from v: that is
+# not served without a gather yet (docs/how-it-works.md, "Uneven sizes and few KV heads"):
+# at these widths its output is gathered where it is split, reported, and the model
+# computes as on one device. Per family: config, model, attention and block prefixes with
+# their projections, config overrides, and (forward, backward) collectives and reported
+# gathers at 2 and 4 ranks alike.
 MQA_FUSED = {
     "falcon": ("FalconConfig", "FalconForCausalLM", "transformer.h.*.self_attention.",
                ("query_key_value", "dense"), ("mlp.dense_h_to_4h", "mlp.dense_4h_to_h"),
                dict(multi_query=True, new_decoder_architecture=False, alibi=False),
-               (({"all_gather": L, "all_reduce": L}, {"all_gather": L, "all_reduce": L}),
-                3 * L)),
+               (({"all_reduce": L}, {"all_gather": L, "all_reduce": 3 * L}), 0)),
     "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", "transformer.h.*.attn.",
                     ("c_attn", "c_proj"), ("mlp.c_fc", "mlp.c_proj"), dict(multi_query=True),
                     (({"all_gather": L, "all_reduce": 2 * L},
@@ -115,9 +118,26 @@ def mqa_fused_parity(rank, world, family):
 
 
 @pytest.mark.parametrize("family", sorted(MQA_FUSED))
-def test_a_fused_projection_with_one_kv_head_is_gathered_where_it_is_split(ranks, family):
+def test_a_fused_projection_with_one_kv_head_trains_like_one_device(ranks, family):
     counts, reported = MQA_FUSED[family][-1]
     assert ranks.run(mqa_fused_parity, family)[0] == (counts, reported)
+
+
+def test_falcons_multi_query_projection_is_derived_column_wise_and_placed_strictly(
+        fake_group):
+    """Its fused q / k / v rows viewed by heads: the derived plan shards them as Megatron
+    does, and the placed program keeps the fused weight whole (each part sliced from it)
+    with no fallback."""
+    fake_group(4)
+    plan = fxtp.derive_plan(mqa_model("falcon"), example_inputs=(TOKENS,),
+                            example_kwargs={"use_cache": False}, world_size=4)
+    assert type(plan["transformer.h.*.self_attention.query_key_value"]) is \
+        fxtp.ColwiseParallel
+    gm = fxtp.parallelize(mqa_model("falcon"), plan, example_inputs=(TOKENS,),
+                          example_kwargs={"use_cache": False}, strict=True)
+    assert gm.fxtp.fallbacks == []
+    assert gm.fxtp.param_placements[
+        "transformer.h.0.self_attention.query_key_value.weight"].is_replicate()
 
 
 def test_strict_mode_refuses_a_fused_projection_with_one_kv_head(fake_group):

@@ -138,6 +138,9 @@ PROGRAMS = {
              lambda: (rand(4, 4, 8, 4), rand(4, 4, 8, 4), rand(4, 4, 8, 4), rand(8, 8))),
     "sdpa_gqa": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
                  lambda: (rand(4, 8, 4, 4), rand(4, 4, 4, 4), rand(4, 4, 4, 4))),
+    # multi-query: one key / value head broadcast to every query head (Falcon-7B)
+    "sdpa_mqa": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                 lambda: (rand(4, 4, 8, 4), rand(4, 1, 8, 4), rand(4, 1, 8, 4))),
     "hf_mask_ops": (lambda x, m, n: (torch.where(m, x, 0.0), torch.where(m, 1.0, x),
                                      aten.where.Scalar(m, 1.0, 0.0), m & n, m | n, m ^ n,
                                      torch.diff(x, dim=1), torch.diff(x, 2, dim=0, prepend=x)),
