@@ -149,7 +149,7 @@ def _slice_before_use(graph: fx.Graph, param: fx.Node, placement) -> None:
 def _partner(user: fx.Node, marker: fx.Node, dim: int):
     """``(weight get_attr, its dim)`` carrying, in ``user``'s rule, the label of
     ``marker``'s ``dim`` (a rowwise linear's input features), when it is a parameter
-    read only there; else ``None``."""
+    read only there, as it is or transposed; else ``None``."""
     rule = rule_for(user.target) if user.op == "call_function" else None
     if rule is None:
         return None
@@ -161,7 +161,13 @@ def _partner(user: fx.Node, marker: fx.Node, dim: int):
             continue
         dims = [d for d, lab in enumerate(labels) if label_base(lab) == label]
         if dims:
+            dim = dims[0]
+            if arg.target in _TRANSPOSES and val(arg).dim() == 2 and len(arg.users) == 1:
+                arg, dim = arg.args[0], 1 - dim  # x @ w.T (Falcon's FalconLinear)
             if arg.op != "get_attr" or len(arg.users) != 1:
                 return None
-            return arg, dims[0]
+            return arg, dim
     return None
+
+
+_TRANSPOSES = {aten.t.default, aten.numpy_T.default}

@@ -123,6 +123,22 @@ def test_a_fused_projection_with_one_kv_head_trains_like_one_device(ranks, famil
     assert ranks.run(mqa_fused_parity, family)[0] == (counts, reported)
 
 
+def falcon_7b_heads_parity(rank, world):
+    return check_parity(rank, world,
+                        lambda: mqa_model("falcon", hidden_size=284, num_attention_heads=71),
+                        mqa_plan("falcon"), [TOKENS], dtype=torch.float64, strict=True,
+                        input_grads=False, kwargs={"use_cache": False},
+                        output=lambda out: out.logits)
+
+
+def test_falcon_7bs_71_query_heads_are_dealt_whole_and_dense_takes_them_alike(ranks):
+    """Falcon-7B's own head count, which no world size divides (hidden 284 here): q's rows
+    dealt in whole heads (36 and 35 at 2 ranks), and ``dense`` (``x @ w.T``) takes its
+    input features in the same deal, so the attention output is not gathered. Strict;
+    backward, the dealt q rows' gradient joins the KV rows' bucket (no gather)."""
+    assert ranks.run(falcon_7b_heads_parity)[0] == ({"all_reduce": L}, {"all_reduce": 3 * L})
+
+
 def test_falcons_multi_query_projection_is_derived_column_wise_and_placed_strictly(
         fake_group):
     """Its fused q / k / v rows viewed by heads: the derived plan shards them as Megatron
