@@ -220,6 +220,18 @@ def op_arg(node: fx.Node, i: int, name: str, default=None):
     return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
 
 
+def transposed_matrix(value) -> Optional[fx.Node]:
+    """The matrix ``value`` transposes (``x @ w.T``, as Falcon's linears multiply:
+    ``w.t()``, ``w.T``, ``w.transpose(0, 1)``), else ``None``."""
+    if not isinstance(value, fx.Node) or value.op != "call_function":
+        return None
+    aten = torch.ops.aten
+    if value.target in (aten.t.default, aten.numpy_T.default) or \
+            value.target is aten.transpose.int and sorted(value.args[1:3]) in ([0, 1], [-2, -1]):
+        return value.args[0]
+    return None
+
+
 def call_args(node: fx.Node) -> Optional[dict]:
     """A Python function call's arguments by parameter name, defaults filled (``None`` for
     ops without a Python signature: read those through their schema)."""

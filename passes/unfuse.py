@@ -30,7 +30,8 @@ from torch.distributed.tensor import Replicate
 
 from .context import PassContext
 from .graph import (BOUNDARY, FALLBACK, FALLBACKS, INPUTS, PLACEMENT, RELAID, attr,
-                    layout, module_fqn, placement_of, tied_attrs, val)
+                    layout, module_fqn, op_arg, placement_of, tied_attrs, transposed_matrix,
+                    val)
 from .placement import dealt_shard, is_replicate, is_sharded
 from .snapshot import Snapshot
 
@@ -108,7 +109,8 @@ def _run_of_heads(reader: fx.Node, dim: int, heads: int, gm: fx.GraphModule):
     """``(start, stop)``: the heads ``reader`` takes of its input's ``dim``, where that is
     a run (a slice of step 1, or an index by a constant tensor of consecutive heads)."""
     if reader.target is aten.slice.Tensor:
-        _, d, start, stop, step = (list(reader.args) + [0, None, None, 1][len(reader.args) - 1:])
+        d, start, stop, step = (op_arg(reader, 1, "dim", 0), op_arg(reader, 2, "start"),
+                                op_arg(reader, 3, "end"), op_arg(reader, 4, "step", 1))
         if d % (dim + 2) != dim or step != 1 or not all(
                 isinstance(x, (int, type(None))) for x in (start, stop)):
             return None
@@ -155,9 +157,6 @@ def _projection(fused: fx.Node, sizes: list, tied: set, world: int):
     return node, markers
 
 
-_TRANSPOSES = {aten.t.default, aten.numpy_T.default}
-
-
 def _operands(node: fx.Node):
     """``(x, [weight, bias?], between)`` of a linear: ``linear(x, w, b)``, or ``x @ w.T``
     with a 2-D ``w`` (Falcon's ``FalconLinear``; ``between``: the transpose); else
@@ -166,10 +165,10 @@ def _operands(node: fx.Node):
         return None
     if node.target is aten.linear.default:
         return node.args[0], [p for p in node.args[1:3] if p is not None], []
-    if node.target is aten.matmul.default and isinstance(node.args[1], fx.Node):
-        w_t = node.args[1]
-        if w_t.target in _TRANSPOSES and len(w_t.users) == 1 and val(w_t).dim() == 2:
-            return node.args[0], [w_t.args[0]], [w_t]
+    w_t = node.args[1] if node.target is aten.matmul.default else None
+    w = transposed_matrix(w_t)
+    if w is not None and len(w_t.users) == 1 and val(w_t).dim() == 2:
+        return node.args[0], [w], [w_t]
     return None
 
 
@@ -217,9 +216,9 @@ def _unfuse(graph: fx.Graph, reads: fx.Node, parts: list, linear: fx.Node, marke
             pieces.append([row if i in whole else
                            _sharded(graph, linear, row, f"part {i} of {param.target}", world)
                            for i, row in enumerate(rows)])
-        whole = val(linear)
+        fused = val(linear)
         linears = [_node(graph, linear, aten.linear.default, (x, *own),
-                         whole.narrow(-1, offset, size).contiguous())
+                         fused.narrow(-1, offset, size).contiguous())
                    for own, offset, size in zip(zip(*pieces), offsets, sizes)]
     for (reader, _), part in zip(parts, linears):
         if reader is None:

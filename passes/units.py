@@ -31,7 +31,7 @@ from torch.distributed.tensor import Replicate, Shard
 from .context import PassContext, relayout
 from .dimspec import label_base
 from .graph import (BOUNDARY, INPUTS, PLACEMENT, layout, placement_of, tensor_inputs,
-                    tied_attrs, val)
+                    tied_attrs, transposed_matrix, val)
 from .placement import UnitShard, is_replicate
 from .rules import rule_for
 from .strided import carried_from_params
@@ -161,13 +161,10 @@ def _partner(user: fx.Node, marker: fx.Node, dim: int):
             continue
         dims = [d for d, lab in enumerate(labels) if label_base(lab) == label]
         if dims:
-            dim = dims[0]
-            if arg.target in _TRANSPOSES and val(arg).dim() == 2 and len(arg.users) == 1:
-                arg, dim = arg.args[0], 1 - dim  # x @ w.T (Falcon's FalconLinear)
+            dim, w = dims[0], transposed_matrix(arg)
+            if w is not None and val(arg).dim() == 2 and len(arg.users) == 1:
+                arg, dim = w, 1 - dim  # x @ w.T (Falcon's FalconLinear)
             if arg.op != "get_attr" or len(arg.users) != 1:
                 return None
             return arg, dim
     return None
-
-
-_TRANSPOSES = {aten.t.default, aten.numpy_T.default}

@@ -26,7 +26,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..passes.effects import returns_alias
-from ..passes.graph import module_fqns, val
+from ..passes.graph import module_fqns, transposed_matrix, val
 from ..passes.rules import is_tagged_pointwise
 
 aten = torch.ops.aten
@@ -90,7 +90,7 @@ def _projection_of(node: fx.Node, modules: dict, aliases: dict
     if node.target is aten.linear.default:
         weight = node.args[1]
     elif node.target in (aten.matmul.default, aten.mm.default):
-        weight = _transposed(node.args[1])
+        weight = transposed_matrix(node.args[1])
     elif node.target is aten.addmm.default:
         weight = node.args[2]
     elif node.target is aten.embedding.default:
@@ -115,17 +115,6 @@ def _projection_of(node: fx.Node, modules: dict, aliases: dict
         if node.target is aten.addmm.default and type(module).__name__ == "Conv1D":
             return "linear", owner
     return None, None
-
-
-def _transposed(value) -> Optional[fx.Node]:
-    """The matrix ``value`` transposes (``x @ w.T``, as Falcon's linears multiply), else
-    None."""
-    if not isinstance(value, fx.Node) or value.op != "call_function":
-        return None
-    if value.target in (aten.t.default, aten.numpy_T.default) or \
-            value.target is aten.transpose.int and sorted(value.args[1:3]) in ([0, 1], [-2, -1]):
-        return value.args[0]
-    return None
 
 
 def carries(node: fx.Node) -> bool:
