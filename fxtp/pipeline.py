@@ -47,7 +47,7 @@ from .kernels.collectives import allow_in_dynamo_graphs
 from .passes.context import PassContext
 from .passes.decompose import decompose_unruled
 from .passes.errors import InputError, PlanError, ShardingError, StampMismatch
-from .passes.graph import (FALLBACKS, INLINED, PLACEMENT, RECOMPUTED, REGION, STAMPED,
+from .passes.graph import (FALLBACKS, HELD_WHOLE, INLINED, PLACEMENT, RECOMPUTED, REGION, STAMPED,
                            boundary_nodes, calls_of, keep_on_copy)
 from .passes.localize import localize
 from .passes.modules import generate_code, outline_modules, scope_of, stamp_modules
@@ -212,6 +212,7 @@ class Build:
     copies: dict = field(default_factory=dict)  # a stamped block's tensor -> its reference's
     placements: dict = field(default_factory=dict)  # tensor FQN -> placement
     shapes: dict = field(default_factory=dict)  # tensor FQN -> global shape
+    held_whole: dict = field(default_factory=dict)  # parameter FQN -> why, against the plan
 
 
 def _resolve(model: nn.Module, plan: Plan, mesh, options: Options) -> Job:
@@ -340,6 +341,9 @@ def _assemble(b: Build) -> None:
     b.shapes = {n.target: tuple(n.meta["val"].shape) for n in attrs}
     b.placements.update({t: b.placements[like] for t, like in b.copies.items()})
     b.shapes.update({t: b.shapes[like] for t, like in b.copies.items()})
+    b.held_whole = {n.target: n.meta[HELD_WHOLE] for n in attrs if HELD_WHOLE in n.meta}
+    b.held_whole.update({t: b.held_whole[like] for t, like in b.copies.items()
+                         if like in b.held_whole})
     device_mesh = job.group.device_mesh(job.device.type)
     if job.meta:  # on the meta device: shapes only, for init_weights after to_empty
         materialize(gm, job.model, job.meta, b.placements, job.group, device_mesh, job.device,
@@ -457,7 +461,8 @@ def _info(b: Build, device_mesh: DeviceMesh, inlined) -> ParallelInfo:
     """``gm.fxtp``: what the attempt that made the program found and did."""
     job, gm = b.job, b.gm
     outputs = next(iter(reversed(gm.graph.nodes))).args[0]
-    for fqn, p in gm.named_parameters(remove_duplicate=False):  # unread: held whole
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    for fqn, p in params.items():  # unread: held whole
         b.placements.setdefault(fqn, Replicate())
         b.shapes.setdefault(fqn, tuple(p.shape))
     return ParallelInfo(
@@ -465,6 +470,7 @@ def _info(b: Build, device_mesh: DeviceMesh, inlined) -> ParallelInfo:
         rank=job.group.rank, world_size=job.group.world, fallbacks=b.fallbacks,
         output_placements=tuple(getattr(o, "meta", {}).get(PLACEMENT) for o in outputs),
         param_placements=b.placements, param_shapes=b.shapes, mesh=device_mesh,
+        held_whole={fqn: b.held_whole[fqn] for fqn in params if fqn in b.held_whole},
         state_keys=tuple(job.model.state_dict(keep_vars=True)), inlined=tuple(inlined),
         dtensor_outputs=b.dtensor_outputs, unplanned_outputs=b.unplanned,
         uncalled=b.uncalled)

@@ -24,6 +24,9 @@ passes (:class:`ModuleSharding`, :class:`ModuleCall`). Imports no pass.
                 a replicated operand into a partial one (on one rank). unpin
 ``UNPLANNED``   on a parameter's ``get_attr`` that no style places: whole as far as the plan
                 goes, though propagation may hold it as the shard its readers take. seed
+``HELD_WHOLE``  on a parameter's ``get_attr`` the plan shards but every rank holds whole,
+                its users reading their rows of it: why (uneven heads, a fused projection
+                computed part by part). units, unfuse
 ``READS``       on a node computing with a parameter through its owner's plain reads: the
                 parameter's path (relative to the graph's module). ``fxtp.edges.dtensor_params``
 ``REGION``      in ``node.meta["custom"]``: the number of the activation-checkpoint region
@@ -83,6 +86,7 @@ STAMP = "fxtp_stamp"
 PINNED = "fxtp_pinned"
 INTO_PARTIAL = "fxtp_into_partial"
 UNPLANNED = "fxtp_unplanned"
+HELD_WHOLE = "fxtp_held_whole"
 READS = "fxtp_reads"
 REGION = "fxtp_checkpoint"
 STAMPED = "fxtp_stamped"

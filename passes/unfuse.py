@@ -29,7 +29,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Replicate
 
 from .context import PassContext
-from .graph import (BOUNDARY, FALLBACK, FALLBACKS, INPUTS, PLACEMENT, RELAID, attr,
+from .graph import (BOUNDARY, FALLBACK, HELD_WHOLE, FALLBACKS, INPUTS, PLACEMENT, RELAID, attr,
                     layout, module_fqn, op_arg, placement_of, tied_attrs, transposed_matrix,
                     val)
 from .placement import dealt_shard, is_replicate, is_sharded
@@ -206,8 +206,13 @@ def _unfuse(graph: fx.Graph, reads: fx.Node, parts: list, linear: fx.Node, marke
              if reader is not None and reader.target is not operator.getitem and
              val(reader).shape[-2] == 1}
     pieces = []
+    why = (f"its fused parts ({', '.join(map(str, sizes))} features) cannot be sharded as "
+           f"one weight at {world} ranks, so each is computed from its rows of the whole "
+           f"weight (a projection per part would be held sharded)")
     with graph.inserting_before(linear):
         for param in params:
+            if not is_replicate(param.meta[PLACEMENT]):
+                param.meta[HELD_WHOLE] = why
             param.meta[PLACEMENT] = Replicate()
             cut = _node(graph, linear, aten.split_with_sizes.default, (param, sizes),
                         list(val(param).split(sizes)))

@@ -30,7 +30,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from .context import PassContext, relayout
 from .dimspec import label_base
-from .graph import (BOUNDARY, INPUTS, PLACEMENT, layout, placement_of, tensor_inputs,
+from .graph import (BOUNDARY, HELD_WHOLE, INPUTS, PLACEMENT, layout, placement_of, tensor_inputs,
                     tied_attrs, transposed_matrix, val)
 from .placement import UnitShard, is_replicate
 from .rules import rule_for
@@ -57,7 +57,10 @@ def deal_sources(gm: fx.GraphModule, ctx: PassContext) -> bool:
                 if carrier.target is layout:
                     carrier.args = (carrier.args[0], placement)
             elif want.units < world:
-                _slice_before_use(gm.graph, carrier, placement)
+                _slice_before_use(gm.graph, carrier, placement,
+                                  f"its {want.units} heads are fewer than the {world} ranks: "
+                                  f"each rank computes the head its query heads read, from "
+                                  f"its rows of the whole weight")
             else:
                 carrier.meta[PLACEMENT] = placement
         changed = True
@@ -134,9 +137,12 @@ _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
           aten.unflatten.int}
 
 
-def _slice_before_use(graph: fx.Graph, param: fx.Node, placement) -> None:
-    """Keep ``param`` whole and feed its users this rank's ``placement`` rows of it, sliced
-    in the module reading it (so its gradient is synchronized with that block's)."""
+def _slice_before_use(graph: fx.Graph, param: fx.Node, placement, why: str) -> None:
+    """Keep ``param`` whole (``HELD_WHOLE``: ``why``, where it was sharded) and feed its
+    users this rank's ``placement`` rows of it, sliced in the module reading it (so its
+    gradient is synchronized with that block's)."""
+    if not is_replicate(param.meta[PLACEMENT]):
+        param.meta[HELD_WHOLE] = why
     param.meta[PLACEMENT] = Replicate()
     reader = next(iter(param.users), param)
     with graph.inserting_after(param):

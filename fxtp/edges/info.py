@@ -22,6 +22,7 @@ class ParallelInfo:
     output_placements: tuple = ()
     param_placements: dict = field(default_factory=dict)
     param_shapes: dict = field(default_factory=dict)  # FQN -> global shape
+    held_whole: dict = field(default_factory=dict)  # FQN -> why the plan's shard is not held
     mesh: Optional[DeviceMesh] = None
     state_keys: tuple = ()  # the model's state_dict() keys, in order
     inlined: tuple = ()  # FQNs of modules kept in their parent's graph, not as submodules

@@ -55,7 +55,7 @@ from ..kernels.sharded_norm import layer_norm_bytes, layer_norm_of_shards, norm_
 from ..kernels.sharded_softmax import (any_of_shards, arg_of_shards, collective_bytes,
                                        cumsum_of_shards, extremum_of_shards, logsumexp_of_shards,
                                        pick_of_shards, softmax_of_shards, topk_of_shards)
-from .report import Comm, Fallback, Layer, NodeInfo, Report, Summary, Totals
+from .report import Comm, Fallback, HeldWhole, Layer, NodeInfo, Report, Summary, Totals
 
 
 def explain(gm: fx.GraphModule, *, input_grads: bool = False) -> Report:
@@ -77,9 +77,11 @@ def explain(gm: fx.GraphModule, *, input_grads: bool = False) -> Report:
     forward, backward, layers = _rollup(nodes, params)
     fallbacks = [Fallback(n.name, row.op, row.module, n.meta[FALLBACK])
                  for n, row in zip(rows, nodes) if n.meta.get(FALLBACK)]
+    held_whole = [HeldWhole(fqn, full - -(-full // world), info.held_whole[fqn])
+                  for fqn, (_, full) in params.items() if fqn in info.held_whole]
     summary = Summary(world, forward, backward, forward.total_bytes() + backward.total_bytes(),
                       sum(p[0] for p in params.values()), sum(p[1] for p in params.values()),
-                      layers, fallbacks, hints)
+                      layers, fallbacks, held_whole, hints)
     return Report(summary, nodes)
 
 

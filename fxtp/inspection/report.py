@@ -6,7 +6,7 @@ strings for symbolic (dynamic) dims such as ``"s52"``, whose sizes use the hints
 ``summary.symbolic_dims``::
 
     {
-      "schema_version": 1,
+      "schema_version": 2,
       "summary": {
         "world_size": int,
         "forward":  Totals,                        # Totals: {"counts": {kind: int},
@@ -19,6 +19,9 @@ strings for symbolic (dynamic) dims such as ``"s52"``, whose sizes use the hints
         "layers": [{"layer": str, "forward": Totals, "backward": Totals,
                     "param_bytes": int, "param_bytes_unsharded": int}],
         "fallbacks": [{"node": str, "op": str, "module": str, "message": str}],
+        "held_whole": [{"param": str,              # a parameter the plan shards that
+                        "extra_bytes": int,        #   every rank holds whole: the bytes
+                        "message": str}],          #   over its shard, and why
         "symbolic_dims": {expr: int}               # size hint used for each symbolic dim
       },
       "nodes": [{
@@ -54,7 +57,7 @@ import typing
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Optional, Union
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 Dim = Union[int, str]
 ABBREVIATIONS = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS"}
 
@@ -116,6 +119,13 @@ class Fallback:
 
 
 @dataclass
+class HeldWhole:
+    param: str
+    extra_bytes: int
+    message: str
+
+
+@dataclass
 class Summary:
     world_size: int
     forward: Totals
@@ -125,6 +135,7 @@ class Summary:
     param_bytes_unsharded: int
     layers: list[Layer]
     fallbacks: list[Fallback]
+    held_whole: list[HeldWhole]
     symbolic_dims: dict[str, int]
 
 
@@ -262,6 +273,14 @@ def format_report(report: Report) -> str:
                "none" if not s.fallbacks else "".join(
                    f"\n  {f.node} ({f.op}) in '{f.module or '<root>'}': {f.message}"
                    for f in s.fallbacks))]
+    if s.held_whole:
+        out.append(f"Held whole on every rank though the plan shards them (+"
+                   f"{human_bytes(sum(h.extra_bytes for h in s.held_whole))} a rank):")
+        said = set()
+        for h in s.held_whole:
+            out.append(f"  {h.param} (+{human_bytes(h.extra_bytes)}): " +
+                       ("as above" if h.message in said else h.message))
+            said.add(h.message)
     if s.symbolic_dims:
         out.append("Symbolic dims (sizes and bytes use these hints): " +
                    ", ".join(f"{k}={v}" for k, v in s.symbolic_dims.items()))

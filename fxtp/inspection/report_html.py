@@ -140,6 +140,15 @@ function renderSummary() {
   }
   if (!S.fallbacks.length) list.append(el("li", {style: "background:none"}, "none"));
   root.append(list);
+  if (S.held_whole.length) {
+    root.append(el("h2", {}, "Held whole on every rank though the plan shards them"));
+    const whole = el("ul", {id: "held-whole"});
+    for (const h of S.held_whole) {
+      whole.append(el("li", {}, el("span", {class: "mono"}, h.param),
+                      " (+" + bytes(h.extra_bytes) + "): " + h.message));
+    }
+    root.append(whole);
+  }
   const dims = Object.entries(S.symbolic_dims);
   if (dims.length) {
     root.append(el("p", {id: "symbolic"}, "Symbolic dims (sizes and bytes use these " +

@@ -32,7 +32,7 @@ from ..edges.materialize import fake_tensors, meta_tensors, swapped
 from ..frontend.trace import trace
 from ..passes.context import PassContext
 from ..passes.decompose import decompose_unruled
-from ..passes.graph import FALLBACKS, PLACEMENT, boundary_nodes, calls_of
+from ..passes.graph import FALLBACKS, HELD_WHOLE, PLACEMENT, boundary_nodes, calls_of
 from ..passes.errors import PlanError
 from ..passes.place import place
 from ..passes.placement import is_replicate
@@ -49,12 +49,14 @@ from .projections import Projection, projections
 @dataclass(frozen=True)
 class Placed:
     """What a candidate plan makes of the program: its fallbacks, what it sends per rank
-    forward and backward (bytes plus a fixed cost per collective, fxtp's cost model) and the
-    bytes of parameters each rank holds."""
+    forward and backward (bytes plus a fixed cost per collective, fxtp's cost model), the
+    bytes of parameters each rank holds, and those of them the plan shards that every rank
+    holds whole (``HELD_WHOLE``)."""
 
     fallbacks: tuple
     sent: float
     held: int
+    held_whole: tuple = ()  # (parameter FQN, bytes over its shard) the plan shards, held whole
 
 
 class DerivedPlan(dict):
@@ -77,6 +79,11 @@ class DerivedPlan(dict):
                      f"a fixed cost per collective), {self.placed.held / 2 ** 20:.2f} MiB of "
                      f"parameters ({self.placed.held / self.megatron.held:.3f}x Megatron's "
                      f"full sharding), {len(self.placed.fallbacks)} fallbacks")
+        if self.placed.held_whole:
+            names = dict.fromkeys(_INDEX.sub("*", fqn) for fqn, _ in self.placed.held_whole)
+            lines.append(f"of which {sum(b for _, b in self.placed.held_whole) / 2 ** 20:.2f} "
+                         f"MiB over their shards in parameters the plan shards and every rank "
+                         f"holds whole (gm.fxtp.held_whole says why): {', '.join(names)}")
         return "\n".join(lines)
 
 
@@ -495,13 +502,16 @@ class _Program:
             place(seed(gm, ctx), ctx)
             fallbacks = tuple(gm.meta[FALLBACKS])
             sent, _ = program_cost(gm, self.world)
-            held = sum(_held_bytes(n, self.world) for n in gm.graph.nodes
-                       if n.op == "get_attr" and PLACEMENT in n.meta)
+            attrs = [n for n in gm.graph.nodes if n.op == "get_attr" and PLACEMENT in n.meta]
+            held = sum(_held_bytes(n, self.world) for n in attrs)
+            whole = tuple((n.target, _held_bytes(n, self.world, True) -
+                           _held_bytes(n, self.world, False))
+                          for n in attrs if HELD_WHOLE in n.meta)
         finally:
             before.restore()
             gm.meta.clear()
             gm.meta.update(meta)
-        return Placed(fallbacks, sent, held)
+        return Placed(fallbacks, sent, held, whole)
 
 
 def is_norm(module: nn.Module) -> bool:
@@ -512,13 +522,15 @@ def is_norm(module: nn.Module) -> bool:
         all(p.dim() == 1 for p in module.parameters(recurse=False)))
 
 
-def _held_bytes(node: fx.Node, world: int) -> int:
-    """The bytes of the tensor ``node`` reads that each rank holds, as it is placed."""
+def _held_bytes(node: fx.Node, world: int, whole: Optional[bool] = None) -> int:
+    """The bytes of the tensor ``node`` reads that each rank holds, as it is placed (or
+    ``whole``, or not)."""
     value = node.meta.get("val")
     if not isinstance(value, torch.Tensor):
         return 0
-    whole = value.numel() * value.element_size()
-    return whole if is_replicate(node.meta[PLACEMENT]) else -(-whole // world)
+    size = value.numel() * value.element_size()
+    whole = is_replicate(node.meta[PLACEMENT]) if whole is None else whole
+    return size if whole else -(-size // world)
 
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)")

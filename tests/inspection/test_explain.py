@@ -182,7 +182,8 @@ def test_report_prints_a_table_of_nodes_and_a_summary():
 def test_json_round_trips_to_the_report_and_checks_field_types():
     report = explained(2, "llama_dynamic")
     data = json.loads(report.to_json())
-    assert data["schema_version"] == 1
+    assert data["schema_version"] == 2
+    assert data["summary"]["held_whole"] == []  # every parameter the plan shards, sharded
     assert Report.from_json(report.to_json()) == report
     node = data["nodes"][0]
     assert set(node) == {"name", "op", "module", "dtype", "global_shape", "local_shape",

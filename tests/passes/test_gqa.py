@@ -62,6 +62,14 @@ def test_kv_weights_stay_whole_and_are_sliced_per_rank(fake_group, kv_heads):
             n.args[1:] == (0, start, start + head_dim)]
     assert len(rows) == 2 * L  # k and v, in every layer
     assert gm.fxtp.fallbacks == []
+    assert list(gm.fxtp.held_whole) == [f"model.layers.{i}.self_attn.{p}_proj.weight"
+                                        for i in range(L) for p in "kv"]
+    assert all(f"its {kv_heads} heads are fewer than the 4 ranks" in why
+               for why in gm.fxtp.held_whole.values())
+    report = fxtp.explain(gm)
+    kv_bytes = 32 // 8 * kv_heads * 32 * 4  # a whole k_proj weight, fp32
+    assert [h.extra_bytes for h in report.summary.held_whole] == [kv_bytes * 3 // 4] * 2 * L
+    assert "Held whole on every rank though the plan shards them" in str(report)
 
 
 # A fused q / k / v projection with one KV head. Falcon-7B's layout slices q, k and v out
@@ -152,8 +160,14 @@ def test_falcons_multi_query_projection_is_derived_column_wise_and_placed_strict
     gm = fxtp.parallelize(mqa_model("falcon"), plan, example_inputs=(TOKENS,),
                           example_kwargs={"use_cache": False}, strict=True)
     assert gm.fxtp.fallbacks == []
-    assert gm.fxtp.param_placements[
-        "transformer.h.0.self_attention.query_key_value.weight"].is_replicate()
+    fused = [f"transformer.h.{i}.self_attention.query_key_value.weight" for i in range(L)]
+    assert all(gm.fxtp.param_placements[fqn].is_replicate() for fqn in fused)
+    assert list(gm.fxtp.held_whole) == fused
+    assert "its fused parts (32, 8, 8 features)" in gm.fxtp.held_whole[fused[0]]
+    whole = 48 * 32 * 4  # (q 32 + k 8 + v 8 rows) x hidden 32, fp32, over its quarter
+    assert plan.placed.held_whole == tuple((fqn, whole * 3 // 4) for fqn in fused)
+    assert "every rank holds whole (gm.fxtp.held_whole says why): " \
+        "transformer.h.*.self_attention.query_key_value.weight" in str(plan)
 
 
 def test_strict_mode_refuses_a_fused_projection_with_one_kv_head(fake_group):

@@ -69,7 +69,9 @@ def test_the_plan_is_the_same_every_time_and_prints_as_a_table():
     lines = str(first).splitlines()
     assert [line.split() for line in lines if line.startswith("layers.*.attention.wo")] == [
         ["layers.*.attention.wo", "RowwiseParallel()"]]
-    assert lines[-1].startswith("at world 4, per rank: ") and lines[-1].endswith(" 0 fallbacks")
+    assert lines[-2].startswith("at world 4, per rank: ") and lines[-2].endswith(" 0 fallbacks")
+    assert lines[-1].endswith("every rank holds whole (gm.fxtp.held_whole says why): "
+                              "layers.*.attention.wk.weight, layers.*.attention.wv.weight")
 
 
 class NormedBetween(nn.Module):
