@@ -29,11 +29,14 @@ import torch.fx as fx
 from torch.distributed.tensor import Replicate
 
 from .context import PassContext
+from .gather_early import gather_early
 from .graph import (BOUNDARY, FALLBACK, HELD_WHOLE, FALLBACKS, INPUTS, PLACEMENT, RELAID, attr,
                     layout, module_fqn, op_arg, placement_of, tied_attrs, transposed_matrix,
                     val)
 from .placement import dealt_shard, is_replicate, is_sharded
+from .program_cost import program_cost
 from .snapshot import Snapshot
+from .unpin import unpin_layouts
 
 aten = torch.ops.aten
 _SPLITS = {aten.split_with_sizes.default, aten.split.Tensor, aten.chunk.default}
@@ -43,27 +46,44 @@ _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 def unfuse_splits(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Compute every fused projection whose parts are gathered (where it is split or
     further on) part by part, and place the program again (``ctx.place``). Keep that if it
-    falls back less; else put the graph and ``gm.meta[FALLBACKS]`` back exactly as they
-    were. ``gm.meta[RELAID]``: whether it was kept."""
+    falls back less, and if the program as it was, after the other trials (its layouts
+    let go, its gathers moved early), falls back no less or sends more
+    (:func:`~fxtp.passes.program_cost.program_cost`: at StarCoder's widths, gathering k
+    and v sends far less than gathering the whole q rows' gradient); else put the graph
+    and ``gm.meta[FALLBACKS]`` back exactly as they were. ``gm.meta[RELAID]``: whether it
+    was kept."""
     graph, tied, world = gm.graph, tied_attrs(gm), ctx.world
     found = [(node, parts, fused) for node in graph.nodes
              if (parts := _split_parts(node) or _head_parts(node, gm)) is not None
-             and (fused := _projection(node.args[0], [size for _, size in parts], tied,
-                                       world)) is not None]
+             and (fused := _projection(_under_unsqueeze(node.args[0]),
+                                       [size for _, size in parts], tied, world)) is not None]
     gm.meta[RELAID] = False
     if not found:
         return gm
     before, fallbacks = Snapshot(graph), sum(FALLBACK in n.meta for n in graph.nodes)
     prior = gm.meta.get(FALLBACKS)
+    settled = program_cost(gather_early(unpin_layouts(gm, ctx), ctx), world)[::-1]
+    before.restore()
+    gm.meta[FALLBACKS] = prior
     for node, parts, fused in found:
         _unfuse(graph, node, parts, *fused, world)
     graph.lint()
-    kept = len(ctx.place(gm, ctx).meta[FALLBACKS]) < fallbacks
+    unfused = len(ctx.place(gm, ctx).meta[FALLBACKS])
+    kept = unfused < fallbacks and (unfused, program_cost(gm, world)[0]) <= settled
     if not kept:
         before.restore()
         gm.meta[FALLBACKS] = prior
     gm.meta[RELAID] = kept
     return gm
+
+
+def _under_unsqueeze(node: fx.Node) -> fx.Node:
+    """What ``node`` unsqueezes on a dim before its last, read there only (GPT-BigCode's
+    ``c_attn(x).unsqueeze(1).split(...)``); else ``node``."""
+    if node.op == "call_function" and node.target is aten.unsqueeze.default and \
+            len(node.users) == 1 and node.args[1] % val(node).dim() < val(node).dim() - 1:
+        return node.args[0]
+    return node
 
 
 def _split_parts(split: fx.Node):
@@ -202,9 +222,15 @@ def _unfuse(graph: fx.Graph, reads: fx.Node, parts: list, linear: fx.Node, marke
     sizes = [size for _, size in parts]
     x, params, between = _operands(linear)
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    unsqueezed = reads.args[0] if reads.args[0] is not linear and \
+        reads.args[0].target is aten.unsqueeze.default else None
+    split = [reader for reader, _ in parts if reader is not None and
+             reader.target is operator.getitem]
+    by_heads = {reader for reader in split if _viewed_by_heads(reader)}
     whole = {i for i, (reader, _) in enumerate(parts)  # one head every rank's heads read
-             if reader is not None and reader.target is not operator.getitem and
-             val(reader).shape[-2] == 1}
+             if reader is not None and (
+                 val(reader).shape[-2] == 1 if reader.target is not operator.getitem else
+                 by_heads and reader not in by_heads)}
     pieces = []
     why = (f"its fused parts ({', '.join(map(str, sizes))} features) cannot be sharded as "
            f"one weight at {world} ranks, so each is computed from its rows of the whole "
@@ -228,6 +254,10 @@ def _unfuse(graph: fx.Graph, reads: fx.Node, parts: list, linear: fx.Node, marke
     for (reader, _), part in zip(parts, linears):
         if reader is None:
             continue
+        if unsqueezed is not None:  # the part, unsqueezed as the fused output was
+            with graph.inserting_before(reader):
+                part = _node(graph, reader, aten.unsqueeze.default,
+                             (part, unsqueezed.args[1]), val(part).unsqueeze(unsqueezed.args[1]))
         if reader.target is not operator.getitem:  # a run of heads: the part, viewed so
             shape = list(reads.args[1])
             shape[-2] = val(reader).shape[-2]
@@ -239,8 +269,15 @@ def _unfuse(graph: fx.Graph, reads: fx.Node, parts: list, linear: fx.Node, marke
         graph.erase_node(reader)
         if isinstance(index, fx.Node) and not index.users:
             graph.erase_node(index)
-    for node in [reads, *markers, linear, *between]:
+    for node in [reads, *([unsqueezed] if unsqueezed is not None else []), *markers, linear,
+                 *between]:
         graph.erase_node(node)
+
+
+def _viewed_by_heads(part: fx.Node) -> bool:
+    """Whether a view reads ``part`` with its last dim split (into heads)."""
+    return any(u.target in _VIEWS and val(u).shape[-1] != val(part).shape[-1]
+               for u in part.users)
 
 
 def _node(graph: fx.Graph, like: fx.Node, target, args, value) -> fx.Node:

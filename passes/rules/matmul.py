@@ -2,6 +2,8 @@
 ``einsum``, ``convolution`` and grouped matmuls (torch's and transformers')."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch.distributed.tensor import Shard
 
@@ -42,6 +44,8 @@ def _baddbmm_spec(node):
 
 
 def _matmul_spec(node):
+    """``a @ b``; a batch dim of size 1 on one side is broadcast (fixed on that side: one
+    KV head read by every query head)."""
     ra, rb = input_ndims(node)
     a = "... m k+" if ra >= 2 else "k+"
     b = "... k+ n" if rb >= 2 else "k+"
@@ -49,7 +53,16 @@ def _matmul_spec(node):
     if ra >= 2 and rb >= 2 and ra != rb:  # broadcast batch: only the larger side's batch
         small = "m k+" if ra < rb else "k+ n"
         a, b = (small, b) if ra < rb else (a, small)
-    return parse(f"{a}, {b} -> {out}", [ra, rb], partial="product")
+    spec = parse(f"{a}, {b} -> {out}", [ra, rb], partial="product")
+    if ra != rb or ra < 3:
+        return spec
+    shapes = [val(x).shape for x in tensor_inputs(node)]
+    labels = [list(spec.inputs[0]), list(spec.inputs[1])]
+    for j in range(ra - 2):
+        for side in (0, 1):
+            if is_one(shapes[side][j]) and not is_one(shapes[1 - side][j]):
+                labels[side][j] = fixed_label()
+    return dataclasses.replace(spec, inputs=tuple(map(tuple, labels)))
 
 
 def _convolution_spec(node):

@@ -78,12 +78,13 @@ def test_kv_weights_stay_whole_and_are_sliced_per_rank(fake_group, kv_heads):
 # on every rank, its one KV head broadcast to each rank's query heads. Backward: per layer
 # the block input's gradient, k's (each rank's query heads give it a partial sum) and the
 # bucket of the whole KV rows' gradients are summed, and the q rows' gradient is gathered
-# into the whole fused weight. GPT-BigCode splits q from k and v, then k from v: that is
-# not served without a gather yet (docs/how-it-works.md, "Uneven sizes and few KV heads"):
-# at these widths its output is gathered where it is split, reported, and the model
-# computes as on one device. Per family: config, model, attention and block prefixes with
-# their projections, config overrides, and (forward, backward) collectives and reported
-# gathers at 2 and 4 ranks alike.
+# into the whole fused weight. GPT-BigCode splits an unsqueezed fused output
+# (``c_attn(x).unsqueeze(1).split((E, d, d), 3)``) and reads k and v as one head: computed
+# part by part alike, its attention and MLP in sequence (Megatron's 2 all-reduces a layer
+# forward; backward 3 all-reduces and the gathers of the q rows' weight and bias
+# gradients). Per family: config, model, attention and block prefixes with their
+# projections, config overrides, and (forward, backward) collectives and reported gathers
+# at 2 and 4 ranks alike.
 MQA_FUSED = {
     "falcon": ("FalconConfig", "FalconForCausalLM", "transformer.h.*.self_attention.",
                ("query_key_value", "dense"), ("mlp.dense_h_to_4h", "mlp.dense_4h_to_h"),
@@ -91,8 +92,7 @@ MQA_FUSED = {
                (({"all_reduce": L}, {"all_gather": L, "all_reduce": 3 * L}), 0)),
     "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", "transformer.h.*.attn.",
                     ("c_attn", "c_proj"), ("mlp.c_fc", "mlp.c_proj"), dict(multi_query=True),
-                    (({"all_gather": L, "all_reduce": 2 * L},
-                      {"all_gather": L, "all_reduce": 2 * L}), L)),
+                    (({"all_reduce": 2 * L}, {"all_gather": 2 * L, "all_reduce": 3 * L}), 0)),
 }
 
 
@@ -170,44 +170,42 @@ def test_falcons_multi_query_projection_is_derived_column_wise_and_placed_strict
         "transformer.h.*.self_attention.query_key_value.weight" in str(plan)
 
 
-def test_strict_mode_refuses_a_fused_projection_with_one_kv_head(fake_group):
-    fake_group(2)
-    with pytest.raises(fxtp.ShardingError, match="transformer.h.0.attn"):
-        fxtp.parallelize(mqa_model("gpt_bigcode"), mqa_plan("gpt_bigcode"),
-                         example_inputs=(TOKENS,), example_kwargs={"use_cache": False},
-                         strict=True)
+def test_gpt_bigcodes_unsqueezed_fused_projection_is_placed_strictly_and_held_whole(
+        fake_group):
+    """The parts of ``c_attn(x).unsqueeze(1).split(...)``: q's rows sharded by heads, the
+    one KV head's whole on every rank (reported as held whole), no fallback in strict mode."""
+    fake_group(4)
+    gm = fxtp.parallelize(mqa_model("gpt_bigcode"), mqa_plan("gpt_bigcode"),
+                          example_inputs=(TOKENS,), example_kwargs={"use_cache": False},
+                          strict=True)
+    assert list(gm.fxtp.held_whole) == [f"transformer.h.{i}.attn.c_attn.{p}"
+                                        for i in range(L) for p in ("weight", "bias")]
+    heads = {n.local_shape[1] for n in fxtp.explain(gm).nodes
+             if n.op == "aten.scaled_dot_product_attention.default"}
+    assert heads == {1}  # 4 query heads at 4 ranks
 
 
-def bigcode_mqa_wide(rank, world):
-    """GPT-BigCode with one KV head, wide enough (hidden 256, 8 heads of 32, 2 x 256
-    tokens) that gathering k and v costs less than gathering the fused output once."""
-    make = lambda: mqa_model("gpt_bigcode", hidden_size=256, num_attention_heads=8,  # noqa
-                             max_position_embeddings=256)
-    tokens = torch.randint(0, corpus.VOCAB, (2, 256), generator=torch.Generator().manual_seed(0))
-    seen = {}
-
-    def inspect(gm):
-        report = fxtp.explain(gm)
-        seen["fallbacks"] = list(gm.fxtp.fallbacks)
-        seen["heads"] = sorted({n.local_shape[1] for n in report.nodes
-                                if n.op == "aten.scaled_dot_product_attention.default"})
-    counts = check_parity(rank, world, make, mqa_plan("gpt_bigcode"), [tokens],
-                          dtype=torch.float64, input_grads=False, kwargs={"use_cache": False},
-                          output=lambda out: out.logits, post=inspect)
-    return counts, seen
-
-
-def test_a_wide_fused_projection_with_one_kv_head_gathers_k_and_v_and_shards_attention(ranks):
-    """The fused output stays in blocks (each rank its q heads and its rows of k and v);
-    k and v, the small parts, are gathered where they are split, and attention runs on
-    this rank's heads only: forward 2 all-gathers a layer, backward the gathers of k's and
-    v's gradients for this rank's heads, no fallback. At the test models' widths above,
-    where a collective's start outweighs the bytes, one gather of the fused output wins."""
-    (fwd, bwd), seen = ranks.run(bigcode_mqa_wide)[0]
-    world = ranks.world
-    assert (fwd, bwd) == ({"all_gather": 2 * L, "all_reduce": 2 * L},
-                          {"all_gather": 2 * L, "all_reduce": 2 * L})
-    assert seen == {"fallbacks": [], "heads": [8 // world]}
+def test_at_starcoders_widths_k_and_v_are_gathered_and_the_weights_stay_sharded(fake_group):
+    """StarCoder's widths (hidden 6144, 48 heads, one KV head of 128; 2 layers, meta
+    device, 512 tokens): gathering k and v (forward, their gradients' shards backward)
+    sends far less than holding ``c_attn`` whole and gathering its q rows' gradient, so
+    the fused output stays in blocks (each rank its q heads and its rows of k and v) and
+    attention runs on this rank's heads only, no fallback."""
+    import transformers
+    fake_group(4)
+    config = transformers.GPTBigCodeConfig(n_embd=6144, n_head=48, n_layer=L, n_inner=24576,
+                                           vocab_size=49152, multi_query=True)
+    with torch.device("meta"):
+        model = transformers.GPTBigCodeForCausalLM(config)
+    gm = fxtp.parallelize(model, mqa_plan("gpt_bigcode"), device="meta",
+                          example_inputs=(torch.zeros(1, 512, dtype=torch.long),),
+                          example_kwargs={"use_cache": False}, strict=True)
+    report = fxtp.explain(gm)
+    assert gm.fxtp.held_whole == {}
+    assert (report.summary.forward.counts, report.summary.backward.counts) == (
+        {"all_gather": 2 * L, "all_reduce": 2 * L}, {"all_gather": 2 * L, "all_reduce": 2 * L})
+    assert {n.local_shape[1] for n in report.nodes
+            if n.op == "aten.scaled_dot_product_attention.default"} == {48 // 4}
 
 
 class NanoMQA(nn.Module):
@@ -215,7 +213,7 @@ class NanoMQA(nn.Module):
     experiments): ``q | kv`` in one ``c_attn``, ``kv`` split again, the one KV head
     broadcast by ``matmul``."""
 
-    def __init__(self, dim=256, heads=8):
+    def __init__(self, dim=32, heads=4):
         super().__init__()
         self.dim, self.heads, self.head_dim = dim, heads, dim // heads
         self.c_attn = nn.Linear(dim, dim + 2 * self.head_dim)
@@ -230,15 +228,20 @@ class NanoMQA(nn.Module):
         return self.c_proj((att.softmax(-1) @ v.unsqueeze(1)).transpose(1, 2).reshape(b, t, -1))
 
 
-def test_a_blocked_layout_that_only_moves_the_fused_gather_keeps_it_reported(fake_group):
-    """Laid out in blocks, this model would still gather the whole fused output (its
-    attention reads q whole): the layout is not kept, so the gather stays the split's
-    reported fallback rather than one chosen silently."""
-    fake_group(2)
-    gm = fxtp.parallelize(NanoMQA(), {"c_attn": fxtp.ColwiseParallel(),
-                                      "c_proj": fxtp.RowwiseParallel()},
-                          example_inputs=(torch.randn(2, 256, 256),))
-    assert [f.split(" (")[0] for f in gm.fxtp.fallbacks] == ["aten.split_with_sizes.default"]
+def nano_mqa_parity(rank, world):
+    return check_parity(rank, world, NanoMQA, {"c_attn": fxtp.ColwiseParallel(),
+                                               "c_proj": fxtp.RowwiseParallel()},
+                        [torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(0))],
+                        dtype=torch.float64, strict=True)
+
+
+def test_a_kv_part_split_again_and_broadcast_by_matmul_is_one_head_whole_on_every_rank(ranks):
+    """q's rows sharded by heads, ``kv``'s whole (it is not viewed by heads, and q is):
+    each rank's query heads read the one KV head through ``matmul``'s broadcast. Forward
+    Megatron's one all-reduce; backward the input's gradient and the KV rows' (each rank's
+    query heads' share) summed, and the q rows' weight and bias gradients gathered."""
+    assert ranks.run(nano_mqa_parity)[0] == (
+        {"all_reduce": 1}, {"all_reduce": 2, "all_gather": 2})
 
 
 class GQAttention(nn.Module):

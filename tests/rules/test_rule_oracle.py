@@ -77,6 +77,9 @@ PROGRAMS = {
                     lambda: (rand(4, 8, 12), rand(16, 12), rand(16))),
     "matmul": (lambda a, b, c, u, v: (a @ b, a @ c, u @ c, c @ v, u @ u),
                lambda: (rand(4, 8, 12), rand(4, 12, 16), rand(12, 16), rand(12), rand(16))),
+    # one key head broadcast to every query head (nanoGPT-style multi-query attention)
+    "matmul_broadcast": (lambda q, k, p: (q @ k, p @ q),
+                         lambda: (rand(4, 4, 8, 4), rand(4, 1, 4, 8), rand(4, 1, 8, 8))),
     "mm_bmm": (lambda a, b, c, d: (torch.mm(a, b), torch.bmm(c, d)),
                lambda: (rand(8, 12), rand(12, 16), rand(4, 8, 12), rand(4, 12, 16))),
     # convolutions (conv1d / conv2d / conv_transpose1d as fxtp's trace decomposes them):
