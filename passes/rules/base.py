@@ -14,7 +14,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from ..dimspec import DimSpec, fixed_label, strategies
 from ..graph import op_arg, output_vals, tensor_inputs, val
-from ..placement import UnitShard, is_sharded, is_whole, local_range
+from ..placement import UnitShard, is_blocked, is_sharded, is_whole, local_range
 
 aten = torch.ops.aten
 
@@ -199,9 +199,11 @@ def fixed_dim_spec(dim_index: int, drop: bool = False, default: int = 0):
 
 def local_groups(index: int):
     """The local op of an op of groups of channels (its argument ``index``: the number of
-    groups) taking channel shards of whole groups: this rank's number of groups."""
+    groups) taking channel shards of whole groups (or blocks of them): this rank's number
+    of groups."""
     def local(node, inputs, output, group):
-        if inputs[0] != Shard(1) or node.args[index] == 1:  # one group: a Partial sum's
+        sharded = inputs[0] == Shard(1) or is_blocked(inputs[0]) and inputs[0].dim == 1
+        if not sharded or node.args[index] == 1:  # one group: a Partial sum's
             return node.target, node.args, node.kwargs
         args = list(node.args)
         args[index] //= group.world

@@ -9,6 +9,7 @@ from torch.distributed.tensor import Shard
 
 from ..dimspec import DimSpec, fixed_label, parse
 from ..graph import op_arg, output_vals, tensor_inputs, val
+from ..placement import BlockShard, block_sizes, is_blocked, with_dim
 from .base import Rule, input_ndims, is_one, local_groups, ndim_of
 
 aten = torch.ops.aten
@@ -87,12 +88,24 @@ def _grouped_convolution(node, world, actual=()):
     """A grouped convolution whose groups divide by the world size, on channel shards: each
     rank convolves whole groups, its channels of the input, the weight and the bias
     (Mamba's and ConvNeXt's depthwise convolutions); the local op takes ``groups /
-    world`` (:func:`local_groups`)."""
+    world`` (:func:`local_groups`). Channels that arrive in blocks (a fused projection's
+    q, k and v, convolved before they are split: Qwen3.5's linear attention) keep them
+    where each rank's chunk of every block is whole groups."""
     groups = op_arg(node, 8, "groups", 1)
     if op_arg(node, 6, "transposed", False) or not isinstance(groups, int) or groups == 1 \
             or groups % world:
         return
-    yield (Shard(1), Shard(0)) + (Shard(0),) * (len(tensor_inputs(node)) - 2), (Shard(1),)
+    params = len(tensor_inputs(node)) - 1
+    yield (Shard(1),) + (Shard(0),) * params, (Shard(1),)
+    have = actual[0] if actual else None
+    channels, out = val(node.args[0]).shape[1], val(node).shape[1]
+    if not (is_blocked(have) and have.dim == 1 and isinstance(channels, int) and all(
+            size % (world * (channels // groups)) == 0 for size in block_sizes(have, channels))):
+        return
+    made = have  # each group's output channels in its input channels' blocks
+    if isinstance(have, BlockShard):
+        made = BlockShard(1, tuple(size * out // channels for size in have.blocks))
+    yield (have,) + (with_dim(made, 0),) * params, (made,)
 
 
 _GROUPED_MM = "s! k+, _ k+ n, _ -> s! n"

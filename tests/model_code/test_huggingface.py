@@ -183,6 +183,25 @@ MAMBA_PLAN = {  # the inner channels sharded, as Megatron's Mamba mixer shards t
 }
 
 
+def qwen3_5():
+    """Qwen3.5's gated delta-net: its fused q / k / v projection convolved by a depthwise
+    causal convolution, then split unequally (key, key and value heads: 16, 16, 32), and
+    read per head by the recurrence; z, b and a projected apart."""
+    cfg = transformers.Qwen3_5TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=L,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=4, linear_num_key_heads=4,
+        linear_num_value_heads=8, linear_key_head_dim=4, linear_value_head_dim=4,
+        layer_types=["linear_attention"] * L, tie_word_embeddings=False, pad_token_id=0)
+    return transformers.Qwen3_5ForCausalLM(cfg)
+
+
+QWEN3_5_PLAN = {  # the linear attention by heads, as Megatron shards attention
+    **{f"model.layers.*.linear_attn.in_proj_{p}": fxtp.ColwiseParallel()
+       for p in ("qkv", "z", "b", "a")},
+    "model.layers.*.linear_attn.out_proj": fxtp.RowwiseParallel(),
+}
+
+
 def deberta(share_att_key=True):
     """DeBERTa-v3's disentangled attention: the relative position embeddings go through the
     layer's own (shared) key and query projections, and the head-sharded result is tiled
@@ -234,6 +253,7 @@ def unplanned_family(rank, world, name):
         "t5": (t5, t5_plan(), {"decoder_input_ids": TOKENS[:, :7], "use_cache": False}),
         "bloom": (bloom, BLOOM_PLAN, {"use_cache": False}),
         "mamba": (mamba, MAMBA_PLAN, {"use_cache": False}),
+        "qwen3_5": (qwen3_5, QWEN3_5_PLAN, {"use_cache": False}),
         "deberta": (deberta, DEBERTA_PLAN, {}),
         "deberta_own_position_projections": (lambda: deberta(share_att_key=False),
                                              DEBERTA_PLAN, {}),
@@ -243,7 +263,7 @@ def unplanned_family(rank, world, name):
                         dtype=torch.float64, strict=True, input_grads=False, kwargs=kwargs,
                         output=lambda out: out.last_hidden_state if name == "beit"
                         else out.logits,
-                        compare_dtype=torch.float32 if name == "mamba" else None)
+                        compare_dtype=torch.float32 if name in ("mamba", "qwen3_5") else None)
 
 
 def test_bert_whose_attention_holds_a_module_named_self(ranks2):
@@ -279,6 +299,16 @@ def test_mamba_on_inner_channel_shards(ranks2):
     ops) per layer. Compared at fp32's tolerance: the scan computes in fp32."""
     assert ranks2.run(unplanned_family, "mamba")[0] == ({"all_reduce": 2 * L},
                                                        {"all_reduce": 4 * L})
+
+
+def test_qwen3_5s_convolved_fused_qkv_is_split_by_heads_without_a_gather(ranks2):
+    """The fused projection's weight and the convolution's are laid out in blocks (each
+    rank its chunk of q, k and v), so the convolution runs on this rank's channels and the
+    unequal split gives head shards: nothing is gathered, strict. Forward: out_proj's sum
+    per layer; backward: the block input's gradient and the gated norm's weight (every
+    head reads it) per layer. At fp32's tolerance: the recurrence computes in fp32."""
+    assert ranks2.run(unplanned_family, "qwen3_5")[0] == ({"all_reduce": L},
+                                                         {"all_reduce": 2 * L})
 
 
 def test_deberta_tiles_its_head_sharded_relative_positions_over_the_batch(ranks2):

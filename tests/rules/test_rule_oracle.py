@@ -84,12 +84,17 @@ PROGRAMS = {
                lambda: (rand(8, 12), rand(12, 16), rand(4, 8, 12), rand(4, 12, 16))),
     # convolutions (conv1d / conv2d / conv_transpose1d as fxtp's trace decomposes them):
     # biased, unbiased (input channels give a partial sum), grouped and depthwise (Mamba's
-    # causal conv: groups dealt to ranks), transposed (batch only)
-    "convolution": (lambda x, w, b, x2, w2, wd, bd, wt: (
+    # causal conv: groups dealt to ranks; blocked channels, as a fused projection's q, k
+    # and v convolved: Qwen3.5's linear attention), grouped in pairs of channels with
+    # unequal blocks (offered only where a rank's chunk of each block is whole groups),
+    # transposed (batch only)
+    "convolution": (lambda x, w, b, x2, w2, wd, bd, wt, x3, w3: (
         conv(x, w, b, padding=1), conv(x, w), conv(x2, w2, groups=4),
-        conv(x, wd, bd, padding=3, groups=8), conv(x, wt, transposed=True)),
+        conv(x, wd, bd, padding=3, groups=8), conv(x, wt, transposed=True),
+        conv(x3, w3, groups=8)),
         lambda: (rand(4, 8, 12), rand(16, 8, 3), rand(16), rand(4, 8, 6, 6),
-                 rand(16, 2, 3, 3), rand(8, 1, 4), rand(8), rand(8, 4, 3))),
+                 rand(16, 2, 3, 3), rand(8, 1, 4), rand(8), rand(8, 4, 3), rand(2, 16, 6),
+                 rand(32, 2, 3))),
     # planes resampled, pooled and padded per channel (the kernels F.interpolate,
     # F.max_pool2d, F.pad, F.grid_sample, ... decompose to), 1-d, 2-d and 3-d
     "planes": (lambda x1, x, x3, xs, g, g3: (

@@ -116,7 +116,20 @@ STRIDED = {
     "gqa_rope_slices": (  # Phi-3's slices of a fused qkv, through a pointwise op
         lambda x, y: (lambda t: (t[..., :16], t[..., 16:24], t[..., 24:]))(x * y),
         (rand(2, 4, 32), rand(4, 32)), (blocked(2, 16, 8, 8), blocked(1, 16, 8, 8))),
+    "convolved_qkv_split": (  # Qwen3.5's linear attention: fused q / k / v convolved
+        lambda x, w: torch.split(F.silu(_conv(x, w, padding=3, groups=32))[..., :6]
+                                 .transpose(1, 2), [8, 8, 16], -1),
+        (rand(2, 32, 6), rand(32, 1, 4)), (blocked(1, 8, 8, 16), blocked(0, 8, 8, 16))),
+    "grouped_channel_pairs": (  # two channels a group, each giving four: blocks scaled
+        lambda x, w: _conv(x, w, groups=16).split([32, 32, 64], 1),
+        (rand(2, 32, 6), rand(128, 2, 3)), (blocked(1, 8, 8, 16), blocked(0, 32, 32, 64))),
 }
+
+
+def _conv(x, w, padding=0, groups=1):
+    """``aten.convolution`` of a 1-d input, which fxtp's trace makes of ``F.conv1d``."""
+    return torch.ops.aten.convolution.default(x, w, None, [1], [padding], [1], False, [0],
+                                              groups)
 
 
 def _ops(gm):
@@ -152,7 +165,8 @@ def test_strided_inputs_reach_the_split_without_redistribution(name, world):
         assert _check_strategies(node, values, world, actual) >= 1
     splits = [n for n in _ops(gm) if n.target in SPLITS]
     assert all(type(p) is Shard for n in splits for p in n.meta[PLACEMENT])
-    slices = [n for n in _ops(gm) if n.target is torch.ops.aten.slice.Tensor]
+    slices = [n for n in _ops(gm) if n.target is torch.ops.aten.slice.Tensor and  # blocks
+              n.args[1] == placement_of(n.args[0]).dim]
     assert all(type(n.meta[PLACEMENT]) is Shard for n in slices)
 
 
