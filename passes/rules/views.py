@@ -312,6 +312,22 @@ def _cat_spec(node):
     return DimSpec(ins, (tuple(label(j) for j in range(n)),), "sum")
 
 
+def _blocked_cat(node, world, actual=()):
+    """Parts each sharded on the concatenated dim, each divisible by ``world``, give the
+    whole cut in their blocks, each sharded (a blocked split undone: Qwen3-Next's q, k and
+    v concatenated for its convolution): each rank concatenates its shards. Offered where
+    every part arrives so (or to enumerate every strategy)."""
+    tensors = [t for t in node.args[0] if is_tensor_node(t)]
+    n = ndim_of(node)
+    d = op_arg(node, 1, "dim", 0) % n
+    sizes = [val(t).shape[d] for t in tensors]
+    if len(tensors) < 2 or any(ndim_of(t) != n for t in tensors) or \
+            not all(isinstance(s, int) and s > 0 and s % world == 0 for s in sizes) or \
+            actual and any(a != Shard(d) for a in actual):
+        return
+    yield (Shard(d),) * len(tensors), (cut_in_blocks(d, sizes),)
+
+
 def _stack_spec(node):
     """``stack(tensors, dim)``: equal-shaped inputs share every dim; the new dim is fixed."""
     n = ndim_of(node) - 1
@@ -500,7 +516,7 @@ RULES: dict = {
     aten.repeat_interleave.self_int: Rule(_same_dims),
     aten.view_as_complex.default: Rule(_complex_view_spec),
     aten.view_as_real.default: Rule(_complex_view_spec),
-    aten.cat.default: Rule(_cat_spec),
+    aten.cat.default: Rule(_cat_spec, extra=_blocked_cat),
     aten.stack.default: Rule(_stack_spec),
     aten.split.Tensor: Rule(_split_spec, local_op=_local_split, extra=_blocked_parts),
     aten.split_with_sizes.default: Rule(_split_spec, local_op=_local_split, extra=_blocked_parts),

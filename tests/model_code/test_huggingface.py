@@ -5,6 +5,7 @@ import torch
 
 import fxtp
 from fxtp import Replicate
+from tests.helpers import corpus
 from tests.helpers.parity import check_parity
 
 transformers = pytest.importorskip("transformers", reason="pip install -e '.[test]'")
@@ -202,6 +203,22 @@ QWEN3_5_PLAN = {  # the linear attention by heads, as Megatron shards attention
 }
 
 
+def qwen3_next():
+    """Qwen3-Next: a gated delta-net layer (its fused q / k / v / z projection viewed per
+    key head, q, k and v concatenated again for the convolution) and a full-attention one;
+    its experts in ``batched_mm`` (fp64)."""
+    model = corpus.hf_qwen3_next()
+    model.set_experts_implementation("batched_mm")
+    return model
+
+
+QWEN3_NEXT_PLAN = {  # its linear attention by heads (q, k, v and z fused, per key head)
+    "model.layers.*.linear_attn.in_proj_qkvz": fxtp.ColwiseParallel(),
+    "model.layers.*.linear_attn.in_proj_ba": fxtp.ColwiseParallel(),
+    "model.layers.*.linear_attn.out_proj": fxtp.RowwiseParallel(),
+}
+
+
 def deberta(share_att_key=True):
     """DeBERTa-v3's disentangled attention: the relative position embeddings go through the
     layer's own (shared) key and query projections, and the head-sharded result is tiled
@@ -254,6 +271,7 @@ def unplanned_family(rank, world, name):
         "bloom": (bloom, BLOOM_PLAN, {"use_cache": False}),
         "mamba": (mamba, MAMBA_PLAN, {"use_cache": False}),
         "qwen3_5": (qwen3_5, QWEN3_5_PLAN, {"use_cache": False}),
+        "qwen3_next": (qwen3_next, QWEN3_NEXT_PLAN, {"use_cache": False}),
         "deberta": (deberta, DEBERTA_PLAN, {}),
         "deberta_own_position_projections": (lambda: deberta(share_att_key=False),
                                              DEBERTA_PLAN, {}),
@@ -263,7 +281,8 @@ def unplanned_family(rank, world, name):
                         dtype=torch.float64, strict=True, input_grads=False, kwargs=kwargs,
                         output=lambda out: out.last_hidden_state if name == "beit"
                         else out.logits,
-                        compare_dtype=torch.float32 if name in ("mamba", "qwen3_5") else None)
+                        compare_dtype=torch.float32 if name in ("mamba", "qwen3_5", "qwen3_next")
+                        else None)
 
 
 def test_bert_whose_attention_holds_a_module_named_self(ranks2):
@@ -309,6 +328,15 @@ def test_qwen3_5s_convolved_fused_qkv_is_split_by_heads_without_a_gather(ranks2)
     head reads it) per layer. At fp32's tolerance: the recurrence computes in fp32."""
     assert ranks2.run(unplanned_family, "qwen3_5")[0] == ({"all_reduce": L},
                                                          {"all_reduce": 2 * L})
+
+
+def test_qwen3_nexts_q_k_and_v_shards_concatenated_for_its_convolution_stay_sharded(ranks2):
+    """Each rank's shards of q, k and v, taken per key head from the fused projection, are
+    concatenated into its chunk of every block, which the convolution takes and the split
+    gives back as head shards: nothing is gathered, strict. Forward: out_proj's sum;
+    backward: the linear layer's input gradient and its gated norm's weight."""
+    assert ranks2.run(unplanned_family, "qwen3_next")[0] == ({"all_reduce": 1},
+                                                            {"all_reduce": 2})
 
 
 def test_deberta_tiles_its_head_sharded_relative_positions_over_the_batch(ranks2):

@@ -120,6 +120,11 @@ STRIDED = {
         lambda x, w: torch.split(F.silu(_conv(x, w, padding=3, groups=32))[..., :6]
                                  .transpose(1, 2), [8, 8, 16], -1),
         (rand(2, 32, 6), rand(32, 1, 4)), (blocked(1, 8, 8, 16), blocked(0, 8, 8, 16))),
+    "concatenated_convolved_split": (  # Qwen3-Next: q, k and v shards joined, convolved
+        lambda q, k, v, w: _conv(torch.cat((q, k, v), -1).transpose(1, 2), w, padding=3,
+                                 groups=32)[..., :6].transpose(1, 2).split([8, 8, 16], -1),
+        (rand(2, 6, 8), rand(2, 6, 8), rand(2, 6, 16), rand(32, 1, 4)),
+        (Shard(2), Shard(2), Shard(2), blocked(0, 8, 8, 16))),
     "grouped_channel_pairs": (  # two channels a group, each giving four: blocks scaled
         lambda x, w: _conv(x, w, groups=16).split([32, 32, 64], 1),
         (rand(2, 32, 6), rand(128, 2, 3)), (blocked(1, 8, 8, 16), blocked(0, 32, 32, 64))),
