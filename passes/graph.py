@@ -71,7 +71,7 @@ from typing import Optional
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Placement
+from torch.distributed.tensor import Placement, Replicate
 
 from ..kernels.torch_compat import OpOverload
 
@@ -222,6 +222,14 @@ def _signature(fn) -> Optional[inspect.Signature]:
 def op_arg(node: fx.Node, i: int, name: str, default=None):
     """An op call's argument at position ``i``, or passed by ``name``, or ``default``."""
     return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
+
+def hold_whole(param: fx.Node, why: str) -> None:
+    """Lay ``param`` (a parameter's ``get_attr``) out whole on every rank, its users to
+    read their rows of it; where it was sharded, say ``why`` (``HELD_WHOLE``)."""
+    if not isinstance(param.meta[PLACEMENT], Replicate):
+        param.meta[HELD_WHOLE] = why
+    param.meta[PLACEMENT] = Replicate()
 
 
 def transposed_matrix(value) -> Optional[fx.Node]:

@@ -26,13 +26,12 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Replicate
 
 from .context import PassContext
 from .gather_early import gather_early
-from .graph import (BOUNDARY, FALLBACK, HELD_WHOLE, FALLBACKS, INPUTS, PLACEMENT, RELAID, attr,
-                    layout, module_fqn, op_arg, placement_of, tied_attrs, transposed_matrix,
-                    val)
+from .graph import (BOUNDARY, FALLBACK, FALLBACKS, INPUTS, PLACEMENT, RELAID, attr,
+                    hold_whole, layout, module_fqn, op_arg, placement_of, tied_attrs,
+                    transposed_matrix, val)
 from .placement import dealt_shard, is_replicate, is_sharded
 from .program_cost import program_cost
 from .snapshot import Snapshot
@@ -58,9 +57,10 @@ def unfuse_splits(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
              and (fused := _projection(_under_unsqueeze(node.args[0]),
                                        [size for _, size in parts], tied, world)) is not None]
     gm.meta[RELAID] = False
-    if not found:
+    fallbacks = sum(FALLBACK in n.meta for n in graph.nodes)
+    if not found or not fallbacks:  # kept only where it falls back less
         return gm
-    before, fallbacks = Snapshot(graph), sum(FALLBACK in n.meta for n in graph.nodes)
+    before = Snapshot(graph)
     prior = gm.meta.get(FALLBACKS)
     settled = program_cost(gather_early(unpin_layouts(gm, ctx), ctx), world)[::-1]
     before.restore()
@@ -222,8 +222,8 @@ def _unfuse(graph: fx.Graph, reads: fx.Node, parts: list, linear: fx.Node, marke
     sizes = [size for _, size in parts]
     x, params, between = _operands(linear)
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-    unsqueezed = reads.args[0] if reads.args[0] is not linear and \
-        reads.args[0].target is aten.unsqueeze.default else None
+    unsqueezed = reads.args[0] if _under_unsqueeze(reads.args[0]) is not reads.args[0] \
+        else None
     split = [reader for reader, _ in parts if reader is not None and
              reader.target is operator.getitem]
     by_heads = {reader for reader in split if _viewed_by_heads(reader)}
@@ -237,9 +237,7 @@ def _unfuse(graph: fx.Graph, reads: fx.Node, parts: list, linear: fx.Node, marke
            f"weight (a projection per part would be held sharded)")
     with graph.inserting_before(linear):
         for param in params:
-            if not is_replicate(param.meta[PLACEMENT]):
-                param.meta[HELD_WHOLE] = why
-            param.meta[PLACEMENT] = Replicate()
+            hold_whole(param, why)
             cut = _node(graph, linear, aten.split_with_sizes.default, (param, sizes),
                         list(val(param).split(sizes)))
             rows = [_node(graph, linear, operator.getitem, (cut, i), v)

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Shard
 
 from .context import PassContext, relayout
 from .dimspec import label_base
-from .graph import (BOUNDARY, HELD_WHOLE, INPUTS, PLACEMENT, layout, placement_of, tensor_inputs,
-                    tied_attrs, transposed_matrix, val)
+from .graph import (BOUNDARY, INPUTS, PLACEMENT, hold_whole, layout, placement_of,
+                    tensor_inputs, tied_attrs, transposed_matrix, val)
 from .placement import UnitShard, is_replicate
 from .rules import rule_for
 from .strided import carried_from_params
@@ -141,9 +141,7 @@ def _slice_before_use(graph: fx.Graph, param: fx.Node, placement, why: str) -> N
     """Keep ``param`` whole (``HELD_WHOLE``: ``why``, where it was sharded) and feed its
     users this rank's ``placement`` rows of it, sliced in the module reading it (so its
     gradient is synchronized with that block's)."""
-    if not is_replicate(param.meta[PLACEMENT]):
-        param.meta[HELD_WHOLE] = why
-    param.meta[PLACEMENT] = Replicate()
+    hold_whole(param, why)
     reader = next(iter(param.users), param)
     with graph.inserting_after(param):
         marker = graph.call_function(layout, (param, placement))
