@@ -26,6 +26,7 @@ tensors, hooks of its own.
 from __future__ import annotations
 
 import operator
+import types
 from typing import AbstractSet, Iterable, Optional
 
 import torch.fx as fx
@@ -97,11 +98,32 @@ def outline_modules(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 def generate_code(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Generate the code of every outlined module below ``gm`` whose graph changed since
-    (each once: a parent's recompile only marks its children)."""
+    (each once: a parent's recompile only marks its children), then let every generated
+    ``forward`` that can run in one globals dict: dynamo guards the names each distinct
+    globals dict lends a traced call apart, so a program of many modules would pay guards
+    per module that a model's own code (one module's globals) pays once."""
     for module in gm.modules():
         if isinstance(module, LazyGraphModule):
             module.real_recompile()
+    shared: dict = {}
+    for module in gm.modules():
+        forward = type(module).__dict__.get("forward")
+        if isinstance(module, fx.GraphModule) and isinstance(forward, types.FunctionType) \
+                and forward.__globals__ is not shared:
+            names = {k: v for k, v in forward.__globals__.items() if k != forward.__name__}
+            if all(shared.get(k, v) is v for k, v in names.items()):  # no name taken otherwise
+                shared.update(names)
+                type(module).forward = _in_globals(forward, shared)
     return gm
+
+
+def _in_globals(function: types.FunctionType, globals_: dict) -> types.FunctionType:
+    """``function`` running in ``globals_``."""
+    moved = types.FunctionType(function.__code__, globals_, function.__name__,
+                               function.__defaults__, function.__closure__)
+    moved.__kwdefaults__, moved.__qualname__ = function.__kwdefaults__, function.__qualname__
+    moved.__dict__.update(function.__dict__)
+    return moved
 
 
 def _ancestors(fqn: str) -> list[str]:

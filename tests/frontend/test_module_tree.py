@@ -11,6 +11,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 
 import fxtp
 from fxtp.examples.llama import TransformerBlock
+from fxtp.passes.modules import generate_code
 from tests.helpers import transformer_models as tm
 
 TOKENS = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -189,3 +190,41 @@ def test_device_and_dtype_properties_read_the_results_own_parameters(fake_group)
     for module in (gm, copy.deepcopy(gm)):
         assert module.device == torch.device("cpu") and module.dtype == torch.float64
     assert not hasattr(gm.layers[0], "device")  # its class defines no such property
+
+
+def test_the_programs_generated_code_runs_in_one_globals_dict(fake_group):
+    """dynamo guards the globals each distinct globals dict lends a compiled call apart:
+    every module of the program reads them from one, as a model's code reads its module's."""
+    fake_group(2)
+    _, gm = parallel_llama()
+    forwards = [type(m).forward for m in gm.modules() if isinstance(m, fx.GraphModule)]
+    assert len(forwards) > 10
+    assert len({id(f.__globals__) for f in forwards}) == 1
+
+
+def _scaling_by(k):
+    def scale(x):  # every function made here has the same qualified name
+        return x * k
+    return scale
+
+
+def _calling(fn, children=None):
+    graph = fx.Graph()
+    y = graph.call_function(fn, (graph.placeholder("x"),))
+    root = nn.Module()
+    for name, child in (children or {}).items():
+        root.add_module(name, child)
+        y = graph.call_module(name, (y,))
+    graph.output(y)
+    return fx.GraphModule(root, graph)
+
+
+def test_code_naming_another_object_as_the_others_do_keeps_its_own_globals():
+    twice, thrice, neg = _calling(_scaling_by(2.0)), _calling(_scaling_by(3.0)), \
+        _calling(torch.neg)
+    gm = _calling(torch.relu, {"twice": twice, "thrice": thrice, "neg": neg})
+    generate_code(gm, None)
+    assert type(gm).forward.__globals__ is type(twice).forward.__globals__ is \
+        type(neg).forward.__globals__
+    assert type(thrice).forward.__globals__ is not type(twice).forward.__globals__
+    assert gm(torch.ones(2)).tolist() == [-6.0, -6.0]
