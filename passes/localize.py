@@ -114,7 +114,9 @@ def _localize_attr(gm, target: str, placement, rank: int, world: int, shards: di
         if isinstance(value, FakeTensor):  # a meta model's stand-in: a meta one, of the
             whole = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
                                         device="meta")  # local shape, is as good and quick
-        local = local_part(whole, placement, rank, world).clone()
+        part = local_part(whole, placement, rank, world)  # contiguous: the strides of one
+        local = part.clone(memory_format=torch.contiguous_format if part.is_contiguous()
+                           else torch.preserve_format)
         if isinstance(value, nn.Parameter):
             local = nn.Parameter(local, requires_grad=value.requires_grad)
         shards[id(value)] = local

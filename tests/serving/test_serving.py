@@ -159,6 +159,7 @@ def test_the_cache_at_world_8_holds_an_eighth(fake_group):
     for name, cache in caches(gm).items():
         whole = model.get_buffer(name)
         assert cache.shape == (whole.shape[0], whole.shape[1] // 8, *whole.shape[2:])
+        assert cache.stride() == torch.empty(cache.shape).stride()  # not the whole's
 
 
 class SliceCacheAttention(nn.Module):
