@@ -355,6 +355,9 @@ class Stamper:
             begin = min(order[n] for n in found if _stamp_mark(n) == "stamp-in")
             end = max(order[n] for n in found if _stamp_mark(n) == "stamp-out")
             nodes = [n for n in graph.nodes if begin <= order[n] <= end]
+            if _own_sizes(graph, nodes):
+                order = {n: i for i, n in enumerate(graph.nodes)}
+                nodes = [n for n in graph.nodes if order[nodes[0]] <= order[n] <= order[nodes[-1]]]
             inside = set(nodes)
             prefix = reference.fqn + "."
             for node in nodes:
@@ -482,6 +485,33 @@ def _requires_grad(node: fx.Node):
 
 def _region(node: fx.Node):
     return (node.meta.get("custom") or {}).get(REGION)
+
+
+def _own_sizes(graph: fx.Graph, nodes: list[fx.Node]) -> bool:
+    """Have the reference's ``nodes`` compute each size they read from outside (a symbol
+    the trace took once from the model's input, as a block's ``x.shape`` gives) from
+    their own arguments, where one has a dim of that size: a copy for another block then
+    takes it from its own. Whether any was."""
+    inside = set(nodes)
+    arguments = [n for n in nodes if _stamp_mark(n) == "stamp-in"]
+    after = set(nodes[nodes.index(arguments[-1]) + 1:])
+    changed = False
+    for size in {a for n in after for a in n.all_input_nodes if a not in inside and
+                 isinstance(a.meta.get("val"), torch.SymInt)}:
+        if any(user in inside and user not in after for user in size.users):
+            continue
+        expr = size.meta["val"].node.expr
+        at = next(((arg, d) for arg in arguments if isinstance(arg.meta.get("val"), torch.Tensor)
+                   for d, s in enumerate(arg.meta["val"].shape)
+                   if isinstance(s, torch.SymInt) and s.node.expr == expr), None)
+        if at is None:
+            continue
+        with graph.inserting_after(arguments[-1]):
+            own = graph.call_function(torch.ops.aten.sym_size.int, at)
+        own.meta = {**arguments[-1].meta, "val": size.meta["val"]}
+        size.replace_all_uses_with(own, delete_user_cb=lambda user: user in inside)
+        changed = True
+    return changed
 
 
 def _stamp_mark(node: fx.Node) -> Optional[str]:

@@ -263,6 +263,30 @@ def test_blocks_are_placed_once_whatever_the_root_calls_them_with(fake_group, fo
     assert all(block.graph is gm.layers[0].graph for block in gm.layers)
 
 
+def test_blocks_reading_the_length_the_trace_took_from_the_models_input_are_stamped(
+        fake_group):
+    """gpt-fast's blocks read ``x.shape`` under a dynamic length, which the trace takes
+    once from the model's tokens: each copy takes it from its own argument."""
+    from fxtp.examples.gpt_fast import ServeConfig, Transformer, tp_plan
+    fake_group(4)
+    prompt, seq = torch.randint(0, 64, (2, 8)), torch.export.Dim("seq", min=1, max=32)
+
+    def serving_model():
+        model = Transformer(ServeConfig(n_layers=3, max_seq_len=32))
+        model.setup_caches(2)
+        return model
+    stamped, traced = stamped_and_traced(serving_model, tp_plan(), 4,
+                                         (prompt, torch.arange(8)),
+                                         dynamic_shapes=({1: seq}, {0: seq}), strict=True)
+    assert stamped.meta[STAMPED] == {"layers.1": "layers.0", "layers.2": "layers.0"}
+    for tokens, positions in [(prompt, torch.arange(8)), (prompt[:, :1], torch.tensor([8]))]:
+        with fxtp.count_collectives() as counts:
+            out = stamped(tokens, positions)
+        with fxtp.count_collectives() as expected:
+            assert torch.equal(out, traced(tokens, positions))
+        assert counts.counts == expected.counts == {"all_reduce": 6}
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_block_of_another_shape_gets_its_own_trace(fake_group, world):
     fake_group(world)

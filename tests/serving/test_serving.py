@@ -1,7 +1,8 @@
 """Serving with a sharded KV cache: buffers written in place take the placement of what is
 written into them, so each rank holds its heads' part of every cache, one module serves
-prefill and every decode step (a dynamic sequence dim), and a decode step costs gpt-fast's
-two all-reduces per layer and nothing else."""
+prefill and every decode step (a dynamic sequence dim, each block traced once though the
+trace takes the length from the model's input), and a decode step costs gpt-fast's two
+all-reduces per layer and nothing else."""
 import copy
 
 import pytest
@@ -13,6 +14,7 @@ from torch.export import Dim
 import fxtp
 from fxtp.examples.gpt_fast import KVCache, ServeConfig, Transformer, generate, tp_plan
 from fxtp.serving.causal_lm import static_cache_module
+from fxtp.passes.graph import STAMPED
 from fxtp.passes.placement import local_part
 from fxtp.plans.styles import ColwiseParallel, RowwiseParallel
 from tests.helpers.harness import pool_of
@@ -69,6 +71,7 @@ def generation_parity(rank, world, config, temperature):
     model = serving_model(**config)
     ref = copy.deepcopy(model)
     gm = parallelize_for_serving(model)
+    assert gm.meta[STAMPED] == {f"layers.{i}": "layers.0" for i in range(1, len(model.layers))}
     sampling = dict(temperature=temperature, top_k=10 if temperature else None)
     tokens = generate(gm, prompt(), NEW, generator=torch.Generator().manual_seed(3),
                       **sampling)
