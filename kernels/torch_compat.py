@@ -130,6 +130,13 @@ def in_compiled_module_call() -> bool:
     return running is not None and running()
 
 
+def dtensor_fields():
+    """A context in which a ``DTensor``'s ``.grad`` is read and set without the check for a
+    ``__torch_function__`` override, which ``DTensor`` disables anyway: 0.09 against 0.57 us
+    a read. Only for ``DTensor`` s: it skips any other subclass's override (2.11, 2.13)."""
+    return torch._C.DisableTorchFunctionSubclass()
+
+
 def dtensor_of(local: torch.Tensor, spec) -> DTensor:
     """``local`` as a ``DTensor`` of ``spec``, as ``DTensor.__new__`` makes it: ``__init__``
     adds nothing to it but a dynamo-disabling wrapper that costs 3 us a call. ``local`` must

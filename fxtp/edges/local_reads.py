@@ -35,8 +35,8 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..kernels.torch_compat import (compute_global_tensor_info, current_backward, dtensor_of,
-                                   mark_static_address, queue_backward_callback)
+from ..kernels.torch_compat import (compute_global_tensor_info, current_backward, dtensor_fields,
+                                   dtensor_of, mark_static_address, queue_backward_callback)
 from ..passes.graph import own_method
 
 LEAVES = "_fxtp_leaves"
@@ -179,7 +179,8 @@ def _publish(leaf: torch.Tensor) -> None:
     added in place to the one it holds; then the parameter's own hooks run."""
     grad, param = leaf.grad, leaf._fxtp_param
     leaf.grad = None
-    held = param.grad
+    with dtensor_fields():
+        held = param.grad
     if held is None:
         param.grad = as_dtensor(grad, param._spec, param._local_tensor.stride())
     elif not grad.requires_grad and laid_out_like(held, param):

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
+from ..kernels.torch_compat import dtensor_fields
 from . import local_reads
 from .local_reads import as_dtensor, is_ours, laid_out_like, read_of
 
@@ -80,7 +81,8 @@ class _Handover:
     def hand_in(self, optimizer) -> bool:
         """Hand ``optimizer`` the reads, each with its parameter's local gradient; ``False``
         (nothing handed) where a gradient is laid out otherwise than its parameter."""
-        grads = list(map(_grad, self.params))
+        with dtensor_fields():
+            grads = list(map(_grad, self.params))
         try:  # fxtp's gradients share their parameter's spec: one pass in C
             as_published = all(map(is_, map(_spec, grads), self.specs))
         except AttributeError:  # a parameter without a gradient, or a plain one
