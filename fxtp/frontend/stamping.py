@@ -36,7 +36,9 @@ layer) trace with it, and are stamped with the blocks holding them. A
 reference whose nodes do not form a closed region (a value kept on ``self`` and read
 outside; a graph input or another module's state read other than through its arguments; a
 higher-order op with subgraphs; a gradient hook, whose closure is that call's) makes its
-kind traced again without stamping (:class:`Unstampable`).
+kind traced again without stamping (:class:`Unstampable`). A size it reads from outside
+(under a dynamic length, the one ``torch.export`` took from the model's input) it takes
+from its own argument of that size instead, where it has one.
 """
 from __future__ import annotations
 

@@ -218,8 +218,48 @@ def _swept(program: "_Program", megatron: _Megatron, plan: dict, units: list, wh
             plan = min(_trials(program, megatron, plan, fqns, fqns in wholes, budget),
                        key=lambda trial: program.rank(trial, budget))
         if program.key(plan) == program.key(start):
-            break
+            plan = _swapped(program, megatron, plan, units, wholes, budget)
+            if program.key(plan) == program.key(start):
+                break
     return plan
+
+
+def _swapped(program: "_Program", megatron: _Megatron, plan: dict, units: list,
+             wholes: list, budget: float) -> dict:
+    """``plan`` with a unit it shards whole, where whole it would send less but not fit
+    ``budget``, and units it holds whole sharded to make room (those that send least more
+    for each byte they free, first): the best such swap that sends less than ``plan``. A
+    move of one unit at a time cannot make it."""
+    rank = lambda trial: program.rank(trial, budget)  # noqa: E731
+    best, found = rank(plan), plan
+    base = program.place(plan)
+    freeing = []  # (what it sends more per byte it frees, bytes freed, its layouts)
+    for a in [u for u in units if not all(f in plan for f in u)]:
+        trials = [t for t in _trials(program, megatron, plan, a, a in wholes, budget)
+                  if all(f in t for f in a) and not program.place(t).fallbacks]
+        if trials:
+            trial = min(trials, key=rank)
+            placed = program.place(trial)
+            freed = base.held - placed.held
+            if freed > 0:
+                freeing.append(((placed.sent - base.sent) / freed, freed,
+                                {f: trial[f] for f in a}))
+    freeing.sort(key=lambda item: item[:2])
+    room = sum(freed for _, freed, _ in freeing) + budget - base.held
+    for b in [u for u in units if all(f in plan for f in u)]:
+        if program.added_whole(b, plan) > room:  # no swap makes room: not placed
+            continue
+        whole = _with(plan, b, None)
+        if rank(whole)[::2] >= best[::2]:  # whole, it would not send less
+            continue
+        swap, need = whole, program.place(whole).held - budget
+        for _, freed, layouts in freeing:
+            if need <= 0:
+                break
+            swap, need = {**swap, **layouts}, need - freed
+        if need <= 0 and rank(swap) < best:
+            best, found = rank(swap), swap
+    return found
 
 
 def _most_saved(program: "_Program", plan: dict, units: list, budget: float) -> dict:
