@@ -186,8 +186,9 @@ def _cheapest_within(program: "_Program", megatron: _Megatron, memory_slack: flo
     searches, the better kept: one unit at a time (the embeddings and heads, then the
     others, the smallest first); and the units whole that together save most within the
     budget, each weighed alone (:func:`_most_saved`). Each is then swept again, one unit at
-    a time, until a sweep changes nothing. A unit whose bytes whole would not fit the budget
-    is not placed to find out."""
+    a time, until a sweep changes nothing, and a swap is tried where one unit's move cannot
+    get past the budget (:func:`_swapped`). A unit whose bytes whole would not fit the
+    budget is not placed to find out."""
     plan = megatron.plan
     budget = program.place(plan).held * (1 + memory_slack)
     rank = lambda trial: program.rank(trial, budget)  # noqa: E731
