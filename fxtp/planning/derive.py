@@ -17,6 +17,7 @@ says why.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from dataclasses import dataclass
@@ -228,24 +229,23 @@ def _swept(program: "_Program", megatron: _Megatron, plan: dict, units: list, wh
 def _swapped(program: "_Program", megatron: _Megatron, plan: dict, units: list,
              wholes: list, budget: float) -> dict:
     """``plan`` with a unit it shards whole, where whole it would send less but not fit
-    ``budget``, and units it holds whole sharded to make room (those that send least more
-    for each byte they free, first): the best such swap that sends less than ``plan``. A
-    move of one unit at a time cannot make it."""
+    ``budget``, and units it holds whole sharded to make room (the few sets that free
+    enough at least estimated cost, each unit's cost weighed alone, placed to find out):
+    the best such swap that sends less than ``plan``. A move of one unit at a time cannot
+    make it."""
     rank = lambda trial: program.rank(trial, budget)  # noqa: E731
     best, found = rank(plan), plan
     base = program.place(plan)
-    freeing = []  # (what it sends more per byte it frees, bytes freed, its layouts)
+    freeing = []  # (what it sends more, bytes it frees, its layouts)
     for a in [u for u in units if not all(f in plan for f in u)]:
         trials = [t for t in _trials(program, megatron, plan, a, a in wholes, budget)
                   if all(f in t for f in a) and not program.place(t).fallbacks]
         if trials:
             trial = min(trials, key=rank)
             placed = program.place(trial)
-            freed = base.held - placed.held
-            if freed > 0:
-                freeing.append(((placed.sent - base.sent) / freed, freed,
+            if base.held > placed.held:
+                freeing.append((placed.sent - base.sent, base.held - placed.held,
                                 {f: trial[f] for f in a}))
-    freeing.sort(key=lambda item: item[:2])
     room = sum(freed for _, freed, _ in freeing) + budget - base.held
     for b in [u for u in units if all(f in plan for f in u)]:
         if program.added_whole(b, plan) > room:  # no swap makes room: not placed
@@ -253,14 +253,25 @@ def _swapped(program: "_Program", megatron: _Megatron, plan: dict, units: list,
         whole = _with(plan, b, None)
         if rank(whole)[::2] >= best[::2]:  # whole, it would not send less
             continue
-        swap, need = whole, program.place(whole).held - budget
-        for _, freed, layouts in freeing:
-            if need <= 0:
-                break
-            swap, need = {**swap, **layouts}, need - freed
-        if need <= 0 and rank(swap) < best:
-            best, found = rank(swap), swap
+        for made in _making_room(freeing, program.place(whole).held - budget):
+            swap = {**whole, **{f: s for layouts in made for f, s in layouts.items()}}
+            if rank(swap) < best:
+                best, found = rank(swap), swap
     return found
+
+
+def _making_room(freeing: list, need: float, tried: int = 2) -> list[list[dict]]:
+    """The ``tried`` sets of ``freeing``'s ``(cost, bytes freed, layouts)`` that free at
+    least ``need`` bytes at least summed cost (every set of up to :data:`_SWAP_UNITS`
+    units): their layouts."""
+    sets = [c for n in range(1, min(len(freeing), _SWAP_UNITS) + 1)
+            for c in itertools.combinations(range(len(freeing)), n)
+            if sum(freeing[i][1] for i in c) >= need]
+    sets.sort(key=lambda c: (sum(freeing[i][0] for i in c), len(c), c))
+    return [[freeing[i][2] for i in c] for c in sets[:tried]]
+
+
+_SWAP_UNITS = 4  # the most units held whole sharded together to make room
 
 
 def _most_saved(program: "_Program", plan: dict, units: list, budget: float) -> dict:
