@@ -216,15 +216,21 @@ def test_memory_slack_trades_parameter_bytes_for_collectives():
     assert roomy.placed.sent < megatron.placed.sent
 
 
-def test_within_a_familys_own_bytes_it_trades_whole_units_to_send_less_than_its_plan():
-    """Hunyuan-MoE's own plan shards its experts, its embedding and its head, and holds its
-    attention and shared MLP whole. Within those bytes, moving one unit at a time keeps the
+@pytest.mark.parametrize("family, shared_mlp", [
+    ("hunyuan_v1_moe", "model.layers.*.mlp.shared_mlp.down_proj"),
+    ("granitemoehybrid", "model.layers.*.shared_mlp.output_linear")])
+def test_within_a_familys_own_bytes_it_trades_whole_units_to_send_less_than_its_plan(
+        family, shared_mlp):
+    """Hunyuan-MoE's and GraniteMoE-Hybrid's own plans shard their experts, embedding and
+    head, and hold the rest whole. Within those bytes, moving one unit at a time keeps the
     embedding and the head whole, where they cost least, and leaves no room for the shared
     MLP, which would send less whole (1.11x the family's bytes sent): sharding the two to
-    make room for it, then moving on from there, sends less than the family's plan."""
+    make room for it (not GraniteMoE-Hybrid's Mamba projections, which free bytes more
+    cheaply each but cost more in all), then moving on from there, sends less than the
+    family's plan."""
     from benchmarks.hf_families import make
     torch.manual_seed(0)
-    model = make("hunyuan_v1_moe")
+    model = make(family)
     inputs = dict(example_inputs=(corpus.TOKENS,), example_kwargs={"use_cache": False},
                   world_size=2)
     own = place_plans(model, {"own": "auto"}, **inputs)["own"]
@@ -232,7 +238,7 @@ def test_within_a_familys_own_bytes_it_trades_whole_units_to_send_less_than_its_
     plan = fxtp.derive_plan(model, memory_slack=own.held / megatron.held - 1, **inputs)
     assert plan.placed.fallbacks == ()
     assert plan.placed.held <= own.held and plan.placed.sent < own.sent
-    assert "model.layers.*.mlp.shared_mlp.down_proj" not in plan
+    assert shared_mlp not in plan
 
 
 class AdapterAfter(nn.Module):
