@@ -114,7 +114,8 @@ def _localize_attr(gm, target: str, placement, rank: int, world: int, shards: di
         if isinstance(value, FakeTensor):  # a meta model's stand-in: a meta one, of the
             whole = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
                                         device="meta")  # local shape, is as good and quick
-        part = local_part(whole, placement, rank, world)  # contiguous: the strides of one
+        part = local_part(whole, placement, rank, world)  # a view: cut to size 1 on a dim,
+        # it keeps the whole's stride there; a contiguous part gets a contiguous one's
         local = part.clone(memory_format=torch.contiguous_format if part.is_contiguous()
                            else torch.preserve_format)
         if isinstance(value, nn.Parameter):

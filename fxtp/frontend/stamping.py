@@ -510,7 +510,9 @@ def _own_sizes(graph: fx.Graph, nodes: list[fx.Node]) -> bool:
             continue
         with graph.inserting_after(arguments[-1]):
             own = graph.call_function(torch.ops.aten.sym_size.int, at)
-        own.meta = {**arguments[-1].meta, "val": size.meta["val"]}
+        inner = ("nn_module_stack", "custom")  # the block's module and region, not the root's
+        own.meta = {k: v for k, v in size.meta.items() if k not in inner}
+        own.meta.update({k: arguments[-1].meta[k] for k in inner if k in arguments[-1].meta})
         size.replace_all_uses_with(own, delete_user_cb=lambda user: user in inside)
         changed = True
     return changed
