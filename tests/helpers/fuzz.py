@@ -884,7 +884,7 @@ def differential(rank: int, world: int, cfg: Config, group, report: dict) -> Non
 # --- verdicts ----------------------------------------------------------------------------------
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_OURS = tuple(os.path.join(_ROOT, folder) + os.sep for folder in ("fxtp", "passes", "kernels"))
+_OURS = tuple(os.path.join(_ROOT, folder) + os.sep for folder in ("fxtp", "passes"))
 
 
 def _frames(tb) -> list[traceback.FrameSummary]:

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FOLDERS = {"fxtp": "fxtp", "fxtp.passes": "passes", "fxtp.kernels": "kernels"}
+FOLDERS = {"fxtp": "fxtp", "fxtp.passes": "passes"}
 
 LAYERS = [
     {"fxtp.kernels"},
@@ -29,7 +29,7 @@ def modules():
     for package, folder in FOLDERS.items():
         for path in sorted((ROOT / folder).rglob("*.py")):
             parts = path.relative_to(ROOT / folder).with_suffix("").parts
-            if package == "fxtp" and parts[0] in ("passes", "kernels"):
+            if package == "fxtp" and parts[0] == "passes":
                 continue
             is_package = parts[-1] == "__init__"
             yield ".".join((package,) + (parts[:-1] if is_package else parts)), is_package, path
