@@ -50,11 +50,14 @@ def read_parameter(leaves: dict, name: str) -> torch.Tensor:
     """What a graph computes with for its owner's parameter ``name``: its read, or the
     local tensor of a parameter fxtp did not make."""
     value = leaves[name]
-    if not torch.compiler.is_compiling():
-        param = getattr(value, "_fxtp_param", None)
-        if param is not None and not _current(value, param):
-            value = leaves[name] = read_of(param)
-    return local_tensor(value)
+    if torch.compiler.is_compiling():
+        return local_tensor(value)
+    param = getattr(value, "_fxtp_param", None)
+    if param is None:
+        return local_tensor(value)
+    if not _current(value, param):
+        value = leaves[name] = read_of(param)
+    return value
 
 
 def read_attribute(module: nn.Module, target: str) -> torch.Tensor:
@@ -106,6 +109,9 @@ def read_of(param: DTensor) -> torch.Tensor:
     local = param._local_tensor
     leaf = local.detach().requires_grad_(param.requires_grad)
     leaf._fxtp_param, leaf._fxtp_local, leaf._fxtp_live = param, local, _LIVE
+    meta = param._spec.tensor_meta  # a gradient strided so becomes a DTensor as it is
+    leaf._fxtp_stride = local.stride() if meta is not None and meta.dtype == local.dtype \
+        else None
     if param.requires_grad:
         leaf.register_post_accumulate_grad_hook(_publish_gradient)
     mark_static_address(leaf)  # as parameters: CUDA graphs read it
@@ -161,8 +167,16 @@ class _Publication:
         self.task = task
 
     def __call__(self) -> None:
-        failed = None
-        for leaf in _pending.pop(self.task, ()):
+        rest, failed = [], None
+        with dtensor_fields():  # only fxtp's DTensors are touched in it
+            for leaf in _pending.pop(self.task, ()):
+                try:
+                    given = _give(leaf)
+                except Exception:  # noqa: BLE001 - raised again below, outside the context
+                    given = False
+                if not given:
+                    rest.append(leaf)
+        for leaf in rest:
             try:
                 if leaf.grad is not None:
                     _publish(leaf)
@@ -172,6 +186,30 @@ class _Publication:
             raise failed
 
     __del__ = __call__
+
+
+def _give(leaf: torch.Tensor) -> bool:
+    """:func:`_publish`'s common cases, run inside :func:`dtensor_fields`: a gradient that
+    needs no graph of its own, for a parameter without hooks of its own, that becomes its
+    ``.grad`` as it is or is added to the one it holds. ``False`` (nothing done) for any
+    other."""
+    grad = leaf.grad
+    if grad is None:
+        return True
+    param = leaf._fxtp_param
+    if grad.requires_grad or param._post_accumulate_grad_hooks:
+        return False
+    held = param.grad
+    if held is None:
+        if grad.stride() != leaf._fxtp_stride or grad.dtype is not leaf.dtype:
+            return False
+        param.grad = dtensor_of(grad, param._spec)
+    elif laid_out_like(held, param):
+        held._local_tensor.add_(grad)
+    else:
+        return False
+    leaf.grad = None
+    return True
 
 
 def _publish(leaf: torch.Tensor) -> None:

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor, Replicate
 import fxtp
 from fxtp.examples.llama import Llama, LlamaConfig, llama_tp_plan
 from fxtp.passes.graph import attr
+from tests.helpers.models import BATCH, DIM, MLP, SEQ
 
 CFG = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16)
 TOKENS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
@@ -179,6 +180,46 @@ def test_a_backward_after_one_that_raised_publishes_its_gradients(fake_group):
         model.zero_grad(set_to_none=True)
         backward(model)
     assert_same(grads(gm), grads(plain), "gradient after a backward that raised")
+    assert all(read.grad is None for read in reads(gm))
+
+
+def test_a_gradient_that_cannot_be_added_raises_after_every_other_is_given(fake_group):
+    fake_group(2)
+    gm, plain = parallel(), parallel(dtensor_params=False)
+    stuck = gm.layers[0].attention.wo.weight
+    with torch.inference_mode():  # a held gradient that cannot be added to in place
+        frozen = torch.zeros_like(stuck._local_tensor)
+    stuck.grad = DTensor.__new__(DTensor, frozen, stuck._spec, requires_grad=False)
+    with pytest.raises(RuntimeError, match="[Ii]nference"):
+        backward(gm)
+    backward(plain)
+    got, want = grads(gm), grads(plain)
+    del got["layers.0.attention.wo.weight"], want["layers.0.attention.wo.weight"]
+    assert_same(got, want, "gradient given beside one that raised")
+    assert stuck._fxtp_read.grad is None  # nothing left over for the next backward
+
+
+def test_a_backward_with_create_graph_gives_gradients_differentiable_again(fake_group):
+    fake_group(2)
+    x = torch.randn(BATCH, SEQ, DIM, dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(2))
+    plan = {"net1": fxtp.ColwiseParallel(), "net2": fxtp.RowwiseParallel()}
+
+    def mlp(dtensor_params):
+        torch.manual_seed(0)
+        return fxtp.parallelize(MLP().double(), plan, example_inputs=(x,),
+                                dtensor_params=dtensor_params)
+    gm, plain = mlp(True), mlp(False)
+    for model in (gm, plain):
+        model(x).square().sum().backward(create_graph=True)
+    assert all(g.requires_grad for g in grads(gm).values())
+    assert_same({n: g.detach() for n, g in grads(gm).items()},
+                {n: g.detach() for n, g in grads(plain).items()}, "create_graph gradient")
+    for model in (gm, plain):  # the gradients' own backward reaches the parameters again
+        sum((g.to_local() if isinstance(g, DTensor) else g).square().sum()
+            for g in grads(model).values()).backward()
+    assert_same({n: g.detach() for n, g in grads(gm).items()},
+                {n: g.detach() for n, g in grads(plain).items()}, "gradient of the gradient")
     assert all(read.grad is None for read in reads(gm))
 
 
