@@ -583,7 +583,21 @@ def _same(a, b) -> bool:
             and (a.dtype, a.device, a.requires_grad) == (b.dtype, b.device, b.requires_grad)
     if isinstance(a, (tuple, list)) and type(a) is type(b):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, nn.Module) and type(a) is type(b):  # each block's own stateless helper
+        return _stateless(a) and _stateless(b) and _same(_attributes(a), _attributes(b))
     return type(a) is type(b) and isinstance(a, _PLAIN) and a == b
+
+
+def _stateless(module: nn.Module) -> bool:
+    """Does ``module`` hold no tensors, submodules or hooks (the function wrappers the
+    ``kernels`` package gives each module of a class it decorates: ``_kernel_funcs``)?"""
+    return not any(v for k, v in vars(module).items() if k in _MODULE_STATE and
+                   k != "_non_persistent_buffers_set" and isinstance(v, dict))
+
+
+def _attributes(module: nn.Module) -> dict:
+    """``module``'s own attributes beyond those every module has (``training`` kept)."""
+    return {k: v for k, v in vars(module).items() if k not in _MODULE_STATE}
 
 
 def _signature(model: nn.Module, fqn: str, plan: dict, kept: set) -> Optional[tuple]:

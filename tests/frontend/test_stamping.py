@@ -8,8 +8,8 @@ import torch.nn as nn
 
 import fxtp
 from benchmarks.passes_scale import FORMS, ArgsLlama
-from fxtp.examples.llama import (Llama, LlamaConfig, TransformerBlock, llama_sp_plan,
-                                 llama_tp_plan)
+from fxtp.examples.llama import (FeedForward, Llama, LlamaConfig, TransformerBlock,
+                                 llama_sp_plan, llama_tp_plan)
 from fxtp.passes.graph import STAMPED
 from tests.helpers.models import Layers
 from tests.helpers.parity import check_parity
@@ -332,6 +332,49 @@ def test_an_attribute_no_forward_reads_does_not_prevent_stamping(fake_group):
         return m
     stamped, traced = stamped_and_traced(model, llama_tp_plan(), 2)
     assert stamped.meta[STAMPED] == {f"layers.{i}": "layers.0" for i in range(1, LAYERS)}
+    assert programs(stamped) == programs(traced)
+
+
+class Gelu(nn.Module):
+    """A function as a module, as the ``kernels`` package wraps one for each module of a
+    class it decorates (``_kernel_funcs``, outside ``_modules``)."""
+
+    def __init__(self, approximate="none"):
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, x):
+        return nn.functional.gelu(x, approximate=self.approximate)
+
+
+class HelpedFeedForward(FeedForward):
+    def forward(self, x):
+        return self.w2(self._helpers["act"](self.w1(x)) * self.w3(x))
+
+
+def llama_with_helpers(approximations):
+    """:func:`llama` whose blocks' feed-forwards each hold their own :class:`Gelu` in a dict
+    their forward reads it from."""
+    model = llama()
+    for layer, approximate in zip(model.layers, approximations):
+        layer.feed_forward.__class__ = HelpedFeedForward
+        layer.feed_forward._helpers = {"act": Gelu(approximate)}
+    return model
+
+
+def test_blocks_each_holding_their_own_stateless_helper_module_are_stamped(fake_group):
+    fake_group(2)
+    stamped, traced = stamped_and_traced(lambda: llama_with_helpers(["none"] * LAYERS),
+                                         llama_tp_plan(), 2)
+    assert stamped.meta[STAMPED] == {f"layers.{i}": "layers.0" for i in range(1, LAYERS)}
+    assert programs(stamped) == programs(traced)
+
+
+def test_blocks_whose_helper_modules_differ_in_a_value_are_each_traced(fake_group):
+    fake_group(2)
+    stamped, traced = stamped_and_traced(
+        lambda: llama_with_helpers(["none", "tanh"] * (LAYERS // 2)), llama_tp_plan(), 2)
+    assert stamped.meta[STAMPED] == {"layers.2": "layers.0", "layers.3": "layers.1"}
     assert programs(stamped) == programs(traced)
 
 
