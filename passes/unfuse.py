@@ -4,15 +4,15 @@ together.
 A colwise projection whose output is split into parts (``q, k, v = qkv(x).split(...)``,
 ``gate, up = w13(x).chunk(2, -1)``), or viewed by heads and sliced into runs of heads
 (Falcon-7B's multi-query ``qkv.view(b, t, heads + 2, d)[..., :-2, :]``, ``[..., [-2], :]``,
-``[..., [-1], :]``), is served blocked by :mod:`fxtp.passes.strided` when every part
-divides by the world size. Where one does not (fewer KV heads than ranks, an MLP width
-that does not divide), propagation gathers the fused output where it is split. Such a
-projection (``linear(x, w, b)``, or ``x @ w.T``) is rewritten here as one ``linear`` per
-part, on row slices of the fused weight (and bias), each slice laid out as a colwise
-projection's weight. Every part then places as a separate projection does: KV heads dealt
-to the groups of ranks whose query heads use them, one head that every query head reads
-whole on every rank, and uneven widths dealt as ``torch.chunk`` deals them
-(:mod:`fxtp.passes.units`).
+``[..., [-1], :]``, or ``.split([heads, 1, 1], dim=-2)``), is served blocked by
+:mod:`fxtp.passes.strided` when every part divides by the world size. Where one does not
+(fewer KV heads than ranks, an MLP width that does not divide), propagation gathers the
+fused output where it is split. Such a projection (``linear(x, w, b)``, or ``x @ w.T``) is
+rewritten here as one ``linear`` per part, on row slices of the fused weight (and bias),
+each slice laid out as a colwise projection's weight. Every part then places as a separate
+projection does: KV heads dealt to the groups of ranks whose query heads use them, one head
+that every query head reads whole on every rank, and uneven widths dealt as ``torch.chunk``
+deals them (:mod:`fxtp.passes.units`).
 
 The fused parameter stays whole on every rank (vLLM holds a grouped KV head on each rank of
 its group so too): parameter memory is traded for the gather of every activation. A sharded
@@ -103,10 +103,10 @@ def _split_parts(split: fx.Node):
 
 def _head_parts(view: fx.Node, gm: fx.GraphModule):
     """``[(reader, features)]`` in the order of the features, for a view of the last dim
-    as ``(..., heads, head_dim)`` whose readers each take a run of heads, by a slice or an
-    index by a constant run, all of them once, and gather it for want of a rule (Falcon-7B's
-    multi-query ``q, k, v = qkv[..., :-2, :], qkv[..., [-2], :], qkv[..., [-1], :]``);
-    else ``None``."""
+    as ``(..., heads, head_dim)`` whose readers each take a run of heads, by a slice, an
+    index by a constant run or a split's part, all of them once, and gather it for want of
+    a rule (Falcon-7B's multi-query ``q, k, v = qkv[..., :-2, :], qkv[..., [-2], :],
+    qkv[..., [-1], :]``); else ``None``."""
     if view.op != "call_function" or view.target not in _VIEWS or \
             not isinstance(view.args[0], fx.Node) or not view.users:
         return None
@@ -115,14 +115,31 @@ def _head_parts(view: fx.Node, gm: fx.GraphModule):
             not isinstance(shape[-2], int) or shape[:-2] != before[:-1]:
         return None
     heads, dim = shape[-2], len(shape) - 2
-    runs = sorted(((run, reader) for reader in view.users
-                   if (run := _run_of_heads(reader, dim, heads, gm)) is not None),
-                  key=lambda found: found[0])
-    if len(runs) != len(view.users) or [a for (a, _), _ in runs] != \
-            [0] + [b for (_, b), _ in runs[:-1]] or runs[-1][0][1] != heads or \
-            not any(FALLBACK in reader.meta for reader in view.users):
+    found = [_runs_of_heads(reader, dim, heads, gm) for reader in view.users]
+    if any(f is None for f in found):
+        return None
+    runs = sorted((run for f in found for run in f), key=lambda run: run[0])
+    if [a for (a, _), _ in runs] != [0] + [b for (_, b), _ in runs[:-1]] or \
+            runs[-1][0][1] != heads or not any(FALLBACK in reader.meta for reader in view.users):
         return None
     return [(reader, (b - a) * shape[-1]) for (a, b), reader in runs]
+
+
+def _runs_of_heads(reader: fx.Node, dim: int, heads: int, gm: fx.GraphModule):
+    """``[((start, stop), node)]``: the runs of heads ``reader`` takes of its input's
+    ``dim`` and the node reading each, itself (a slice, an index), or a split's parts
+    (``getitem`` s, every part read: Falcon's ``qkv.split([heads, 1, 1], dim=-2)``); else
+    ``None``."""
+    if reader.target in _SPLITS and reader.target is not aten.chunk.default and \
+            _split_dim(reader) == dim and \
+            all(u.target is operator.getitem for u in reader.users):
+        parts = {u.args[1]: u for u in reader.users}
+        sizes = [part.shape[dim] for part in val(reader)]
+        if len(parts) != len(reader.users) or sorted(parts) != list(range(len(sizes))):
+            return None
+        return [((sum(sizes[:i]), sum(sizes[:i + 1])), parts[i]) for i in range(len(sizes))]
+    run = _run_of_heads(reader, dim, heads, gm)
+    return None if run is None else [(run, reader)]
 
 
 def _run_of_heads(reader: fx.Node, dim: int, heads: int, gm: fx.GraphModule):
@@ -225,12 +242,14 @@ def _unfuse(graph: fx.Graph, reads: fx.Node, parts: list, linear: fx.Node, marke
     unsqueezed = reads.args[0] if _under_unsqueeze(reads.args[0]) is not reads.args[0] \
         else None
     split = [reader for reader, _ in parts if reader is not None and
-             reader.target is operator.getitem]
+             reader.target is operator.getitem and reader.args[0] is reads]
     by_heads = {reader for reader in split if _viewed_by_heads(reader)}
     whole = {i for i, (reader, _) in enumerate(parts)  # one head every rank's heads read
              if reader is not None and (
-                 val(reader).shape[-2] == 1 if reader.target is not operator.getitem else
+                 val(reader).shape[-2] == 1 if reader not in split else
                  by_heads and reader not in by_heads)}
+    heads_split = {reader.args[0] for reader, _ in parts if reader is not None and
+                   reader.target is operator.getitem and reader.args[0] is not reads}
     pieces = []
     why = (f"its fused parts ({', '.join(map(str, sizes))} features) cannot be sharded as "
            f"one weight at {world} ranks, so each is computed from its rows of the whole "
@@ -256,7 +275,7 @@ def _unfuse(graph: fx.Graph, reads: fx.Node, parts: list, linear: fx.Node, marke
             with graph.inserting_before(reader):
                 part = _node(graph, reader, aten.unsqueeze.default,
                              (part, unsqueezed.args[1]), val(part).unsqueeze(unsqueezed.args[1]))
-        if reader.target is not operator.getitem:  # a run of heads: the part, viewed so
+        if reader not in split:  # a run of heads: the part, viewed so
             shape = list(reads.args[1])
             shape[-2] = val(reader).shape[-2]
             with graph.inserting_before(reader):
@@ -267,8 +286,8 @@ def _unfuse(graph: fx.Graph, reads: fx.Node, parts: list, linear: fx.Node, marke
         graph.erase_node(reader)
         if isinstance(index, fx.Node) and not index.users:
             graph.erase_node(index)
-    for node in [reads, *([unsqueezed] if unsqueezed is not None else []), *markers, linear,
-                 *between]:
+    for node in [*heads_split, reads, *([unsqueezed] if unsqueezed is not None else []),
+                 *markers, linear, *between]:
         graph.erase_node(node)
 
 

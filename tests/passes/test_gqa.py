@@ -147,6 +147,42 @@ def test_falcon_7bs_71_query_heads_are_dealt_whole_and_dense_takes_them_alike(ra
     assert ranks.run(falcon_7b_heads_parity)[0] == ({"all_reduce": L}, {"all_reduce": 3 * L})
 
 
+class SplitMultiQuery(nn.Module):
+    """Multi-query attention as transformers 5.25 writes Falcon's: the fused projection's
+    output viewed by heads and split on the heads dim, ``[heads, 1, 1]`` (Falcon-7B's 71
+    heads, of width 4)."""
+
+    def __init__(self, heads=71, head_dim=4):
+        super().__init__()
+        self.heads, self.head_dim, dim = heads, head_dim, heads * head_dim
+        self.query_key_value = nn.Linear(dim, dim + 2 * head_dim, bias=False)
+        self.dense = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.query_key_value(x).view(b, t, -1, self.head_dim).split(
+            [self.heads, 1, 1], dim=-2)
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))
+        k, v = (z.expand(b, self.heads, t, self.head_dim) for z in (k, v))
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.dense(out.transpose(1, 2).reshape(b, t, -1))
+
+
+def split_multi_query_parity(rank, world):
+    x = torch.randn(2, 8, 284, generator=torch.Generator().manual_seed(3))
+    return check_parity(rank, world, SplitMultiQuery,
+                        {"query_key_value": fxtp.ColwiseParallel(),
+                         "dense": fxtp.RowwiseParallel()}, [x], dtype=torch.float64,
+                        strict=True, input_grads=False)
+
+
+def test_a_fused_output_split_by_heads_is_computed_part_by_part_strictly(ranks):
+    """The split's parts are runs of heads as slices are: q's rows dealt in whole heads, k's
+    and v's whole on every rank, no gather. Forward the output's all-reduce; backward the
+    bucket of the fused weight's partial gradients (the input needs none)."""
+    assert ranks.run(split_multi_query_parity)[0] == ({"all_reduce": 1}, {"all_reduce": 1})
+
+
 def test_falcons_multi_query_projection_is_derived_column_wise_and_placed_strictly(
         fake_group):
     """Its fused q / k / v rows viewed by heads: the derived plan shards them as Megatron
