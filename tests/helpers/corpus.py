@@ -294,7 +294,25 @@ def _hf(config_name, model_name, **overrides):
                   bos_token_id=1, eos_token_id=2)
     kwargs.update(overrides)
     cfg = getattr(transformers, config_name)(**kwargs)
-    return getattr(transformers, model_name)(cfg)
+    return getattr(transformers, model_name)(_with_expert_tp(cfg))
+
+
+EXPERT_TP = {"layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+             "layers.*.mlp.experts.down_proj": "rowwise",
+             "layers.*.mlp.experts": "moe_tp_experts"}
+"""The experts' entries transformers' MoE plans carried up to 5.24."""
+
+
+def _with_expert_tp(cfg):
+    """``cfg`` with :data:`EXPERT_TP` in its plan where its model has ``mlp.experts`` and
+    the plan shards none (transformers 5.25 moved experts to the expert-parallel plan), so
+    the tests of ``moe_tp_experts`` test it whatever version is installed."""
+    plan = getattr(type(cfg), "base_model_tp_plan", None) or {}
+    ep_plan = getattr(type(cfg), "base_model_ep_plan", None) or {}
+    if plan and "layers.*.mlp.experts" in ep_plan and \
+            "moe_tp_experts" not in plan.values():
+        cfg.base_model_tp_plan = {**plan, **EXPERT_TP}
+    return cfg
 
 
 def hf_llama():

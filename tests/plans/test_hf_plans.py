@@ -116,12 +116,15 @@ def test_auto_on_phimoe_runs_its_routers_own_backward(ranks2):
     """PhiMoE in training: the sampled routing draws the same numbers as on one device, and
     the router's straight-through ``autograd.Function`` runs its own backward on the
     replicated router scores (traced into its forward, the gradients of the second step
-    were wrong). Parity in fp64, no fallback. Its plan shards only the experts: forward,
-    the vocab-parallel embedding's all-reduce, the experts' partial sums (one a layer) and
-    the logits' gather; backward, per layer the experts' input gradient and the routing
-    weights' partial gradient, and the head's input gradient."""
+    were wrong). Parity in fp64, no fallback. Forward, the vocab-parallel embedding's
+    all-reduce, the experts' partial sums (one a layer) and the logits' gather; backward,
+    per layer the experts' input gradient and the routing weights' partial gradient, and
+    the head's input gradient. Since transformers 5.25 its plan shards attention too: one
+    more all-reduce a layer each way."""
+    attention = L if "model.layers.*.self_attn.o_proj" in model_plan(corpus.hf_phimoe()) else 0
     assert ranks2.run(hf_parity, corpus.hf_phimoe, "auto")[0] == \
-        ({"all_reduce": L + 1, "all_gather": 1}, {"all_reduce": 2 * L + 1})
+        ({"all_reduce": L + 1 + attention, "all_gather": 1},
+         {"all_reduce": 2 * L + 1 + attention})
 
 
 def test_auto_on_deepseek_v2s_latent_attention_and_experts(ranks2):
