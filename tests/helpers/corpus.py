@@ -283,8 +283,9 @@ def nanogpt_plan():
 HIDDEN, HEADS, KV_HEADS = 32, 8, 4
 
 
-def _hf(config_name, model_name, **overrides):
-    """A ``*ForCausalLM`` from a small random config: untied head, SDPA, no dropout."""
+def _hf(config_name, model_name, expert_tp=False, **overrides):
+    """A ``*ForCausalLM`` from a small random config: untied head, SDPA, no dropout;
+    ``expert_tp``: its plan shards the experts (:func:`_with_expert_tp`)."""
     import transformers
     kwargs = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64,
                   num_hidden_layers=L, num_attention_heads=HEADS,
@@ -294,7 +295,7 @@ def _hf(config_name, model_name, **overrides):
                   bos_token_id=1, eos_token_id=2)
     kwargs.update(overrides)
     cfg = getattr(transformers, config_name)(**kwargs)
-    return getattr(transformers, model_name)(_with_expert_tp(cfg))
+    return getattr(transformers, model_name)(_with_expert_tp(cfg) if expert_tp else cfg)
 
 
 EXPERT_TP = {"layers.*.mlp.experts.gate_up_proj": "packed_colwise",
@@ -304,13 +305,11 @@ EXPERT_TP = {"layers.*.mlp.experts.gate_up_proj": "packed_colwise",
 
 
 def _with_expert_tp(cfg):
-    """``cfg`` with :data:`EXPERT_TP` in its plan where its model has ``mlp.experts`` and
-    the plan shards none (transformers 5.25 moved experts to the expert-parallel plan), so
-    the tests of ``moe_tp_experts`` test it whatever version is installed."""
+    """``cfg`` with :data:`EXPERT_TP` in its plan where the plan shards no experts
+    (transformers 5.25 moved them to the expert-parallel plan), so that the tests of
+    ``moe_tp_experts`` test it whatever version is installed."""
     plan = getattr(type(cfg), "base_model_tp_plan", None) or {}
-    ep_plan = getattr(type(cfg), "base_model_ep_plan", None) or {}
-    if plan and "layers.*.mlp.experts" in ep_plan and \
-            "moe_tp_experts" not in plan.values():
+    if "moe_tp_experts" not in plan.values():
         cfg.base_model_tp_plan = {**plan, **EXPERT_TP}
     return cfg
 
@@ -391,15 +390,15 @@ def hf_mixtral():
     """Mixtral: a mixture of 4 experts (2 per token) stored as 3-D weights, routed through
     transformers' traceable grouped-matmul implementation (no fp64 kernel: run it in
     fp32)."""
-    return _hf("MixtralConfig", "MixtralForCausalLM", num_local_experts=4,
+    return _hf("MixtralConfig", "MixtralForCausalLM", expert_tp=True, num_local_experts=4,
                num_experts_per_tok=2, pad_token_id=0)
 
 
 def hf_qwen3_moe():
     """Qwen3-MoE: 4 experts of intermediate size 32, q_norm / k_norm per head; its plan
     also names the dense MLPs of the layers a config may leave dense (none here)."""
-    return _hf("Qwen3MoeConfig", "Qwen3MoeForCausalLM", num_experts=4, num_experts_per_tok=2,
-               moe_intermediate_size=32, pad_token_id=0)
+    return _hf("Qwen3MoeConfig", "Qwen3MoeForCausalLM", expert_tp=True, num_experts=4,
+               num_experts_per_tok=2, moe_intermediate_size=32, pad_token_id=0)
 
 
 def hf_phimoe():
@@ -407,7 +406,7 @@ def hf_phimoe():
     and scales their weights through a custom ``autograd.Function`` whose backward ignores
     the mask it applied (straight through); transformers' ``batched_mm`` experts, which have
     an fp64 kernel."""
-    model = _hf("PhimoeConfig", "PhimoeForCausalLM", num_local_experts=4,
+    model = _hf("PhimoeConfig", "PhimoeForCausalLM", expert_tp=True, num_local_experts=4,
                 num_experts_per_tok=2, pad_token_id=0)
     model.set_experts_implementation("batched_mm")
     return model
@@ -424,11 +423,11 @@ def hf_deepseek_v2():
     """DeepSeek-V2: multi-head latent attention (q and kv projected down to latents, each
     normed and projected up per head; a rotary key part shared by every head) and 4
     experts of intermediate size 32 plus a shared one after a dense first layer."""
-    return _hf("DeepseekV2Config", "DeepseekV2ForCausalLM", num_key_value_heads=HEADS,
-               q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4,
-               v_head_dim=4, n_routed_experts=4, num_experts_per_tok=2,
-               moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
-               n_group=1, topk_group=1, pad_token_id=0)
+    return _hf("DeepseekV2Config", "DeepseekV2ForCausalLM", expert_tp=True,
+               num_key_value_heads=HEADS, q_lora_rank=16, kv_lora_rank=16,
+               qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4, n_routed_experts=4,
+               num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+               first_k_dense_replace=1, n_group=1, topk_group=1, pad_token_id=0)
 
 
 def hf_jamba():
