@@ -591,8 +591,8 @@ def _same(a, b) -> bool:
 def _stateless(module: nn.Module) -> bool:
     """Does ``module`` hold no tensors, submodules or hooks (the function wrappers the
     ``kernels`` package gives each module of a class it decorates: ``_kernel_funcs``)?"""
-    return not any(v for k, v in vars(module).items() if k in _MODULE_STATE and
-                   k != "_non_persistent_buffers_set" and isinstance(v, dict))
+    return not any(v for k, v in vars(module).items()
+                   if k in _MODULE_STATE and isinstance(v, dict))
 
 
 def _attributes(module: nn.Module) -> dict:
