@@ -49,7 +49,8 @@ def deal_sources(gm: fx.GraphModule, ctx: PassContext) -> bool:
         if want is None:
             continue
         carriers: dict[fx.Node, int] = {}
-        if not carried_from_params(node.args[0], want.dim, carriers) or tied & set(carriers):
+        source, dim = _under_splitting_views(node.args[0], want.dim, want.units)
+        if not carried_from_params(source, dim, carriers) or tied & set(carriers):
             continue
         for carrier, dim in carriers.items():
             placement = UnitShard(dim if want.units > 1 else 0, want.units)
@@ -103,6 +104,22 @@ def _gathered_heads(node: fx.Node, world: int):
             heads % world == 0 or size % heads or (heads < world and world % heads):
         return None
     return UnitShard(have.dim, heads)
+
+
+def _under_splitting_views(node: fx.Node, dim: int, units: int):
+    """``(source, its dim)``: walking back from ``node``'s ``dim`` over views read once
+    whose output dim ``dim`` is the leading factor of a sharded input dim (Falcon's
+    ``qkv.view(b, t, -1, d)`` before its ``view(b, t, kv, -1, d)``). ``units`` of the output
+    dim are then as many units of the input dim, index for index."""
+    while node.op == "call_function" and len(node.users) == 1 and \
+            (found := _sharded_view(node)) is not None and found[1] == dim:
+        have, size = found[0], val(node).shape[dim]
+        whole = val(node.args[0]).shape[have.dim]
+        if not (isinstance(size, int) and isinstance(whole, int) and size % units == 0 and
+                whole % size == 0):
+            break
+        node, dim = node.args[0], have.dim
+    return node, dim
 
 
 def _single_head(node: fx.Node):

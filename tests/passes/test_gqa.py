@@ -183,6 +183,51 @@ def test_a_fused_output_split_by_heads_is_computed_part_by_part_strictly(ranks):
     assert ranks.run(split_multi_query_parity)[0] == ({"all_reduce": 1}, {"all_reduce": 1})
 
 
+class GroupedFusedAttention(nn.Module):
+    """Falcon's new decoder (40B / 180B): one fused projection holding, per KV group, its
+    query heads, then its key and value head. ``two_views``: viewed by heads first and by
+    groups after, as transformers 5.25 writes it; else by groups at once, as 5.24 did."""
+
+    def __init__(self, two_views, kv_heads=2, heads=4, head_dim=8):
+        super().__init__()
+        self.two_views, self.kv_heads, self.heads, self.head_dim = \
+            two_views, kv_heads, heads, head_dim
+        self.query_key_value = nn.Linear(heads * head_dim,
+                                         (heads + 2 * kv_heads) * head_dim, bias=False)
+        self.dense = nn.Linear(heads * head_dim, heads * head_dim, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        fused = self.query_key_value(x)
+        if self.two_views:
+            fused = fused.view(b, t, -1, self.head_dim)
+        grouped = fused.view(b, t, self.kv_heads, -1, self.head_dim)
+        q = grouped[..., :-2, :].flatten(-3, -2).transpose(1, 2)
+        k, v = (z.transpose(1, 2).repeat_interleave(self.heads // self.kv_heads, dim=1)
+                for z in (grouped[..., -2, :], grouped[..., -1, :]))
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.dense(out.transpose(1, 2).reshape(b, t, -1))
+
+
+def grouped_fused_parity(rank, world, two_views):
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(5))
+    return check_parity(rank, world, lambda: GroupedFusedAttention(two_views),
+                        {"query_key_value": fxtp.ColwiseParallel(),
+                         "dense": fxtp.RowwiseParallel()}, [x], dtype=torch.float64,
+                        strict=True, input_grads=False)
+
+
+@pytest.mark.parametrize("two_views", [False, True], ids=["by_groups", "by_heads_then_groups"])
+def test_kv_groups_fewer_than_ranks_are_each_computed_by_their_ranks_however_viewed(
+        ranks4, two_views):
+    """2 KV groups at 4 ranks: each group's rows are sliced from the whole fused weight and
+    computed by the 2 ranks whose query heads it holds, no gather, whether the output is
+    viewed by groups at once or by heads first. Forward the output's all-reduce; backward
+    the bucket of the fused weight's partial gradients."""
+    assert ranks4.run(grouped_fused_parity, two_views)[0] == \
+        ({"all_reduce": 1}, {"all_reduce": 1})
+
+
 def test_falcons_multi_query_projection_is_derived_column_wise_and_placed_strictly(
         fake_group):
     """Its fused q / k / v rows viewed by heads: the derived plan shards them as Megatron
