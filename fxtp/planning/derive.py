@@ -155,9 +155,9 @@ class _Megatron:
         self.plan, _ = _without_fallbacks(program, plan, self.groups, report)
         kept = lambda fqns: all(f in self.plan for f in fqns)  # noqa: E731
         self.heads = {fqn: lp for fqn, lp in self.heads.items() if fqn in self.plan}
-        self.gathered, self.pairs, self.columns = (
+        self.gathered, self.pairs, self.columns, self.experts = (
             [fqns for fqns in units if kept(fqns)]
-            for units in (self.gathered, self.pairs, self.columns))
+            for units in (self.gathered, self.pairs, self.columns, _by_pattern(experts)))
         if self.word not in self.plan:
             self.embeddings = [fqn for fqn in self.embeddings if fqn != self.word]
             self.word = None
@@ -175,13 +175,13 @@ class _Megatron:
 
 def _cheapest_within(program: "_Program", megatron: _Megatron, memory_slack: float,
                      report: dict) -> dict:
-    """Megatron's plan with each embedding, head, gathered linear, pair and column of a pair
-    in the layout that sends least while a rank holds at most ``1 + memory_slack`` times the
-    parameter bytes of Megatron's (a tie keeps Megatron's). A column whole leaves its pair's
-    row-wise linear sharded, slicing its input for free: a column that feeds more than its
-    pair (an indexer's projections beside attention) may send less so. Gathered linears,
-    pairs and columns are weighed per pattern of equal blocks (``layers.*.router``,
-    ``layers.*.attn.{wq,wk,wv,wo}``).
+    """Megatron's plan with each embedding, head, gathered linear, pair, column of a pair
+    and mixture's experts in the layout that sends least while a rank holds at most
+    ``1 + memory_slack`` times the parameter bytes of Megatron's (a tie keeps Megatron's).
+    A column whole leaves its pair's row-wise linear sharded, slicing its input for free: a
+    column that feeds more than its pair (an indexer's projections beside attention) may
+    send less so. Gathered linears, pairs, columns and experts are weighed per pattern of
+    equal blocks (``layers.*.router``, ``layers.*.attn.{wq,wk,wv,wo}``).
 
     First each embedding and head takes its sharded layout that sends least. Then two
     searches, the better kept: one unit at a time (the embeddings and heads, then the
@@ -198,7 +198,7 @@ def _cheapest_within(program: "_Program", megatron: _Megatron, memory_slack: flo
         trials = _trials(program, megatron, plan, fqns, False, budget)
         plan = min([t for t in trials if fqns[0] in t] if fqns[0] in plan else trials,
                    key=rank)
-    wholes = [*megatron.pairs, *megatron.columns]  # kept as they are, or whole
+    wholes = [*megatron.pairs, *megatron.columns, *megatron.experts]  # as they are, or whole
     units = [*firsts, *sorted([*megatron.gathered, *wholes],
                               key=lambda fqns: program.numel(fqns))]
     found = [_swept(program, megatron, start, units, wholes, budget)

@@ -216,18 +216,19 @@ def test_memory_slack_trades_parameter_bytes_for_collectives():
     assert roomy.placed.sent < megatron.placed.sent
 
 
-@pytest.mark.parametrize("family, shared_mlp", [
+@pytest.mark.parametrize("family, whole", [
     ("hunyuan_v1_moe", "model.layers.*.mlp.shared_mlp.down_proj"),
-    ("granitemoehybrid", "model.layers.*.shared_mlp.output_linear")])
+    ("granitemoehybrid", "model.layers.*.block_sparse_moe.experts")])
 def test_within_a_familys_own_bytes_it_trades_whole_units_to_send_less_than_its_plan(
-        family, shared_mlp):
-    """Hunyuan-MoE's and GraniteMoE-Hybrid's own plans shard their experts, embedding and
-    head, and hold the rest whole. Within those bytes, moving one unit at a time keeps the
-    embedding and the head whole, where they cost least, and leaves no room for the shared
-    MLP, which would send less whole (1.11x the family's bytes sent): sharding the two to
-    make room for it (not GraniteMoE-Hybrid's Mamba projections, which free bytes more
-    cheaply each but cost more in all), then moving on from there, sends less than the
-    family's plan."""
+        family, whole):
+    """Hunyuan-MoE's own plan shards its experts, embedding and head, and holds the rest
+    whole. Within those bytes, moving one unit at a time keeps the embedding and the head
+    whole, where they cost least, and leaves no room for the shared MLP, which would send
+    less whole (1.11x the family's bytes sent): sharding the two to make room for it, then
+    moving on from there, sends less than the family's plan. GraniteMoE-Hybrid's experts
+    are held whole within its plan's bytes, whichever plan transformers gives it (experts,
+    embedding and head sharded up to 5.24; from 5.25 attention, which this model's Mamba
+    layers lack, and the head): of its units they send most for the bytes they save."""
     from benchmarks.hf_families import make
     torch.manual_seed(0)
     model = make(family)
@@ -238,7 +239,25 @@ def test_within_a_familys_own_bytes_it_trades_whole_units_to_send_less_than_its_
     plan = fxtp.derive_plan(model, memory_slack=own.held / megatron.held - 1, **inputs)
     assert plan.placed.fallbacks == ()
     assert plan.placed.held <= own.held and plan.placed.sent < own.sent
-    assert shared_mlp not in plan
+    assert whole not in plan and whole in plan.report
+
+
+def test_a_mixtures_experts_are_held_whole_where_the_memory_slack_has_room_for_them():
+    """Experts are a unit traded for memory like a pair: sharded at full sharding, whole
+    where the budget holds them and that sends less (here, with the embedding and the head
+    sharded to make room)."""
+    model = corpus.hf_mixtral()
+    inputs = dict(example_inputs=(corpus.TOKENS,), example_kwargs={"use_cache": False},
+                  world_size=2)
+    experts = "model.layers.*.mlp.experts"
+    full = fxtp.derive_plan(model, **inputs)
+    assert short(full[experts]) == "ExpertTensorParallel()"
+    roomy = fxtp.derive_plan(model, memory_slack=0.9, **inputs)
+    assert experts not in roomy and experts in roomy.report
+    assert roomy.placed.held <= 1.9 * full.megatron.held and roomy.placed.fallbacks == ()
+    sharded = place_plans(model, {"sharded": {**roomy, experts: fxtp.ExpertTensorParallel()}},
+                          **inputs)["sharded"]
+    assert roomy.placed.sent < sharded.sent
 
 
 class AdapterAfter(nn.Module):
