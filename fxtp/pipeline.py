@@ -366,6 +366,9 @@ def _assemble(b: Build) -> None:
     b.dump.code("localized", gm)
     gm.fxtp = _info(b, device_mesh, inlined)
     keep_on_copy(gm, "fxtp")
+    for module in gm.modules():  # fx's copy registers every buffer its graph reads persistent
+        if isinstance(module, fx.GraphModule) and module._non_persistent_buffers_set:
+            keep_on_copy(module, "_non_persistent_buffers_set")
     b.dump.report(gm)
 
 

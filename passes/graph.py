@@ -164,8 +164,8 @@ def recompile_alone(gm: fx.GraphModule) -> None:
 def keep_on_copy(gm: fx.GraphModule, name: str) -> None:
     """Have ``copy.deepcopy(gm)`` carry ``gm``'s attribute ``name``, copied along with the
     rest (fx's copy keeps only the attributes its graph reads)."""
-    preserved = gm.meta.setdefault(fx.graph_module._USER_PRESERVED_ATTRIBUTES_KEY, {})
-    preserved[name] = getattr(gm, name)
+    key = fx.graph_module._USER_PRESERVED_ATTRIBUTES_KEY
+    gm.meta[key] = {**gm.meta.get(key, {}), name: getattr(gm, name)}  # its own (copies share meta)
 
 
 def own_method(gm: fx.GraphModule, name: str, function) -> None:
