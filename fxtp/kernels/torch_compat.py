@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import importlib
 
+import sys
+
 import torch
 import torch.distributed as dist
 # Checked on 2.11 and 2.13 unless a line says otherwise.
@@ -38,9 +40,10 @@ __all__ = [
     "OperatorBase", "OpOverload", "OpOverloadPacket", "FakeTensor", "FakeTensorMode",
     "compute_global_tensor_info", "compute_local_shape_and_global_offset", "LazyGraphModule",
     "TorchDispatchMode", "disable_current_modes", "c10d_functional", "assert_async",
-    "foreach_mul_", "has_kernel_for", "mark_static_address", "dtensor_of", "compiled_frame",
-    "init_fake_process_group", "enter_autocast", "exit_autocast", "resolve_process_group",
-    "StridedShard", "WrappedHook", "function_apply"]
+    "foreach_mul_", "has_kernel_for", "mark_static_address", "dtensor_of", "OWN_GRAD",
+    "held_only_by",
+    "compiled_frame", "init_fake_process_group", "enter_autocast", "exit_autocast",
+    "resolve_process_group", "StridedShard", "WrappedHook", "function_apply"]
 
 c10d_functional = torch.ops._c10d_functional
 """The functional collectives' op namespace (2.11, 2.13): ``all_reduce``, ``wait_tensor``..."""
@@ -94,18 +97,6 @@ def function_apply(function: type, *args):
     return super(torch.autograd.Function, function).apply(*args)  # autograd's own apply
 
 
-def queue_backward_callback(callback) -> None:
-    """Run ``callback()`` when the backward now running ends; a backward that raises drops
-    it unrun (2.11, 2.13)."""
-    torch.autograd.Variable._execution_engine.queue_callback(callback)
-
-
-def current_backward() -> int:
-    """The id of the backward running on this thread (its graph task); -1 outside one
-    (2.11, 2.13)."""
-    return torch._C._current_graph_task_id()
-
-
 def run_as_python(fn):
     """Have every frame of ``fn``'s code, and the frames it calls, run as plain Python: dynamo
     never compiles one as a frame of its own (the hooks ``torch.compile(module)`` runs outside
@@ -135,6 +126,18 @@ def dtensor_fields():
     ``__torch_function__`` override, which ``DTensor`` disables anyway: 0.09 against 0.57 us
     a read. Only for ``DTensor`` s: it skips any other subclass's override (2.11, 2.13)."""
     return torch._C.DisableTorchFunctionSubclass()
+
+
+OWN_GRAD = torch._C.TensorBase.grad
+"""The ``grad`` every tensor has (a descriptor: ``OWN_GRAD.__get__(t)``,
+``OWN_GRAD.__set__(t, g)``), past any ``grad`` property of a subclass (2.11, 2.13)."""
+
+
+def held_only_by(t: torch.Tensor, references: int) -> bool:
+    """Whether nothing holds ``t`` but the ``references`` Python references its caller
+    counts (``t``'s own argument excluded): no other Python reference, and no C++ one (an
+    autograd graph that saved it) (CPython; 2.11, 2.13)."""
+    return sys.getrefcount(t) == references + 2 and t._use_count() == 1
 
 
 def dtensor_of(local: torch.Tensor, spec) -> DTensor:
