@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
-from itertools import chain
+from itertools import chain, repeat
 from operator import is_
 from typing import Optional
 
@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
-from ..kernels.torch_compat import dtensor_fields
+from ..kernels.torch_compat import OWN_GRAD, dtensor_fields
 from . import local_reads
 from .local_reads import (as_dtensor, forget_gradient, is_ours, laid_out_like, read_of,
                           settle_gradient)
@@ -81,9 +81,10 @@ class _Handover:
     def hand_in(self, optimizer) -> bool:
         """Hand ``optimizer`` the reads, which hold their parameters' gradients; ``False``
         (nothing handed) where a parameter holds one laid out otherwise."""
-        with dtensor_fields():
-            if not all(map(settle_gradient, self.params)):
-                return False
+        with dtensor_fields():  # as a rule none holds a gradient of its own: one pass in C
+            own = list(map(OWN_GRAD.__get__, self.params))
+        if not all(map(is_, own, repeat(None))) and not all(map(settle_gradient, self.params)):
+            return False
         for group, _, handed in self.groups:
             group["params"] = handed
         optimizer.state = self.state
