@@ -111,6 +111,8 @@ def read_of(param: DTensor) -> torch.Tensor:
     global epoch
     held = param.__dict__.get(_READ)
     if held is not None and _current(held, param):
+        if type(param) is DTensor:  # lent as one (renewing_apply)
+            param.__class__ = LocalGradParameter
         return held
     before = _live_read(param)  # its gradient goes on to the new read
     grad = None if before is None else before.grad
@@ -125,6 +127,8 @@ def read_of(param: DTensor) -> torch.Tensor:
     param.__dict__.pop(_BOX, None)
     if grad is not None:
         param.grad = as_dtensor(grad, param._spec, local.stride())
+    else:  # one the DTensor held (converted by torch's _apply): to the read, if it can
+        settle_gradient(param)
     if param._post_accumulate_grad_hooks:
         _forward_hooks(leaf)
     epoch += 1
@@ -374,10 +378,26 @@ def follow_parameters(gm: nn.Module) -> None:
 
 
 def renewing_apply(self, fn, recurse=True):
-    """``nn.Module._apply``, then :func:`renew` (a graph module's own)."""
-    result = nn.Module._apply(self, fn, recurse)
-    renew(self)
-    return result
+    """``nn.Module._apply``, then :func:`renew` (a graph module's own). For its length the
+    parameters below are plain ``DTensor`` s holding their gradients themselves: torch
+    wraps each in a new ``nn.Parameter`` (which a ``LocalGradParameter`` cannot be) and
+    converts the gradient it holds; :func:`read_of` makes them fxtp's again."""
+    for param in self.parameters():
+        if type(param) is LocalGradParameter:
+            _as_dtensor_parameter(param)
+    try:
+        return nn.Module._apply(self, fn, recurse)
+    finally:
+        renew(self)
+
+
+def _as_dtensor_parameter(param: LocalGradParameter) -> None:
+    grad, read = param.grad, _live_read(param)
+    if read is not None:
+        read.grad = None
+    param.__dict__.pop(_BOX, None)
+    param.__class__ = DTensor
+    OWN_GRAD.__set__(param, grad)
 
 
 def renewing_requires_grad_(self, requires_grad=True):

@@ -445,6 +445,10 @@ def test_gradients_outlive_requires_grad_set_again_a_copy_and_new_storage(fake_g
     before = {n: local(g).clone() for n, g in grads(gm).items()}
     gm.requires_grad_(True)  # reads renewed
     assert_same(grads(gm), before, "gradient after requires_grad_")
+    gm.to("cpu").float()  # torch's _apply, each parameter swapped for a new one as it is
+    assert all(type(p) is type(q) for p, q in zip(gm.parameters(), parallel().parameters()))
+    assert_same(grads(gm), before, "gradient after .to() and .float()")
+    assert on_reads(gm)
     twin = copy.deepcopy(gm)
     assert_same(grads(twin), before, "a copy's gradient")
     assert all(a._local_tensor.data_ptr() != b._local_tensor.data_ptr()
