@@ -182,11 +182,13 @@ class LocalGradParameter(DTensor):
     @grad.setter
     def grad(self, value):
         read = _live_read(self)
-        box = self.__dict__.pop(_BOX, None)
-        if read is not None and value is None:
-            read.grad = None
-            _keep_spare(self, box)
-        elif read is not None and _holdable(value, read, self):
+        if value is None:
+            if read is not None:
+                read.grad = None
+            forget_gradient(self)
+            return
+        self.__dict__.pop(_BOX, None)
+        if read is not None and _holdable(value, read, self):
             read.grad = value._local_tensor
             self.__dict__[_BOX] = (value._local_tensor, value)
             value = None

@@ -85,14 +85,22 @@ class _Handover:
             own = list(map(OWN_GRAD.__get__, self.params))
         if not all(map(is_, own, repeat(None))) and not all(map(settle_gradient, self.params)):
             return False
-        for group, _, handed in self.groups:
-            group["params"] = handed
+        self.lend_reads()
         optimizer.state = self.state
         return True
 
-    def hand_back(self, optimizer) -> None:
+    def lend_reads(self) -> None:
+        """Put the reads in the groups, in place of fxtp's parameters."""
+        for group, _, handed in self.groups:
+            group["params"] = handed
+
+    def return_params(self) -> None:
+        """Put the parameters back in the groups."""
         for group, params, _ in self.groups:
             group["params"] = params
+
+    def hand_back(self, optimizer) -> None:
+        self.return_params()
         optimizer.state = self.dtensor_state
         if len(self.state) != len(self.dtensor_state):  # state made for plain parameters
             reads = set(map(id, self.reads))
@@ -155,13 +163,11 @@ def _zero_grad(optimizer, set_to_none: bool = True) -> None:
             not handover.stepping):
         type(optimizer).zero_grad(optimizer, set_to_none)
         return
-    for group, _, handed in handover.groups:
-        group["params"] = handed
+    handover.lend_reads()
     try:
         type(optimizer).zero_grad(optimizer, True)
     finally:
-        for group, params, _ in handover.groups:
-            group["params"] = params
+        handover.return_params()
         for p in handover.params:
             forget_gradient(p)
 
