@@ -191,7 +191,7 @@ def _cheapest_within(program: "_Program", megatron: _Megatron, memory_slack: flo
     get past the budget (:func:`_swapped`). A unit whose bytes whole would not fit the
     budget is not placed to find out."""
     plan = megatron.plan
-    budget = program.place(plan).held * (1 + memory_slack)
+    budget = math.floor(program.place(plan).held * (1 + memory_slack) + 1e-6)  # whole bytes
     rank = lambda trial: program.rank(trial, budget)  # noqa: E731
     firsts = [[fqn] for fqn in [*megatron.embeddings, *megatron.heads]]
     for fqns in firsts:

@@ -216,11 +216,12 @@ def test_memory_slack_trades_parameter_bytes_for_collectives():
     assert roomy.placed.sent < megatron.placed.sent
 
 
-@pytest.mark.parametrize("family, whole", [
-    ("hunyuan_v1_moe", "model.layers.*.mlp.shared_mlp.down_proj"),
-    ("granitemoehybrid", "model.layers.*.block_sparse_moe.experts")])
+@pytest.mark.parametrize("family, world, whole", [
+    ("hunyuan_v1_moe", 2, "model.layers.*.mlp.shared_mlp.down_proj"),
+    ("granitemoehybrid", 2, "model.layers.*.block_sparse_moe.experts"),
+    ("solar_open", 4, "model.layers.*.self_attn.o_proj")])
 def test_within_a_familys_own_bytes_it_trades_whole_units_to_send_less_than_its_plan(
-        family, whole):
+        family, world, whole):
     """Hunyuan-MoE's own plan shards its experts, embedding and head, and holds the rest
     whole. Within those bytes, moving one unit at a time keeps the embedding and the head
     whole, where they cost least, and leaves no room for the shared MLP, which would send
@@ -228,12 +229,15 @@ def test_within_a_familys_own_bytes_it_trades_whole_units_to_send_less_than_its_
     moving on from there, sends less than the family's plan. GraniteMoE-Hybrid's experts
     are held whole within its plan's bytes, whichever plan transformers gives it (experts,
     embedding and head sharded up to 5.24; from 5.25 attention, which this model's Mamba
-    layers lack, and the head): of its units they send most for the bytes they save."""
+    layers lack, and the head): of its units they send most for the bytes they save.
+    Solar-Open's plan holds its attention whole at 4 ranks: a budget of exactly those bytes
+    (``memory_slack`` as their ratio to Megatron's, a hair below them in floating point)
+    holds it whole too."""
     from benchmarks.hf_families import make
     torch.manual_seed(0)
     model = make(family)
     inputs = dict(example_inputs=(corpus.TOKENS,), example_kwargs={"use_cache": False},
-                  world_size=2)
+                  world_size=world)
     own = place_plans(model, {"own": "auto"}, **inputs)["own"]
     megatron = fxtp.derive_plan(model, **inputs).megatron
     plan = fxtp.derive_plan(model, memory_slack=own.held / megatron.held - 1, **inputs)
