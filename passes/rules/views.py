@@ -481,6 +481,14 @@ def _same_dims(node):
     return DimSpec((labels,), (labels,), "sum")
 
 
+def _local_repeat_interleave(node, inputs, output, group):
+    """``output_size`` checks the repeated dim's global size: a rank whose output is sharded
+    leaves it out (an int ``repeats`` sets the size)."""
+    if node.kwargs.get("output_size") is None or not is_sharded(output):
+        return node.target, node.args, node.kwargs
+    return node.target, node.args, {k: v for k, v in node.kwargs.items() if k != "output_size"}
+
+
 def _complex_view_spec(node):
     """``view_as_complex`` folds the trailing (re, im) dim away; ``view_as_real`` adds it."""
     n_in, n_out = ndim_of(node.args[0]), ndim_of(node)
@@ -513,7 +521,7 @@ RULES: dict = {
     aten.squeeze.dim: Rule(_squeeze_spec, local_op=_local_squeeze),
     aten.squeeze.dims: Rule(_squeeze_spec, local_op=_local_squeeze),
     aten.repeat.default: Rule(_repeat_spec, extra=_tiled_shard),
-    aten.repeat_interleave.self_int: Rule(_same_dims),
+    aten.repeat_interleave.self_int: Rule(_same_dims, local_op=_local_repeat_interleave),
     aten.view_as_complex.default: Rule(_complex_view_spec),
     aten.view_as_real.default: Rule(_complex_view_spec),
     aten.cat.default: Rule(_cat_spec, extra=_blocked_cat),

@@ -233,7 +233,9 @@ PROGRAMS = {
     "squeeze_expand": (lambda x: (x.unsqueeze(1), x.unsqueeze(1).squeeze(), x.unsqueeze(0)
                                   .squeeze(0), x.unsqueeze(1).squeeze((1,)),
                                   x.unsqueeze(1).expand(4, 4, 8, 12), x.repeat(1, 2, 1),
-                                  x.repeat_interleave(2, dim=1)),
+                                  x.repeat_interleave(2, dim=1),
+                                  x.repeat_interleave(2, dim=1, output_size=16),
+                                  x.repeat_interleave(2, output_size=768)),
                        lambda: (rand(4, 8, 12),)),
     "unsafe_view_alias": (lambda x: (aten._unsafe_view(x, [4, 2, 48]), aten.alias(x),
                                      aten.detach(x), aten._to_copy(x, dtype=torch.float32),
