@@ -11,13 +11,14 @@ are those of the step over the ``DTensor`` s, bit for bit; ``optimizer.state``,
 ``state_dict()`` and DCP see ``DTensor`` s as before.
 
 What is handed in is worked out once and kept (:class:`_Handover`) while the optimizer's
-groups, its state table and fxtp's reads stay the same, so a step costs a few checks per
-parameter. A parameter group is stepped locally only where every ``DTensor`` in it is
-fxtp's, with state laid out as it is (FSDP2's parameters are stepped as they are). A step
-given a closure (its backward would leave new gradients) and a step under
-``torch.compile`` run on the ``DTensor`` s, as given. An optimizer's own step hooks see
-the plain reads. A step that raises leaves them in place until the optimizer's next step,
-which hands them back first.
+groups, its state table, fxtp's reads and the state values of fxtp's parameters stay the
+same (a value set between steps, ``opt.state[p]["exp_avg"] = ...``, is the one stepped), so
+a step costs a few checks per parameter. A parameter group is stepped locally only where
+every ``DTensor`` in it is fxtp's, with state laid out as it is (FSDP2's parameters are
+stepped as they are). A step given a closure (its backward would leave new gradients)
+and a step under ``torch.compile`` run on the ``DTensor`` s, as given. An optimizer's own
+step hooks see the plain reads. A step that raises leaves them in place until the
+optimizer's next step, which hands them back first.
 """
 from __future__ import annotations
 
@@ -76,7 +77,20 @@ class _Handover:
             if held is not None:
                 self.state[read] = {k: v._local_tensor if isinstance(v, DTensor) else v
                                     for k, v in held.items()}
-        self.seen = _values(self.state)  # every state value, as last handed back
+        self.seen = list(_values(self.state))  # every state value, as last handed back
+        self.held = list(self.dtensor_values())  # fxtp's parameters' state, so
+
+    def dtensor_values(self):
+        """The values of fxtp's parameters' state in the optimizer's own table, in order."""
+        return chain.from_iterable(map(dict.values, map(self.dtensor_state.get, self.params,
+                                                        repeat(_NO_STATE))))
+
+    def current(self, optimizer) -> bool:
+        """Is this handover still the optimizer's: its groups and tables the same, and the
+        state of fxtp's parameters the same values as handed back (none set since)?"""
+        if self.key != _key(optimizer):
+            return False
+        return _same(self.dtensor_values(), self.held)
 
     def hand_in(self, optimizer) -> bool:
         """Hand ``optimizer`` the reads, which hold their parameters' gradients; ``False``
@@ -107,20 +121,30 @@ class _Handover:
             for key, value in self.state.items():
                 if id(key) not in reads:
                     self.dtensor_state.setdefault(key, value)
-        values = _values(self.state)
-        if len(values) == len(self.seen) and all(map(is_, values, self.seen)):
+        if _same(_values(self.state), self.seen):
             return  # every state was stepped in place
         for p, local in zip(self.params, map(self.state.get, self.reads)):
             held = self.dtensor_state.get(p) or {}
             if local is not None and not _wraps(held, local):
                 self.dtensor_state[p] = {k: v if k == "step" else _as_state(v, p, held.get(k))
                                          for k, v in local.items()}
-        self.seen = values
+        self.seen, self.held = list(_values(self.state)), list(self.dtensor_values())
 
 
-def _values(state: dict) -> list:
+_NO_STATE: dict = {}  # a parameter's state before its first step
+
+
+def _values(state: dict):
     """Every value of an optimizer's ``state``, in order."""
-    return list(chain.from_iterable(map(dict.values, state.values())))
+    return chain.from_iterable(map(dict.values, state.values()))
+
+
+def _same(values, seen: list) -> bool:
+    """Are ``values`` (an iterator) the objects ``seen``, as many, in order (one pass)?"""
+    return all(map(is_, chain(values, _END), chain(seen, _END)))
+
+
+_END = (object(),)  # closes both sides of a comparison: a longer side meets it unmatched
 
 
 def _wraps(held: dict, local: dict) -> bool:
@@ -144,7 +168,7 @@ def _hand_in(optimizer, args, kwargs) -> None:
     handover: Optional[_Handover] = optimizer.__dict__.get(_HANDOVER)
     if handover is not None and handover.stepping:  # the last step raised
         _hand_back(optimizer, args, kwargs)
-    if handover is None or handover.key != _key(optimizer):
+    if handover is None or not handover.current(optimizer):
         handover = optimizer.__dict__[_HANDOVER] = _Handover(optimizer)
     if handover.groups:
         handover.stepping = handover.hand_in(optimizer)

@@ -304,6 +304,27 @@ def test_optimizer_steps_are_those_over_plain_parameters_bit_for_bit(fake_group,
     assert_same(values(gm), values(plain), f"{kind} resumed from its state_dict")
 
 
+def test_optimizer_state_set_between_steps_is_the_state_the_next_step_uses(fake_group):
+    fake_group(2)
+    gm, plain = parallel(), parallel(dtensor_params=False)
+    opts = {id(m): torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (gm, plain)}
+    for step in range(3):
+        for model in (gm, plain):
+            opt = opts[id(model)]
+            backward(model)
+            opt.step()
+            opt.zero_grad()
+            if step == 0:  # a value replaced, a value recomputed, a parameter's whole state
+                for p in model.parameters():
+                    opt.state[p]["exp_avg"] = torch.zeros_like(opt.state[p]["exp_avg"])
+                    opt.state[p]["exp_avg_sq"] = opt.state[p]["exp_avg_sq"] * 4
+                first = next(model.parameters())
+                opt.state[first] = {k: v.clone() * 2 for k, v in opt.state[first].items()}
+    assert_same(values(gm), values(plain), "after steps from state set between them")
+    for p, q in zip(gm.parameters(), plain.parameters()):
+        assert_same(opts[id(gm)].state[p], opts[id(plain)].state[q], "state after the steps")
+
+
 def test_an_optimizers_zero_grad_after_a_local_step_zeroes_or_drops_every_gradient(
         fake_group):
     fake_group(2)
