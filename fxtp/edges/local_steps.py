@@ -78,7 +78,7 @@ class _Handover:
                 self.state[read] = {k: v._local_tensor if isinstance(v, DTensor) else v
                                     for k, v in held.items()}
         self.seen = list(_values(self.state))  # every state value, as last handed back
-        self.held = list(self.dtensor_values())  # fxtp's parameters' state, so
+        self.held = list(self.dtensor_values())  # as the optimizer's own table holds them
 
     def dtensor_values(self):
         """The values of fxtp's parameters' state in the optimizer's own table, in order."""
