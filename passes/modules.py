@@ -274,6 +274,10 @@ def _call_stamp(graph: fx.Graph, part: list, fqn: str, reference, target: str,
     if reference is None or len(part) != 1 + len(outputs):
         raise StampMismatch(f"block '{fqn}' is stamped from '{given.reference}', which "
                             f"{'has nodes of its own' if reference else 'was left inline'}")
+    for i, out in list(outputs.items()):  # a block's output nothing reads (attention
+        if not out.users:  # weights), which its reference's module need not return
+            graph.erase_node(out)
+            del outputs[i]
     reads, gives = reference
     args = [_passed(r, given, stamp) for r in reads]
     if any(a is None for a in args) or not all(given.outputs[i] in gives for i in outputs):
@@ -301,25 +305,34 @@ def _call_stamp(graph: fx.Graph, part: list, fqn: str, reference, target: str,
 
 def _passed(read: fx.Node, given: Stamp, stamp: fx.Node) -> Optional[fx.Node]:
     """What ``stamp`` passes where its reference's module reads ``read``: the stamp's own
-    argument for one of the reference's inputs; or ``read`` itself where the caller made it
-    of inputs the stamp is given as they are (the same nodes) by collectives alone (the
-    shard of a mask the root computed) before the stamp's call. ``None`` otherwise."""
+    argument for one of the reference's inputs; where the caller made ``read`` of such
+    inputs by collectives alone before the stamp's call, ``read`` itself if the stamp is
+    given those inputs as they are (the same nodes: the shard of a mask the root computed),
+    else a copy of those collectives made of the stamp's own arguments, put before its call
+    (the gradient sync of a block's input that its projections read first). ``None``
+    otherwise."""
     inputs, args = given.inputs, stamp.args[0]
     if read in inputs:
         return args[inputs.index(read)]
-    todo, seen = [read], set()
+    made, todo = set(), [read]
     while todo:
         node = todo.pop()
-        if node in inputs:
-            if args[inputs.index(node)] is not node:
-                return None
-        elif COLLECTIVE not in node.meta and node.target is not operator.getitem or \
+        if node in inputs or node in made:
+            continue
+        if COLLECTIVE not in node.meta and node.target is not operator.getitem or \
                 not node.all_input_nodes:
             return None
-        elif node not in seen:
-            seen.add(node)
-            todo += node.all_input_nodes
-    return read if read < stamp else None
+        made.add(node)
+        todo += node.all_input_nodes
+    if not read < stamp:
+        return None
+    given_as = {i: a for i, a in zip(inputs, args)}
+    if all(given_as.get(n, n) is n for m in made for n in m.all_input_nodes):
+        return read
+    with stamp.graph.inserting_before(stamp):
+        for node in sorted(made):
+            given_as[node] = stamp.graph.node_copy(node, lambda n: given_as.get(n, n))
+    return given_as[read]
 
 
 def _traced_op(node: fx.Node) -> bool:

@@ -199,9 +199,10 @@ def programs(gm: fx.GraphModule) -> dict[str, list[str]]:
             if isinstance(m, fx.GraphModule)}
 
 
-def collectives(gm, inputs):
+def collectives(gm, inputs, kwargs=None):
     with fxtp.count_collectives() as fwd:
-        out = gm(*inputs)
+        out = gm(*inputs, **(kwargs or {}))
+    out = out if isinstance(out, torch.Tensor) else out[0]  # a Hugging Face model's output
     with fxtp.count_collectives() as bwd:
         out.float().square().sum().backward()
     return dict(fwd.counts), dict(bwd.counts)
@@ -398,6 +399,48 @@ def test_stamped_blocks_share_their_reference_program_and_hold_their_own_tensors
     stamped.layers[2].register_forward_hook(lambda *_: called.append(2))
     stamped(TOKENS)
     assert called == [2]
+
+
+def mpt():
+    """Each block returns its attention weights beside its output; the model drops them."""
+    import transformers as T
+    return T.MptForCausalLM(T.MptConfig(vocab_size=64, d_model=32, n_layers=LAYERS, n_heads=4,
+                                        max_seq_len=64, expansion_ratio=2)).double()
+
+
+def bart_encoder():
+    """Post-norm blocks: a block's input goes straight into its column-wise q, k and v
+    projections, so the gradient sync of that input is made before the block's call."""
+    import transformers as T
+    return T.BartModel(T.BartConfig(
+        vocab_size=64, d_model=32, encoder_layers=LAYERS, decoder_layers=1,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0)).get_encoder().double()
+
+
+@pytest.mark.parametrize("make_model, blocks, kwargs", [
+    (mpt, "transformer.blocks", {"use_cache": False}), (bart_encoder, "layers", {})],
+    ids=["outputs-dropped", "input-gradient-synced-first"])
+def test_hugging_face_blocks_are_stamped_under_their_derived_plan(fake_group, make_model,
+                                                                  blocks, kwargs):
+    """Stamped blocks are copies of the first one's module, not its nodes copied in full,
+    with the programs and collectives of every block traced: with an output the caller
+    drops, and with the gradient sync of its input made before its call (each block gets
+    its own)."""
+    pytest.importorskip("transformers", reason="pip install -e '.[test]'")
+    fake_group(2)
+    torch.manual_seed(0)
+    model = make_model()
+    plan = fxtp.derive_plan(model, example_inputs=(TOKENS,), example_kwargs=kwargs,
+                            world_size=2)
+    stamped, traced = [fxtp.parallelize(model, plan, example_inputs=(TOKENS,),
+                                        example_kwargs=kwargs, strict=True, stamp_blocks=stamp)
+                       for stamp in (True, False)]
+    first, *others = stamped.get_submodule(blocks)
+    assert all(block.graph is first.graph for block in others)
+    modules = lambda gm: {k: v for k, v in programs(gm).items() if k}  # noqa: E731
+    assert modules(stamped) == modules(traced)  # the root may order its syncs otherwise
+    assert collectives(stamped, (TOKENS,), kwargs) == collectives(traced, (TOKENS,), kwargs)
 
 
 def test_a_block_whose_input_arrives_placed_otherwise_is_copied_in_full(fake_group):
