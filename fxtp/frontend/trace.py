@@ -21,7 +21,8 @@ import torch.utils.checkpoint as cp
 
 from torch.fx.node import has_side_effect
 
-from ..kernels.torch_compat import HigherOrderOperator, enter_autocast, exit_autocast, pytree
+from ..kernels.torch_compat import (HigherOrderOperator, enter_autocast, exit_autocast,
+                                    lazy_graph_modules, pytree)
 from ..passes.errors import TraceError
 from ..passes.graph import (AUTOCAST, EXPORT_GUARDS, MODE_REGION, REGION, STAMPED, ModuleCall,
                             call_key)
@@ -215,6 +216,14 @@ def _layer_drop(model: torch.nn.Module, error: Exception) -> str:
 
 def _trace(model, args, kwargs, boundaries, dynamic_shapes, checkpointed, stamper,
            keep_stamps):
+    # export's graph modules generate their code when first used, not at each of its steps
+    with lazy_graph_modules(True):
+        return _export(model, args, kwargs, boundaries, dynamic_shapes, checkpointed,
+                       stamper, keep_stamps)
+
+
+def _export(model, args, kwargs, boundaries, dynamic_shapes, checkpointed, stamper,
+            keep_stamps):
     regions: dict[int, dict] = {}
     shapes: dict[str, tuple[int, int]] = {}
     kept: dict[str, type] = {}

@@ -31,6 +31,7 @@ from torch.distributed.tensor._utils import (compute_global_tensor_info,
                                              compute_local_shape_and_global_offset)
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 from torch.fx._lazy_graph_module import _LazyGraphModule as LazyGraphModule
+from torch.fx._lazy_graph_module import _use_lazy_graph_module as lazy_graph_modules
 from torch.nn.modules.module import _WrappedHook as WrappedHook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes
@@ -39,6 +40,7 @@ __all__ = [
     "pytree", "decomposition_table", "detect_fake_mode", "HigherOrderOperator",
     "OperatorBase", "OpOverload", "OpOverloadPacket", "FakeTensor", "FakeTensorMode",
     "compute_global_tensor_info", "compute_local_shape_and_global_offset", "LazyGraphModule",
+    "lazy_graph_modules",
     "TorchDispatchMode", "disable_current_modes", "c10d_functional", "assert_async",
     "foreach_mul_", "has_kernel_for", "mark_static_address", "dtensor_of", "OWN_GRAD",
     "held_only_by",
