@@ -27,6 +27,7 @@ _ON_FIRST_USE = {
     "fsdp_shard_placement": ".edges.dtensor_params",
     "parallelize_causal_lm": ".serving.causal_lm", "generate": ".serving.causal_lm",
     "compile": ".compiling.regional", "compile_blocks": ".compiling.regional",
+    "local_parameters": ".edges.local_steps",
 }
 """Public name -> the module that defines it, imported when the name is first read."""
 
@@ -36,8 +37,8 @@ __all__ = [
     "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "ParallelStyle",
     "Shard", "Replicate", "Partial", "count_collectives", "cross_entropy", "Report",
     "state_dict", "load_state_dict", "full_state_dict", "load_full_state_dict",
-    "clip_grad_norm_", "init_weights", "fsdp_shard_placement", "parallelize_causal_lm",
-    "generate",
+    "clip_grad_norm_", "init_weights", "fsdp_shard_placement", "local_parameters",
+    "parallelize_causal_lm", "generate",
     "compile", "compile_blocks", "FxtpError",
     "InputError", "PlanError", "RankError", "ShardingError", "TraceError",
 ]

@@ -139,6 +139,13 @@ epoch = 0
 """How many reads were made in this process: a cache of reads is current while it holds."""
 
 
+def stale(t: torch.Tensor) -> bool:
+    """Is ``t`` a read that its parameter no longer reads (the parameter moved, was
+    converted or had ``requires_grad`` set since)?"""
+    param = t.__dict__.get("_fxtp_param")
+    return param is not None and not _current(t, param)
+
+
 def _current(leaf: torch.Tensor, param: DTensor) -> bool:
     return leaf.__dict__.get("_fxtp_live") is _LIVE and \
         leaf._fxtp_local is param._local_tensor and leaf.requires_grad == param.requires_grad

@@ -29,14 +29,16 @@ from operator import is_
 from typing import Optional
 
 import torch
+import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
 from ..kernels.torch_compat import OWN_GRAD, dtensor_fields
+from ..passes.errors import InputError
 from . import local_reads
 from .local_reads import (as_dtensor, forget_gradient, is_ours, laid_out_like, read_of,
-                          settle_gradient)
+                          settle_gradient, stale)
 
 _HANDOVER = "_fxtp_handover"  # on an optimizer: its _Handover
 _installed = False
@@ -51,12 +53,40 @@ def step_locally() -> None:
         _installed = True
 
 
+def local_parameters(module: nn.Module) -> list[torch.Tensor]:
+    """What to build an optimizer over to step at plain-tensor speed: for each of
+    ``module.parameters()``, in order, fxtp's parameter's read (the plain tensor the program
+    computes with: its local shard's storage, holding its gradient), any other parameter as
+    it is. Such an optimizer steps the local shards with no handover (one over
+    ``gm.parameters()`` is handed the reads for each step and its state wrapped back, a
+    few checks per parameter), and its state holds local tensors keyed by the reads: save
+    it per rank with its own ``state_dict()``, not through DCP's global view. Build it
+    after the parameters move (``gm.to(...)``, ``to_empty``, ``requires_grad_``) and after
+    ``fully_shard`` or DDP wrap the module: a step over a read of a parameter that has
+    moved since raises."""
+    return [read_of(p) if is_ours(p) else p for p in module.parameters()]
+
+
+def _check_reads_current(optimizer) -> None:
+    """Raise where ``optimizer`` steps a read its parameter no longer reads."""
+    moved = [p for group in optimizer.param_groups for p in group["params"]
+             if not isinstance(p, DTensor) and stale(p)]
+    if moved:
+        raise InputError(
+            f"{type(optimizer).__name__} steps {len(moved)} tensor(s) that "
+            f"fxtp.local_parameters() gave for parameters that have moved since (first of "
+            f"shape {tuple(moved[0].shape)}: .to(), to_empty() or requires_grad_() on the "
+            f"module): the program no longer reads them, so the step would be lost. Build "
+            f"the optimizer over fxtp.local_parameters(gm) again after the move.")
+
+
 class _Handover:
     """What an optimizer is handed for a local step: for each group it steps locally, the
     list of parameters with reads in place of fxtp's, and a state table keyed by those
     (local tensors in place of ``DTensor`` s, state of other parameters shared)."""
 
     def __init__(self, optimizer):
+        _check_reads_current(optimizer)
         self.key, self.stepping = _key(optimizer), False
         self.groups = []  # (group, its parameters, what it is handed)
         self.params, self.reads = [], []  # fxtp's parameters stepped locally, their reads

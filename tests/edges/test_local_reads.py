@@ -325,6 +325,53 @@ def test_optimizer_state_set_between_steps_is_the_state_the_next_step_uses(fake_
         assert_same(opts[id(gm)].state[p], opts[id(plain)].state[q], "state after the steps")
 
 
+@pytest.mark.parametrize("kind", OPTIMIZERS)
+def test_an_optimizer_over_the_local_parameters_steps_as_over_plain_parameters(fake_group,
+                                                                             kind):
+    """The fast route: an optimizer built over ``fxtp.local_parameters(gm)`` steps the local
+    shards themselves (no handover), bit for bit as over plain parameters, while the
+    parameters stay ``DTensor`` s whose gradients are the ones stepped."""
+    fake_group(2)
+    gm, plain = parallel(), parallel(dtensor_params=False)
+    reads = fxtp.local_parameters(gm)
+    assert len(reads) == len(list(gm.parameters()))
+    for read, p in zip(reads, gm.parameters()):
+        assert not isinstance(read, DTensor) and read.data_ptr() == local(p).data_ptr()
+    opts = {id(gm): OPTIMIZERS[kind](reads), id(plain): OPTIMIZERS[kind](plain.parameters())}
+    for _ in range(3):
+        for model in (gm, plain):
+            backward(model)
+            if model is gm:
+                assert_same(grads(gm), {n: r.grad for n, r in
+                                        zip(dict(gm.named_parameters()), reads)}, "gradient")
+            opts[id(model)].step()
+            opts[id(model)].zero_grad()
+    assert_same(values(gm), values(plain), f"{kind} over the local parameters after 3 steps")
+    assert all(p.grad is None for p in gm.parameters())
+
+
+def test_a_step_over_local_parameters_of_a_module_moved_since_raises(fake_group):
+    """A read taken before the parameters move to new storage (``to_empty``, ``.to(...)``)
+    is no longer what the program reads: its step would be lost, so it raises, saying to
+    take the local parameters again."""
+    fake_group(2)
+    gm = parallel()
+    opt = torch.optim.SGD(fxtp.local_parameters(gm), lr=1e-2)
+    backward(gm)
+    opt.step()
+    saved = copy.deepcopy(gm.state_dict())
+    gm.to_empty(device="cpu")
+    gm.load_state_dict(saved)
+    backward(gm)
+    with pytest.raises(fxtp.InputError, match=r"local_parameters\(gm\) again after the move"):
+        opt.step()
+    again = torch.optim.SGD(fxtp.local_parameters(gm), lr=1e-2)
+    before = values(gm)
+    again.step()
+    assert not any(torch.equal(local(v), local(before[n])) for n, v in values(gm).items()
+                   if v.grad is not None)
+
+
 def test_an_optimizers_zero_grad_after_a_local_step_zeroes_or_drops_every_gradient(
         fake_group):
     fake_group(2)
