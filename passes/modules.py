@@ -36,7 +36,8 @@ from ..kernels.torch_compat import LazyGraphModule, WrappedHook
 from .context import PassContext
 from .effects import made_of_held_tensors
 from .errors import StampMismatch
-from .graph import COLLECTIVE, INLINED, STAMP, Stamp, attr, recompile_alone, stamp_edge
+from .graph import (COLLECTIVE, INLINED, STAMP, Stamp, attr, placement_of, recompile_alone,
+                    stamp_edge)
 from .posing import COPIED, copy_plain_state, posing_class
 from .recompute import call_submodule, run_checkpointed
 
@@ -327,8 +328,11 @@ def _passed(read: fx.Node, given: Stamp, stamp: fx.Node) -> Optional[fx.Node]:
     if not read < stamp:
         return None
     given_as = {i: a for i, a in zip(inputs, args)}
-    if all(given_as.get(n, n) is n for m in made for n in m.all_input_nodes):
+    sources = {n for m in made for n in m.all_input_nodes if n not in made}
+    if all(given_as.get(n, n) is n for n in sources):
         return read
+    if any(placement_of(given_as[n]) != placement_of(n) for n in sources):
+        return None  # the collectives would see another layout than the reference's did
     with stamp.graph.inserting_before(stamp):
         for node in sorted(made):
             given_as[node] = stamp.graph.node_copy(node, lambda n: given_as.get(n, n))
