@@ -218,7 +218,6 @@ def test_memory_slack_trades_parameter_bytes_for_collectives():
 
 @pytest.mark.parametrize("family, world, whole", [
     ("hunyuan_v1_moe", 2, "model.layers.*.mlp.shared_mlp.down_proj"),
-    ("granitemoehybrid", 2, "model.layers.*.block_sparse_moe.experts"),
     ("solar_open", 4, "model.layers.*.self_attn.o_proj")])
 def test_within_a_familys_own_bytes_it_trades_whole_units_to_send_less_than_its_plan(
         family, world, whole):
@@ -226,10 +225,8 @@ def test_within_a_familys_own_bytes_it_trades_whole_units_to_send_less_than_its_
     whole. Within those bytes, moving one unit at a time keeps the embedding and the head
     whole, where they cost least, and leaves no room for the shared MLP, which would send
     less whole (1.11x the family's bytes sent): sharding the two to make room for it, then
-    moving on from there, sends less than the family's plan. GraniteMoE-Hybrid's experts
-    are held whole within its plan's bytes, whichever plan transformers gives it (experts,
-    embedding and head sharded up to 5.24; from 5.25 attention, which this model's Mamba
-    layers lack, and the head): of its units they send most for the bytes they save.
+    moving on from there, sends less than the family's plan (experts held whole within a
+    budget: the next test).
     Solar-Open's plan holds its attention whole at 4 ranks: a budget of exactly those bytes
     (``memory_slack`` as their ratio to Megatron's, a hair below them in floating point)
     holds it whole too."""
