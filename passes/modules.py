@@ -242,8 +242,10 @@ def _extract(gm: fx.GraphModule, part: list, base: str, fqn: str, names: dict,
             attrs[held[n]] = attr(gm, n.target)
             env[n].target = held[n]
     body.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[o] for o in outputs))
-    # the stamps called in the block read and give ``body``'s values
+    # the stamps called in the block, and those of a reference in it wherever they are
+    # called, read and give ``body``'s values
     _rename(_stamps(part), env)
+    _rename([r for r in records if r.reference.startswith(prefix)], env)
     cls = type(original)  # code: see generate_code
     sub = (posing_class(cls) or LazyGraphModule)(attrs, body, class_name=cls.__name__)
     relative = fqn[len(base) + 1:] if base else fqn

@@ -418,15 +418,27 @@ def bart_encoder():
         decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0)).get_encoder().double()
 
 
-@pytest.mark.parametrize("make_model, blocks, kwargs", [
-    (mpt, "transformer.blocks", {"use_cache": False}), (bart_encoder, "layers", {})],
-    ids=["outputs-dropped", "input-gradient-synced-first"])
+def t5():
+    """Blocks of blocks: the first block makes the relative position bias the others take,
+    so the blocks differ, while their layers (``block.*.layer.*``) are stamped."""
+    import transformers as T
+    return T.T5ForConditionalGeneration(T.T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        dropout_rate=0.0)).double()
+
+
+@pytest.mark.parametrize("make_model, copies, kwargs", [
+    (mpt, {"transformer.blocks.1": "transformer.blocks.0"}, {"use_cache": False}),
+    (bart_encoder, {"layers.1": "layers.0"}, {}),
+    (t5, {"encoder.block.1.layer.1": "encoder.block.0.layer.1"},
+     {"decoder_input_ids": TOKENS, "use_cache": False})],
+    ids=["outputs-dropped", "input-gradient-synced-first", "blocks-of-blocks"])
 def test_hugging_face_blocks_are_stamped_under_their_derived_plan(fake_group, make_model,
-                                                                  blocks, kwargs):
-    """Stamped blocks are copies of the first one's module, not its nodes copied in full,
-    with the programs and collectives of every block traced: with an output the caller
-    drops, and with the gradient sync of its input made before its call (each block gets
-    its own)."""
+                                                                  copies, kwargs):
+    """Stamped blocks are copies of their reference's module, not its nodes copied in
+    full, with the programs and collectives of every block traced: with an output the
+    caller drops, with the gradient sync of its input made before its call (each block
+    gets its own), and with a stamped layer of a block that is not."""
     pytest.importorskip("transformers", reason="pip install -e '.[test]'")
     fake_group(2)
     torch.manual_seed(0)
@@ -436,8 +448,8 @@ def test_hugging_face_blocks_are_stamped_under_their_derived_plan(fake_group, ma
     stamped, traced = [fxtp.parallelize(model, plan, example_inputs=(TOKENS,),
                                         example_kwargs=kwargs, strict=True, stamp_blocks=stamp)
                        for stamp in (True, False)]
-    first, *others = stamped.get_submodule(blocks)
-    assert all(block.graph is first.graph for block in others)
+    for copy, reference in copies.items():
+        assert stamped.get_submodule(copy).graph is stamped.get_submodule(reference).graph
     modules = lambda gm: {k: v for k, v in programs(gm).items() if k}  # noqa: E731
     assert modules(stamped) == modules(traced)  # the root may order its syncs otherwise
     assert collectives(stamped, (TOKENS,), kwargs) == collectives(traced, (TOKENS,), kwargs)
