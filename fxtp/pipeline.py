@@ -287,7 +287,8 @@ def _trace(b: Build) -> None:
     b.outside = _outside(job.shardings, b.stamped)
     b.tied = tied_names(job.model)  # a tied weight read is no sign of its own module's
     read = {n.target for n in gm.graph.nodes if n.op == "get_attr" and n.users} - b.tied.keys()
-    b.uncalled = _uncalled(b.outside, b.calls, options.strict, read, b.tied)
+    held = {name for name, _ in job.model.named_parameters(remove_duplicate=False)}
+    b.uncalled = _uncalled(b.outside, b.calls, options.strict, read, b.tied, held)
     b.called = {k: s for k, s in job.shardings.items() if k not in b.uncalled}
     b.dtensor_outputs = dtensor_positions(gm, b.calls, b.called)
 
@@ -419,8 +420,8 @@ def _outside(shardings: dict, stamped: dict) -> dict:
     return {k: s for k, s in shardings.items() if not (k + ".").startswith(inner)}
 
 
-def _uncalled(shardings: dict, calls: dict, strict: bool, read: set, tied: dict
-              ) -> dict[str, str]:
+def _uncalled(shardings: dict, calls: dict, strict: bool, read: set, tied: dict,
+              held: set) -> dict[str, str]:
     """The plan's modules that ``forward`` did not call (an embedding, where the model was
     traced with ``inputs_embeds``), each with what it means: the program never reads their
     parameters, held as their styles split them. Under ``strict``, a :class:`PlanError`.
@@ -429,7 +430,8 @@ def _uncalled(shardings: dict, calls: dict, strict: bool, read: set, tied: dict
     read so; nor is one whose split parameters are all tied to modules forward calls
     (BART's ``shared`` embedding, called as ``encoder.embed_tokens``). ``read``: the tensors
     the program reads, by FQN (tied ones left out: the reader may be the module sharing
-    it); ``tied``: parameter FQN -> every FQN of the same tensor."""
+    it); ``tied``: parameter FQN -> every FQN of the same tensor; ``held``: the model's
+    parameter FQNs."""
     found = {fqn: f"module '{fqn}' is named by the plan but forward did not call it while "
                   f"tracing (a model traced with inputs_embeds does not call its input "
                   f"embedding): the program never reads its parameters, which each rank "
@@ -437,15 +439,16 @@ def _uncalled(shardings: dict, calls: dict, strict: bool, read: set, tied: dict
                   f"call that uses it"
              for fqn, sharding in shardings.items() if fqn and not calls_of(calls, fqn) and
              not any(t.startswith(fqn + ".") for t in read) and
-             not _called_as_another(fqn, sharding, calls, tied)}
+             not _called_as_another(fqn, sharding, calls, tied, held)}
     if strict and found:
         raise PlanError(next(iter(found.values())) + " (strict=True)")
     return found
 
 
-def _called_as_another(fqn: str, sharding, calls: dict, tied: dict) -> bool:
-    """Is every parameter ``sharding`` splits also another module's, one forward calls?"""
-    names = [f"{fqn}.{name}" for name in sharding.params]
+def _called_as_another(fqn: str, sharding, calls: dict, tied: dict, held: set) -> bool:
+    """Is every parameter ``sharding`` splits (of those the module has: an embedding has no
+    bias) also another module's, one forward calls?"""
+    names = [f"{fqn}.{name}" for name in sharding.params if f"{fqn}.{name}" in held]
     return bool(names) and all(
         any(calls_of(calls, other.rpartition(".")[0]) for other in tied.get(name, ())
             if other != name) for name in names)

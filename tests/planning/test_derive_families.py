@@ -7,6 +7,7 @@ random config (2 blocks per stack, width 32, 4 heads); nothing is downloaded."""
 import pytest
 import torch
 
+import fxtp
 from tests.helpers import corpus, ports
 from tests.helpers.parity import check_parity
 
@@ -174,3 +175,18 @@ def test_deepseek_v2s_latent_attention_gets_megatrons_pairs_and_trains_like_one_
     logits gathered. fp32: its grouped experts have no fp64 kernel."""
     fwd, bwd = ranks2.run(deepseek_v2)[0]
     assert (fwd, bwd) == (AR(5, gathers=6), AR(13))
+
+
+def test_t5s_encoder_alone_parallelizes_strictly_under_its_derived_plan(fake_group):
+    """``T5EncoderModel`` (the text encoder of diffusion models) holds the tied embedding
+    twice, as ``shared``, which forward never calls, and as ``encoder.embed_tokens``. The
+    plan's embedding lays out both; ``shared``'s only parameter is read through its twin,
+    so strict mode takes it, as it does the embedding of an encoder-decoder."""
+    fake_group(2)
+    torch.manual_seed(0)
+    model = T.T5EncoderModel(T.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64,
+                                        num_layers=2, num_heads=4, dropout_rate=0.0))
+    plan = fxtp.derive_plan(model, example_inputs=(TOKENS,), world_size=2)
+    assert "encoder.embed_tokens" in plan
+    gm = fxtp.parallelize(model, plan, example_inputs=(TOKENS,), strict=True)
+    assert gm.fxtp.fallbacks == [] and gm.fxtp.uncalled == {}
