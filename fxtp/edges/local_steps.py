@@ -19,6 +19,9 @@ stepped as they are). A step given a closure (its backward would leave new gradi
 and a step under ``torch.compile`` run on the ``DTensor`` s, as given. An optimizer's own
 step hooks see the plain reads. A step that raises leaves them in place until the
 optimizer's next step, which hands them back first.
+
+The fast route, :func:`local_parameters`, gives the reads themselves to build an
+optimizer over: no handover, local state.
 """
 from __future__ import annotations
 
