@@ -168,7 +168,7 @@ def measure(args) -> dict:
                     call()
             seconds = alternating(variants, args.rounds, args.calls)
             ratios = {f"default/{other}": seconds["default"] / seconds[other]
-                      for other in seconds if other != "default"}
+                      for other in seconds if other not in ("default", "local_parameters")}
             if "local_parameters" in seconds:  # the fast route against plain parameters
                 ratios["local_parameters/plain"] = seconds["local_parameters"] / \
                     seconds["plain"]

@@ -331,7 +331,7 @@ def _passed(read: fx.Node, given: Stamp, stamp: fx.Node) -> Optional[fx.Node]:
         return None
     given_as = {i: a for i, a in zip(inputs, args)}
     sources = {n for m in made for n in m.all_input_nodes if n not in made}
-    if all(given_as.get(n, n) is n for n in sources):
+    if all(given_as[n] is n for n in sources):
         return read
     if any(placement_of(given_as[n]) != placement_of(n) for n in sources):
         return None  # the collectives would see another layout than the reference's did
