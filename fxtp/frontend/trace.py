@@ -22,7 +22,7 @@ import torch.utils.checkpoint as cp
 from torch.fx.node import has_side_effect
 
 from ..kernels.torch_compat import (HigherOrderOperator, enter_autocast, exit_autocast,
-                                    lazy_graph_modules, pytree)
+                                    lazy_graph_modules, pytree, source_lines_recorded)
 from ..passes.errors import TraceError
 from ..passes.graph import (AUTOCAST, EXPORT_GUARDS, MODE_REGION, REGION, STAMPED, ModuleCall,
                             call_key)
@@ -66,7 +66,9 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: Optional[dict],
     ``blocks`` (FQNs) that are equivalent under ``plan`` (FQN -> style) are traced once
     and stamped (:mod:`fxtp.frontend.stamping`); ``gm.meta[STAMPED]``: block -> the block it was
     copied from. ``keep_stamps``: each stamped block stays one node (:meth:`Stamper.keep`),
-    and its modules have no calls; else it is a copy of its reference's nodes."""
+    and its modules have no calls; else it is a copy of its reference's nodes.
+    Nodes carry no ``stack_trace``: nothing reads it, and recording it is a fifth of the
+    trace."""
     check_model_hooks(model)
     boundaries = tuple(b for b in boundaries if b)
     checkpointed = tuple(checkpointed)
@@ -217,7 +219,7 @@ def _layer_drop(model: torch.nn.Module, error: Exception) -> str:
 def _trace(model, args, kwargs, boundaries, dynamic_shapes, checkpointed, stamper,
            keep_stamps):
     # export's graph modules generate their code when first used, not at each of its steps
-    with lazy_graph_modules(True):
+    with lazy_graph_modules(True), source_lines_recorded(False):
         return _export(model, args, kwargs, boundaries, dynamic_shapes, checkpointed,
                        stamper, keep_stamps)
 

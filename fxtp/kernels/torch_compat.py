@@ -10,8 +10,8 @@ up when first used (module ``__getattr__``), so ``import fxtp`` stays as quick a
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
-
 import sys
 
 import torch
@@ -40,7 +40,7 @@ __all__ = [
     "pytree", "decomposition_table", "detect_fake_mode", "HigherOrderOperator",
     "OperatorBase", "OpOverload", "OpOverloadPacket", "FakeTensor", "FakeTensorMode",
     "compute_global_tensor_info", "compute_local_shape_and_global_offset", "LazyGraphModule",
-    "lazy_graph_modules",
+    "lazy_graph_modules", "source_lines_recorded",
     "TorchDispatchMode", "disable_current_modes", "c10d_functional", "assert_async",
     "foreach_mul_", "has_kernel_for", "mark_static_address", "dtensor_of", "OWN_GRAD",
     "held_only_by",
@@ -76,6 +76,23 @@ def __getattr__(name: str):
     value = getattr(importlib.import_module(module), attribute)
     globals()[name] = value
     return value
+
+
+@contextlib.contextmanager
+def source_lines_recorded(recorded: bool):
+    """Whether tracing records each node's user source lines (``node.meta["stack_trace"]``, a
+    fifth of export's time). ``torch.fx.config.do_not_emit_stack_traces`` (2.13; where a
+    torch lacks the switch, lines are always recorded)."""
+    config = torch.fx.config
+    before = getattr(config, "do_not_emit_stack_traces", None)
+    if before is None:
+        yield
+        return
+    config.do_not_emit_stack_traces = not recorded
+    try:
+        yield
+    finally:
+        config.do_not_emit_stack_traces = before
 
 
 def has_kernel_for(op: OpOverload, dispatch_key: str) -> bool:
