@@ -14,7 +14,7 @@ os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
 from tests.helpers.harness import pool_of  # noqa: E402
 
 _pools: dict = {}
-"""World size -> its :class:`~tests.helpers.harness.RankPool`, one per test session."""
+"""World size -> its :class:`~tests.helpers.harness.RankPool`, one per test process."""
 
 
 @pytest.fixture(scope="session")

@@ -51,7 +51,8 @@ from dataclasses import dataclass
 import torch
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
-GROUP_TIMEOUT_S = float(os.environ.get("FXTP_FUZZ_GROUP_TIMEOUT", 30))
+# how long a rank waits for the others in a collective (ranks of a busy machine run apart)
+GROUP_TIMEOUT_S = float(os.environ.get("FXTP_FUZZ_GROUP_TIMEOUT", 60))
 AC = 'torch.autocast("cpu", dtype=torch.bfloat16)'
 
 

@@ -1,9 +1,10 @@
 """Run a function on every rank of a persistent multi-process gloo group.
 
 Starting processes and process groups costs seconds, so each world size gets one pool per
-test session. ``pool.run(fn, *args)`` calls ``fn(rank, world_size, *args)`` on every rank
-and returns the per-rank results; an exception on any rank fails the call with every
-rank's traceback, and the pool is restarted so later tests start clean.
+test process (each ``pytest -n`` worker has its own). ``pool.run(fn, *args)`` calls
+``fn(rank, world_size, *args)`` on every rank and returns the per-rank results; an exception
+on any rank fails the call with every rank's traceback, and the pool is restarted so later
+tests start clean.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import traceback
 import torch.multiprocessing as mp
 
 TIMEOUT_S = 300
+"""How long a test waits for its ranks, and a rank in a collective for the others: with two
+workers' pools on two busy cores, a rank may run far behind the one waiting for it."""
 
 
 def _free_port() -> int:
@@ -31,7 +34,7 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
     import torch.distributed as dist
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=120))
+                            world_size=world, timeout=datetime.timedelta(seconds=TIMEOUT_S))
     while True:
         task = tasks.get()
         if task is None:

@@ -174,9 +174,10 @@ class Tokens(nn.Module):
 
 def bad_token_on_last_rank(rank, world):
     """The first call gets a token id out of range in the last rank's part of the sequence
-    only; the second gets good ids everywhere. A group with a short timeout: a rank left
-    waiting fails in seconds, not at the pool's timeout."""
-    group = torch.distributed.new_group(timeout=datetime.timedelta(seconds=10))
+    only; the second gets good ids everywhere. A group with a shorter timeout than the
+    pool's: a rank left waiting fails within a minute (ranks of a loaded machine may run
+    seconds apart while they parallelize)."""
+    group = torch.distributed.new_group(timeout=datetime.timedelta(seconds=60))
     plan = {"": fxtp.PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Shard(1)),
             "up": fxtp.ColwiseParallel(input_layouts=Shard(1)), "down": fxtp.RowwiseParallel()}
     torch.manual_seed(0)
