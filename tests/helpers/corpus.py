@@ -298,6 +298,13 @@ def _hf(config_name, model_name, expert_tp=False, **overrides):
     return getattr(transformers, model_name)(_with_expert_tp(cfg) if expert_tp else cfg)
 
 
+def shards_attention(model) -> bool:
+    """Whether the Hugging Face ``model``'s own plan shards its attention (which some
+    families' plans do only from some transformers release on)."""
+    from fxtp.plans.huggingface import model_plan
+    return any(".self_attn." in key for key in model_plan(model))
+
+
 EXPERT_TP = {"layers.*.mlp.experts.gate_up_proj": "packed_colwise",
              "layers.*.mlp.experts.down_proj": "rowwise",
              "layers.*.mlp.experts": "moe_tp_experts"}

@@ -121,7 +121,7 @@ def test_auto_on_phimoe_runs_its_routers_own_backward(ranks2):
     per layer the experts' input gradient and the routing weights' partial gradient, and
     the head's input gradient. Since transformers 5.25 its plan shards attention too: one
     more all-reduce a layer each way."""
-    attention = L if "model.layers.*.self_attn.o_proj" in model_plan(corpus.hf_phimoe()) else 0
+    attention = L if corpus.shards_attention(corpus.hf_phimoe()) else 0
     assert ranks2.run(hf_parity, corpus.hf_phimoe, "auto")[0] == \
         ({"all_reduce": L + 1 + attention, "all_gather": 1},
          {"all_reduce": 2 * L + 1 + attention})

@@ -16,7 +16,6 @@ from fxtp.examples.gpt_fast import KVCache, ServeConfig, Transformer, generate, 
 from fxtp.serving.causal_lm import static_cache_module
 from fxtp.passes.graph import STAMPED
 from fxtp.passes.placement import local_part
-from fxtp.plans.huggingface import model_plan
 from fxtp.plans.styles import ColwiseParallel, RowwiseParallel
 from tests.helpers import corpus
 from tests.helpers.harness import pool_of
@@ -325,8 +324,7 @@ def test_a_model_whose_forward_fixes_the_length_prefills_token_by_token(ranks2):
     # the logits' gather; since 5.25 it shards attention alone: the cache is held by heads,
     # and a decode step costs the attention's all-reduce instead of the experts'
     assert decode == {"all_reduce": 2, "all_gather": 1}
-    sharded = any(".self_attn." in key for key in model_plan(corpus.hf_jamba()))
-    assert held == (whole // 2 if sharded else whole)
+    assert held == (whole // 2 if corpus.shards_attention(corpus.hf_jamba()) else whole)
 
 
 def parity_and_warnings(rank, world, make):
