@@ -63,8 +63,8 @@ from .planning.derive import derive_plan
 from .plans.mesh import resolve_group
 from .plans.resolution import Plan, block_fqns, module_fqns, resolve_plan, tied_names
 from .runtime.first_call import agree_until_first_success
-from .runtime.guards import (check_fresh, check_same_on_every_rank, computed_on_rank_0,
-                             every_rank_or_none, guard_arguments, guard_casts, guard_inputs)
+from .runtime.guards import (check_fresh, check_same_on_every_rank, every_rank_or_none,
+                             guard_arguments, guard_casts, guard_inputs)
 from .runtime.modes import keep_programs
 
 
@@ -222,11 +222,10 @@ def _resolve(model: nn.Module, plan: Plan, mesh, options: Options) -> Job:
                          "as the model is called")
     allow_in_dynamo_graphs()  # the result may be compiled: its collectives stay calls
     check_fresh(model)
-    if isinstance(plan, str) and plan == "derive":  # a trace and a search: on rank 0 alone
-        group = resolve_group(mesh)
-        plan = computed_on_rank_0(group, "deriving the plan", lambda: derive_plan(
-            model, example_inputs=options.example_inputs,
-            example_kwargs=options.example_kwargs, world_size=group.world))
+    if isinstance(plan, str) and plan == "derive":
+        plan = derive_plan(model, example_inputs=options.example_inputs,
+                           example_kwargs=options.example_kwargs,
+                           world_size=resolve_group(mesh).world)
     shardings = resolve_plan(model, plan, options.strict,
                              lambda: resolve_group(mesh).device_mesh())
     checkpointed = module_fqns(model, options.checkpoint, "checkpoint pattern")

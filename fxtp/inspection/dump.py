@@ -110,7 +110,7 @@ class Dumper:
 
     def _alone(self) -> bool:
         """Whether this process is the only rank (world size 1, or the fake backend)."""
-        return self.group.alone
+        return self.group.world == 1 or dist.get_backend(_process_group(self.group)) == "fake"
 
     def _same_on_every_rank(self, alone: bool) -> dict[str, bool]:
         if alone:

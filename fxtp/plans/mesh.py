@@ -21,12 +21,6 @@ class Group:
     given_mesh: Optional[DeviceMesh] = field(default=None, compare=False, repr=False)
 
     @property
-    def alone(self) -> bool:
-        """Whether this process is the group's only rank: world size 1, or the fake backend
-        (shapes only, one process posing as one of the ranks)."""
-        return self.world == 1 or dist.get_backend(self.pg) == "fake"
-
-    @property
     def device_type(self) -> str:
         """The device type the group's backend communicates on: ``cuda`` for NCCL."""
         if self.given_mesh is not None:

@@ -3,8 +3,6 @@
 * :func:`check_fresh`: ``parallelize`` takes a single-device model, not its own result.
 * :func:`every_rank_or_none`: a stage of ``parallelize`` that fails on some ranks fails on
   all of them (one all-gather), instead of leaving the others waiting in a collective.
-* :func:`computed_on_rank_0`: what every rank would compute the same, at a cost, is
-  computed once and broadcast (the plan ``"derive"`` reads off the model).
 * :func:`check_same_on_every_rank`: every rank must plan the same program. Digests of the
   plan, the traced graph and the model's tensor shapes are all-gathered once at
   ``parallelize`` time; any difference fails on every rank (instead of a hang or a
@@ -85,21 +83,6 @@ def every_rank_or_none(group, stage: str):
     raise cls(f"fxtp.parallelize failed on rank(s) {failed} of group '{group.name}' while "
               f"{stage} (their error says why); this rank stops too rather than wait in a "
               f"collective those ranks will not reach") from error
-
-
-def computed_on_rank_0(group, stage: str, compute):
-    """``compute()`` run on rank 0 of ``group`` alone, its result (picklable) broadcast to
-    the other ranks, which wait meanwhile; where it raises, every rank raises
-    (:func:`every_rank_or_none`). A process alone in its group computes it itself."""
-    if group.alone:
-        return compute()
-    result = [None]
-    with every_rank_or_none(group, stage):
-        if group.rank == 0:
-            result[0] = compute()
-    dist.broadcast_object_list(result, src=dist.get_global_rank(group.pg, 0), group=group.pg,
-                               device=comm_device(group))
-    return result[0]
 
 
 def _digest(text: str) -> int:

@@ -451,41 +451,6 @@ def test_a_world_size_is_needed_outside_a_process_group():
         fxtp.derive_plan(Llama(CFG), example_inputs=(TOKENS,))
 
 
-def derived_where(rank, world, failing):
-    """Which ranks derived the plan under ``plan="derive"``, and the plan each got (or what
-    each raised where deriving fails)."""
-    import fxtp.pipeline as pipeline
-    real, calls = pipeline.derive_plan, []
-
-    def derive(*args, **kwargs):
-        calls.append(rank)
-        if failing:
-            raise KeyError("internal")
-        return real(*args, **kwargs)
-    pipeline.derive_plan = derive
-    try:
-        gm = fxtp.parallelize(Llama(CFG), "derive", example_inputs=(TOKENS,))
-    except Exception as e:  # noqa: BLE001 - what each rank raised is the result
-        return calls, (type(e).__name__, str(e))
-    finally:
-        pipeline.derive_plan = real
-    return calls, styles(gm.fxtp.plan)
-
-
-def test_rank_0_alone_derives_the_plan_and_every_rank_takes_it(ranks):
-    """A trace and a search once, not on every rank (and the ranks cannot disagree)."""
-    results = ranks.run(derived_where, False)
-    assert [calls for calls, _ in results] == [[0]] + [[]] * (len(results) - 1)
-    assert results[0][1]["layers.1.attention.wo"] == "RowwiseParallel()"
-    assert all(plan == results[0][1] for _, plan in results)
-
-
-def test_deriving_that_fails_on_rank_0_fails_on_every_rank(ranks2):
-    (_, first), (_, second) = ranks2.run(derived_where, True)
-    assert first == ("KeyError", "'internal'")
-    assert second[0] == "RankError" and "deriving the plan" in second[1]
-
-
 def llama():
     return Llama(CFG)
 
