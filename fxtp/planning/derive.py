@@ -44,7 +44,7 @@ from ..passes.unused import drop_unused
 from ..plans.resolution import resolve_plan, tied_names
 from ..plans.styles import (ColwiseParallel, ExpertTensorParallel, ParallelStyle,
                             RowwiseParallel, SequenceParallel)
-from .projections import Projection, projections
+from .projections import Projection, projections, reduced_between
 
 
 @dataclass(frozen=True)
@@ -161,6 +161,19 @@ class _Megatron:
         if self.word not in self.plan:
             self.embeddings = [fqn for fqn in self.embeddings if fqn != self.word]
             self.word = None
+
+    def gathered_pair(self, fqns: list, found: dict) -> Optional[dict]:
+        """The pair ``fqns`` laid out with the same bytes as sharded, its column-wise
+        outputs gathered and its row-wise linear slicing its whole input, where that may
+        send less: where an op between them sums over the features (a norm over every
+        head), which sharded by features needs sums of its own. ``None`` elsewhere, and
+        under sequence parallelism."""
+        rows = [f for f in fqns if isinstance(self.plan[f], RowwiseParallel)]
+        columns = [f for f in fqns if f not in rows]
+        if self.sequence_parallel or not reduced_between(found, columns, rows):
+            return None
+        return {**{f: ColwiseParallel(output_layouts=Replicate()) for f in columns},
+                **{f: RowwiseParallel(input_layouts=Replicate()) for f in rows}}
 
     def options(self, fqn: str, plan: dict) -> list:
         """The layouts to weigh for a head, an embedding or a gathered linear (``None``:
@@ -320,7 +333,10 @@ def _trials(program: "_Program", megatron: _Megatron, plan: dict, fqns: list, wh
     if whole:
         sharded = {**plan, **{f: megatron.plan[f] for f in fqns if f in megatron.plan}}
         fits = program.place(sharded).held + program.added_whole(fqns, sharded) <= budget
-        return [plan, *[t for t in (sharded, _with(plan, fqns, None) if fits else None)
+        gathered = megatron.gathered_pair(fqns, program.projections) \
+            if fqns in megatron.pairs else None
+        return [plan, *[t for t in (sharded, gathered and {**plan, **gathered},
+                                    _with(plan, fqns, None) if fits else None)
                          if t is not None and program.key(t) != program.key(plan)]]
     options = megatron.options(fqns[0], plan)
     if any(_tied_to_plan(fqn, plan, program.aliases) for fqn in fqns):

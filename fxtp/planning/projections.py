@@ -129,6 +129,31 @@ def carries(node: fx.Node) -> bool:
         (packet is not None and returns_alias(target) and not _is_reduction(target))
 
 
+def reduced_between(found: dict[str, Projection], columns: list[str], rows: list[str]
+                    ) -> bool:
+    """Whether an op that is no carrier (a norm's sum over the features, across heads) lies
+    between the column-wise linears ``columns`` of a pair and its row-wise ``rows``: sharded
+    by features, such a pair needs sums of its own between them."""
+    ends = {n.args[0] for f in rows for n in found[f].nodes}
+    projected = {n for p in found.values() for n in p.nodes}
+    after, stack = set(), [n for f in columns for n in found[f].nodes]
+    while stack:  # what the columns' outputs reach before another projection
+        for user in stack.pop().users:
+            if user not in after and user not in projected:
+                after.add(user)
+                stack.append(user)
+    stack, seen = [e for e in ends if e in after], set()
+    while stack:  # of that, what reaches the row's input
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "call_function" and not carries(node):
+            return True
+        stack.extend(i for i in node.all_input_nodes if i in after)
+    return False
+
+
 @lru_cache(maxsize=None)
 def _is_reduction(target) -> bool:
     return torch.Tag.reduction in getattr(target, "tags", ())

@@ -92,6 +92,68 @@ def test_a_pair_joined_by_a_norm_over_its_features_is_sharded_the_norm_as_partia
     assert plan.placed.fallbacks == () and plan.report == {}
 
 
+class HeadsNormedTogether(nn.Module):
+    """OLMo-2's attention: q and k RMS-normalized over the whole projection, every head at
+    once, between the column-wise q, k, v and the row-wise o."""
+
+    def __init__(self, heads: int = 6, dim: int = 24):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.q_norm, self.k_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.q_norm(self.q(x)), self.k_norm(self.k(x)), self.v(x)
+        q, k, v = (y.view(b, t, self.heads, -1).transpose(1, 2) for y in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(a.transpose(1, 2).reshape(b, t, -1))
+
+
+class NormedHeadsStack(nn.Module):
+    def __init__(self, heads: int):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(64, 24), nn.Linear(24, 64, bias=False)
+        self.layers = nn.ModuleList(HeadsNormedTogether(heads) for _ in range(2))
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = h + layer(h)
+        return self.head(h)
+
+
+def pair_layouts(sharded: bool) -> dict:
+    rows = fxtp.RowwiseParallel() if sharded else fxtp.RowwiseParallel(
+        input_layouts=fxtp.Replicate())
+    columns = fxtp.ColwiseParallel() if sharded else fxtp.ColwiseParallel(
+        output_layouts=fxtp.Replicate())
+    return {"layers.*.q": columns, "layers.*.k": columns, "layers.*.v": columns,
+            "layers.*.o": rows}
+
+
+@pytest.mark.parametrize("heads, world", [(6, 4), (4, 4)])
+def test_a_pair_normed_across_its_heads_takes_the_layout_of_its_bytes_that_sends_least(
+        heads, world):
+    """Sharded by heads, the norms sum their squares across the head shards; the columns'
+    outputs gathered and the row slicing its whole input hold the same bytes. 6 heads at 4
+    ranks shard unevenly, and gathered the pair sends less; 4 heads at 4 shard evenly, and
+    sharded it sends less (Megatron's layout)."""
+    model = NormedHeadsStack(heads)
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    plan = fxtp.derive_plan(model, example_inputs=(tokens,), world_size=world)
+    rest = {k: v for k, v in plan.items() if not k.startswith("layers.")}
+    placed = place_plans(model, {layout: {**rest, **pair_layouts(layout == "sharded")}
+                                 for layout in ("sharded", "gathered")},
+                         example_inputs=(tokens,), world_size=world)
+    cheaper = min(placed, key=lambda layout: placed[layout].sent)
+    assert placed["sharded"].sent != placed["gathered"].sent
+    assert styles({k: v for k, v in plan.items() if k.startswith("layers.")}) == \
+        styles(pair_layouts(cheaper == "sharded"))
+    assert cheaper == ("gathered" if heads % world else "sharded")
+    assert plan.placed.sent == placed[cheaper].sent and plan.placed.fallbacks == ()
+
+
 def test_a_pair_whose_sharding_would_fall_back_stays_replicated_and_says_why():
     plan = fxtp.derive_plan(models.Unruled(), example_inputs=(example(2, 8, models.DIM),),
                             world_size=2)
