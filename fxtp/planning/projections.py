@@ -134,7 +134,7 @@ def reduced_between(found: dict[str, Projection], columns: list[str], rows: list
     """Whether an op that is no carrier (a norm's sum over the features, across heads) lies
     between the column-wise linears ``columns`` of a pair and its row-wise ``rows``: sharded
     by features, such a pair needs sums of its own between them."""
-    ends = {n.args[0] for f in rows for n in found[f].nodes}
+    ends = {i for f in rows for n in found[f].nodes for i in n.all_input_nodes}
     projected = {n for p in found.values() for n in p.nodes}
     after, stack = set(), [n for f in columns for n in found[f].nodes]
     while stack:  # what the columns' outputs reach before another projection
