@@ -161,16 +161,18 @@ class _Megatron:
         if self.word not in self.plan:
             self.embeddings = [fqn for fqn in self.embeddings if fqn != self.word]
             self.word = None
+        self.pairs_gathered = {} if sequence_parallel else {  # pair -> its gathered layout
+            tuple(fqns): layout for fqns in self.pairs
+            if (layout := self._gathered_pair(fqns, found)) is not None}
 
-    def gathered_pair(self, fqns: list, found: dict) -> Optional[dict]:
+    def _gathered_pair(self, fqns: list, found: dict) -> Optional[dict]:
         """The pair ``fqns`` laid out with the same bytes as sharded, its column-wise
         outputs gathered and its row-wise linear slicing its whole input, where that may
         send less: where an op between them sums over the features (a norm over every
-        head), which sharded by features needs sums of its own. ``None`` elsewhere, and
-        under sequence parallelism."""
+        head), which sharded by features needs sums of its own. ``None`` elsewhere."""
         rows = [f for f in fqns if isinstance(self.plan[f], RowwiseParallel)]
         columns = [f for f in fqns if f not in rows]
-        if self.sequence_parallel or not reduced_between(found, columns, rows):
+        if not reduced_between(found, columns, rows):
             return None
         return {**{f: ColwiseParallel(output_layouts=Replicate()) for f in columns},
                 **{f: RowwiseParallel(input_layouts=Replicate()) for f in rows}}
@@ -333,8 +335,7 @@ def _trials(program: "_Program", megatron: _Megatron, plan: dict, fqns: list, wh
     if whole:
         sharded = {**plan, **{f: megatron.plan[f] for f in fqns if f in megatron.plan}}
         fits = program.place(sharded).held + program.added_whole(fqns, sharded) <= budget
-        gathered = megatron.gathered_pair(fqns, program.projections) \
-            if fqns in megatron.pairs else None
+        gathered = megatron.pairs_gathered.get(tuple(fqns))
         return [plan, *[t for t in (sharded, gathered and {**plan, **gathered},
                                     _with(plan, fqns, None) if fits else None)
                          if t is not None and program.key(t) != program.key(plan)]]
