@@ -22,7 +22,7 @@ import torch.utils.checkpoint as cp
 from torch.fx.node import has_side_effect
 
 from ..kernels.torch_compat import (HigherOrderOperator, enter_autocast, exit_autocast,
-                                    lazy_graph_modules, pytree, source_lines_recorded)
+                                    lazy_graph_modules, pytree, without_source_lines)
 from ..passes.errors import TraceError
 from ..passes.graph import (AUTOCAST, EXPORT_GUARDS, MODE_REGION, REGION, STAMPED, ModuleCall,
                             call_key)
@@ -219,7 +219,7 @@ def _layer_drop(model: torch.nn.Module, error: Exception) -> str:
 def _trace(model, args, kwargs, boundaries, dynamic_shapes, checkpointed, stamper,
            keep_stamps):
     # export's graph modules generate their code when first used, not at each of its steps
-    with lazy_graph_modules(True), source_lines_recorded(False):
+    with lazy_graph_modules(True), without_source_lines():
         return _export(model, args, kwargs, boundaries, dynamic_shapes, checkpointed,
                        stamper, keep_stamps)
 

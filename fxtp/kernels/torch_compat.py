@@ -40,7 +40,7 @@ __all__ = [
     "pytree", "decomposition_table", "detect_fake_mode", "HigherOrderOperator",
     "OperatorBase", "OpOverload", "OpOverloadPacket", "FakeTensor", "FakeTensorMode",
     "compute_global_tensor_info", "compute_local_shape_and_global_offset", "LazyGraphModule",
-    "lazy_graph_modules", "source_lines_recorded",
+    "lazy_graph_modules", "without_source_lines",
     "TorchDispatchMode", "disable_current_modes", "c10d_functional", "assert_async",
     "foreach_mul_", "has_kernel_for", "mark_static_address", "dtensor_of", "OWN_GRAD",
     "held_only_by",
@@ -79,16 +79,16 @@ def __getattr__(name: str):
 
 
 @contextlib.contextmanager
-def source_lines_recorded(recorded: bool):
-    """Whether tracing records each node's user source lines (``node.meta["stack_trace"]``, a
-    fifth of export's time). ``torch.fx.config.do_not_emit_stack_traces`` (2.13; where a
-    torch lacks the switch, lines are always recorded)."""
+def without_source_lines():
+    """Tracing records no node's user source lines (``node.meta["stack_trace"]``, a fifth of
+    export's time): ``torch.fx.config.do_not_emit_stack_traces`` (2.13; a torch without the
+    switch records them)."""
     config = torch.fx.config
     before = getattr(config, "do_not_emit_stack_traces", None)
     if before is None:
         yield
         return
-    config.do_not_emit_stack_traces = not recorded
+    config.do_not_emit_stack_traces = True
     try:
         yield
     finally:
