@@ -69,6 +69,11 @@ def _world_and_dtype(item):
     return world, (str(dtype).removeprefix("torch.") if dtype is not None else None)
 
 
+def _test(item) -> tuple:
+    """The test function ``item`` is a parametrization of."""
+    return item.module.__name__, item.originalname
+
+
 def _case(item) -> tuple:
     """The item's parameters other than its world size and dtype: which case it runs."""
     return tuple(sorted((k, repr(v)) for k, v in _params(item).items()
@@ -84,16 +89,14 @@ def _one_world_per_case(items) -> list:
     for item in items:
         world, _ = _world_and_dtype(item)
         if world is not None and {"ranks", "pools"} & set(item.fixturenames):
-            test = (item.module.__name__, item.originalname)
-            worlds.setdefault(test, {}).setdefault(_case(item), set()).add(world)
+            worlds.setdefault(_test(item), {}).setdefault(_case(item), set()).add(world)
     kept = {}
     for test, cases in worlds.items():
         both = [case for case, sizes in cases.items() if sizes == {2, 4}]
         if len(both) > 1:
             kept.update({(test, case): (2, 4)[k % 2] for k, case in enumerate(both)})
     return [item for item in items
-            if kept.get(((item.module.__name__, item.originalname), _case(item)),
-                        _world_and_dtype(item)[0]) != _world_and_dtype(item)[0]]
+            if kept.get((_test(item), _case(item))) not in (None, _world_and_dtype(item)[0])]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -106,10 +109,9 @@ def pytest_collection_modifyitems(config, items):
     * a test of several cases (models, options) at both world sizes runs each case at one
       of them, alternating (:func:`_one_world_per_case`); ``--every-world`` runs them all.
     """
-    fp32_at_4 = {(item.module.__name__, item.originalname) for item in items
-                 if _world_and_dtype(item) == (4, "float32")}
+    fp32_at_4 = {_test(item) for item in items if _world_and_dtype(item) == (4, "float32")}
     dropped = [item for item in items if _world_and_dtype(item) == (2, "float32") and
-               (item.module.__name__, item.originalname) in fp32_at_4]
+               _test(item) in fp32_at_4]
     if not config.getoption("every_world"):
         dropped += _one_world_per_case(items)
     if dropped:
