@@ -39,6 +39,8 @@ _CARRIERS = {
     aten.repeat_interleave, aten.flatten, aten.unflatten, aten.split, aten.chunk,
     aten.unbind, aten.einsum, aten.baddbmm, aten.view_as_complex, aten.view_as_real,
 }
+_NORMS = {aten.layer_norm, aten.native_layer_norm, aten.rms_norm, aten._fused_rms_norm,
+          aten.group_norm, aten.native_group_norm}
 _LOSSES = {aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_forward, aten.nll_loss2d}
 
 
@@ -131,9 +133,10 @@ def carries(node: fx.Node) -> bool:
 
 def reduced_between(found: dict[str, Projection], columns: list[str], rows: list[str]
                     ) -> bool:
-    """Whether an op that is no carrier (a norm's sum over the features, across heads) lies
-    between the column-wise linears ``columns`` of a pair and its row-wise ``rows``: sharded
-    by features, such a pair needs sums of its own between them."""
+    """Whether a sum (a reduction or a norm: a norm's sum over the features, across heads)
+    lies between the column-wise linears ``columns`` of a pair and its row-wise ``rows``:
+    sharded by features, such a pair needs sums of its own between them. Other ops that
+    carry no split (an index picking heads) sum nothing."""
     ends = {i for f in rows for n in found[f].nodes for i in n.all_input_nodes}
     projected = {n for p in found.values() for n in p.nodes}
     after, stack = set(), [n for f in columns for n in found[f].nodes]
@@ -148,10 +151,14 @@ def reduced_between(found: dict[str, Projection], columns: list[str], rows: list
         if node in seen:
             continue
         seen.add(node)
-        if node.op == "call_function" and not carries(node):
+        if node.op == "call_function" and _sums(node.target):
             return True
         stack.extend(i for i in node.all_input_nodes if i in after)
     return False
+
+
+def _sums(target) -> bool:
+    return getattr(target, "overloadpacket", None) in _NORMS or _is_reduction(target)
 
 
 @lru_cache(maxsize=None)
