@@ -11,7 +11,7 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
 os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
 os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
 
-from tests.helpers.harness import pool_of  # noqa: E402
+from tests.helpers.harness import close_pools, pool_of  # noqa: E402
 
 _pools: dict = {}
 """World size -> its :class:`~tests.helpers.harness.RankPool`, one per test process."""
@@ -20,8 +20,7 @@ _pools: dict = {}
 @pytest.fixture(scope="session")
 def pools():
     yield _pools
-    for pool in _pools.values():
-        pool.close()
+    close_pools(list(_pools.values()))
 
 
 @pytest.fixture(params=[2, 4], ids=lambda w: f"world{w}")

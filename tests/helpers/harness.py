@@ -13,6 +13,7 @@ import os
 import pickle
 import queue
 import socket
+import time
 import traceback
 
 import torch.multiprocessing as mp
@@ -89,14 +90,24 @@ class RankPool:
         self._start()
 
     def close(self, graceful: bool = True):
-        for p, q in zip(self.procs, self.tasks):
-            if graceful:
+        close_pools([self], graceful)
+
+
+def close_pools(pools, graceful: bool = True) -> None:
+    """Stop every rank of ``pools`` together: each is told to leave (``graceful``) and given
+    3 s in all to exit; one still exiting then (a compile worker pool) is killed."""
+    procs = [p for pool in pools for p in pool.procs]
+    if graceful:
+        for pool in pools:
+            for q in pool.tasks:
                 q.put(None)
-        for p in self.procs:  # a rank still exiting after 3 s (a compile worker pool) is killed
-            p.join(timeout=3 if graceful else 0.1)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    deadline = time.monotonic() + (3 if graceful else 0.1)
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
 
 
 def pool_of(pools: dict, world: int) -> RankPool:
