@@ -162,7 +162,7 @@ def _outline(gm: fx.GraphModule, base: str, tree: dict[str, set[str]], names: di
         part.sort()  # in the graph's order (an extraction may have moved nodes after it)
         if child in stamped:
             _call_stamp(gm.graph, part, child, done.get(stamped[child]),
-                        child[len(base) + 1:] if base else child, records)
+                        child[len(base) + 1:] if base else child, records, done)
             continue
         if not _convex(part):
             skipped += left_inline(child)
@@ -261,13 +261,15 @@ def _extract(gm: fx.GraphModule, part: list, base: str, fqn: str, names: dict,
                   name not in module._non_persistent_buffers_set)
     copy_plain_state(sub, original)
     gm.add_submodule(relative, sub)
-    done[fqn] = (inputs, _call(graph, [n for n in part if n in inside], inputs, outputs,
-                               relative, records))
+    results = _call(graph, [n for n in part if n in inside], inputs, outputs, relative,
+                    records)
+    _rename_done(done, dict(zip(outputs, results)))
+    done[fqn] = (inputs, results)
     return sub
 
 
 def _call_stamp(graph: fx.Graph, part: list, fqn: str, reference, target: str,
-                records: list) -> None:
+                records: list, done: dict) -> None:
     """Replace a stamped block's call (``part``: its stamp node and the stamp's outputs) by
     a call of its module at ``target``, passing and taking what its reference's module
     (``reference``: the values it reads and returns) does, in that order."""
@@ -283,7 +285,8 @@ def _call_stamp(graph: fx.Graph, part: list, fqn: str, reference, target: str,
             del outputs[i]
     reads, gives = reference
     args = [_passed(r, given, stamp) for r in reads]
-    if any(a is None for a in args) or not all(given.outputs[i] in gives for i in outputs):
+    after = {i: _collected(given.outputs[i], gives) for i in outputs}
+    if any(a is None for a in args) or any(made is None for made in after.values()):
         raise StampMismatch(f"block '{fqn}' is stamped from '{given.reference}', whose "
                             f"module reads or returns other values than the block's")
     try:
@@ -294,16 +297,38 @@ def _call_stamp(graph: fx.Graph, part: list, fqn: str, reference, target: str,
         call = _call_module(graph, target, tuple(args))
         results = [call] if len(gives) == 1 else \
             [graph.call_function(operator.getitem, (call, i)) for i in range(len(gives))]
+        given_as = dict(zip(gives, results))
+        for node in sorted({n for made in after.values() for n in made}):
+            given_as[node] = graph.node_copy(node, lambda n: given_as.get(n, n))
     call.meta = {"val": tuple(g.meta.get("val") for g in gives),
                  "nn_module_stack": dict(stamp.meta.get("nn_module_stack", {}))}
     renamed = {}
     for i, out in outputs.items():
-        renamed[out] = results[gives.index(given.outputs[i])]
+        renamed[out] = given_as[given.outputs[i]]
         renamed[out].meta.update(out.meta)
         out.replace_all_uses_with(renamed[out])
         graph.erase_node(out)
     graph.erase_node(stamp)
     _rename(records, renamed)
+    _rename_done(done, renamed)
+
+
+def _collected(value: fx.Node, gives: list) -> Optional[set]:
+    """The collectives the caller made of ``gives`` (what a reference's module returns) to
+    give ``value``, the stamp's output (a row-wise output's all-reduce where the caller
+    adds the residual): copied after a stamped block's call, they give its output alike.
+    An empty set where the module returns ``value`` itself; ``None`` where ``value`` is
+    made otherwise."""
+    made, todo = set(), [value]
+    while todo:
+        node = todo.pop()
+        if node in gives or node in made:
+            continue
+        if COLLECTIVE not in node.meta or not node.all_input_nodes:
+            return None
+        made.add(node)
+        todo += node.all_input_nodes
+    return made
 
 
 def _passed(read: fx.Node, given: Stamp, stamp: fx.Node) -> Optional[fx.Node]:
@@ -365,6 +390,15 @@ def _rename(records: Iterable[Stamp], renamed: dict) -> None:
     for stamp in records:
         stamp.inputs[:] = [renamed.get(x, x) for x in stamp.inputs]
         stamp.outputs[:] = [renamed.get(x, x) for x in stamp.outputs]
+
+
+def _rename_done(done: dict, renamed: dict) -> None:
+    """Make the values each outlined module of ``done`` reads and returns name
+    ``renamed[v]`` where they named ``v``: a module outlined before the one whose call
+    now gives ``v`` (its part began earlier: a tensor it reads) may read it."""
+    for reads, gives in done.values():
+        reads[:] = [renamed.get(x, x) for x in reads]
+        gives[:] = [renamed.get(x, x) for x in gives]
 
 
 def _drop_stamp_edges(graph: fx.Graph) -> None:

@@ -455,6 +455,59 @@ def test_hugging_face_blocks_are_stamped_under_their_derived_plan(fake_group, ma
     assert collectives(stamped, (TOKENS,), kwargs) == collectives(traced, (TOKENS,), kwargs)
 
 
+def litgpt():
+    """Blocks held in ``nn.ModuleDict`` s whose caller adds the residuals: the planned
+    attention's row-wise output is all-reduced by the caller, after each block's call."""
+    from tests.helpers.ports import PORTS
+    return PORTS["litgpt"][0]()
+
+
+def hf_gpt2():
+    """Under sequence parallelism its embeddings' dropout is a module of the plan, whose
+    output the first block reads; the block's part of the graph begins earlier (with the
+    tensors it reads), so the block is made a module first."""
+    pytest.importorskip("transformers", reason="pip install -e '.[test]'")
+    from tests.model_code.test_huggingface import gpt2
+    return gpt2().double()
+
+
+def gpt2_sp_plan():
+    from tests.styles.test_sequence_parallel import HF_GPT2_SP_PLAN
+    return HF_GPT2_SP_PLAN
+
+
+def litgpt_plan():
+    from tests.helpers.ports import PORTS
+    return PORTS["litgpt"][1]
+
+
+@pytest.mark.parametrize("make_model, plan, copies, kwargs", [
+    (litgpt, litgpt_plan, {"blocks.1.attn": "blocks.0.attn", "blocks.1.mlp": "blocks.0.mlp"},
+     {}),
+    (hf_gpt2, gpt2_sp_plan, {"transformer.h.1": "transformer.h.0"},
+     {"example_kwargs": {"use_cache": False}})],
+    ids=["output-reduced-by-the-caller", "input-from-a-module-made-later"])
+def test_blocks_are_stamped_whatever_their_caller_makes_of_their_values(
+        fake_group, make_model, plan, copies, kwargs):
+    """A stamped block's call is followed by a copy of the collectives its reference's
+    caller made of the reference's outputs (litgpt's attention output all-reduced before
+    the residual add), and reads its input whichever module the plan makes first: the
+    programs and collectives of every block traced, with no fallback."""
+    fake_group(2)
+    stamped, traced = stamped_and_traced(make_model, plan(), 2, strict=True, **kwargs)
+    for copy, reference in copies.items():
+        assert stamped.get_submodule(copy).graph is stamped.get_submodule(reference).graph
+    blocks = tuple(f"{fqn}." for fqn in (*copies, *copies.values()))
+    of_blocks = lambda gm: {k: v for k, v in programs(gm).items()  # noqa: E731
+                            if f"{k}.".startswith(blocks)}
+    assert of_blocks(stamped) == of_blocks(traced)
+    call = kwargs.get("example_kwargs", {})
+    assert collectives(stamped, (TOKENS,), call) == collectives(traced, (TOKENS,), call)
+    first = lambda out: out if isinstance(out, torch.Tensor) else out[0]  # noqa: E731
+    torch.testing.assert_close(first(stamped(TOKENS, **call)), first(traced(TOKENS, **call)))
+    assert stamped.fxtp.fallbacks == []
+
+
 def test_a_block_whose_input_arrives_placed_otherwise_is_copied_in_full(fake_group):
     """Without the embedding's sequence sharding, layer 0 takes its input replicated and
     gives it sequence-sharded, so the later layers, whose input arrives sharded, cannot
