@@ -31,6 +31,10 @@ passes (:class:`ModuleSharding`, :class:`ModuleCall`). Imports no pass.
                 parameter's path (relative to the graph's module). ``fxtp.edges.dtensor_params``
 ``REGION``      in ``node.meta["custom"]``: the number of the activation-checkpoint region
                 the node is in (:mod:`~fxtp.passes.recompute`); trace
+``MADE_BY``     while modules are outlined, on a module's placeholder for a collective
+                its caller made of the module's other inputs: ``(target, args, kwargs)``
+                of that collective over the placeholders (a block's input gradient
+                sync), for the stamps inside to make it anew; modules
 ==============  ==========================================================================
 
 ``gm.meta`` keys:
@@ -96,6 +100,7 @@ RELAID = "fxtp_relaid"
 DECOMPOSED = "fxtp_decomposed"
 INLINED = "fxtp_inlined"
 RECOMPUTED = "fxtp_recomputed"
+MADE_BY = "fxtp_made_by"
 
 Layouts = Optional[tuple[Optional[Placement], ...]]
 

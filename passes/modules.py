@@ -36,7 +36,7 @@ from ..kernels.torch_compat import LazyGraphModule, WrappedHook
 from .context import PassContext
 from .effects import made_of_held_tensors
 from .errors import StampMismatch
-from .graph import (COLLECTIVE, INLINED, STAMP, Stamp, attr, placement_of, recompile_alone,
+from .graph import (COLLECTIVE, INLINED, MADE_BY, STAMP, Stamp, attr, placement_of, recompile_alone,
                     stamp_edge)
 from .posing import COPIED, copy_plain_state, posing_class
 from .recompute import call_submodule, run_checkpointed
@@ -86,6 +86,10 @@ def outline_modules(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for f in outlined:
         children.setdefault(_nearest(f, outlined), set()).add(f)
     skipped += _outline(gm, "", children, names, model, stamped, {}, _stamps(gm.graph.nodes))
+    for module in gm.modules():  # the stamps are called: no placeholder stands for more
+        if isinstance(module, fx.GraphModule):
+            for node in module.graph.find_nodes(op="placeholder"):
+                node.meta.pop(MADE_BY, None)
     skipped += [fqn + f[len(ref):] for fqn, ref in stamped.items() for f in list(skipped)
                 if f.startswith(ref + ".")]
     _place_tensors(gm, tensors, outlined - set(skipped), persistent)
@@ -234,6 +238,11 @@ def _extract(gm: fx.GraphModule, part: list, base: str, fqn: str, names: dict,
     for a in inputs:
         env[a] = body.placeholder(a.name)
         env[a].meta = dict(a.meta)
+    for a in inputs:  # a collective of other inputs: a stamp inside may need it made anew
+        if COLLECTIVE in a.meta and a.op == "call_function" and a.all_input_nodes and \
+                all(i in env for i in a.all_input_nodes):
+            env[a].meta[MADE_BY] = (a.target, *fx.node.map_arg((a.args, a.kwargs),
+                                                               env.__getitem__))
     for n in part:
         if n in env:
             continue
@@ -347,23 +356,42 @@ def _passed(read: fx.Node, given: Stamp, stamp: fx.Node) -> Optional[fx.Node]:
         node = todo.pop()
         if node in inputs or node in made:
             continue
-        if COLLECTIVE not in node.meta and node.target is not operator.getitem or \
-                not node.all_input_nodes:
+        if _made_of(node) is None:
             return None
         made.add(node)
-        todo += node.all_input_nodes
+        todo += _made_of(node)
     if not read < stamp:
         return None
     given_as = {i: a for i, a in zip(inputs, args)}
-    sources = {n for m in made for n in m.all_input_nodes if n not in made}
+    sources = {n for m in made for n in _made_of(m) if n not in made}
     if all(given_as[n] is n for n in sources):
         return read
     if any(placement_of(given_as[n]) != placement_of(n) for n in sources):
         return None  # the collectives would see another layout than the reference's did
-    with stamp.graph.inserting_before(stamp):
+    graph, mapped = stamp.graph, lambda n: given_as.get(n, n)
+    with graph.inserting_before(stamp):
         for node in sorted(made):
-            given_as[node] = stamp.graph.node_copy(node, lambda n: given_as.get(n, n))
+            if MADE_BY in node.meta:  # the collective the placeholder stands for
+                target, args, kwargs = node.meta[MADE_BY]
+                given_as[node] = graph.call_function(
+                    target, *fx.node.map_arg((args, kwargs), mapped))
+                given_as[node].meta = {k: v for k, v in node.meta.items() if k != MADE_BY}
+            else:
+                given_as[node] = graph.node_copy(node, mapped)
     return given_as[read]
+
+
+def _made_of(node: fx.Node) -> Optional[list[fx.Node]]:
+    """The values a collective (or a piece of one's result) is made of, also where a
+    placeholder stands for it (``MADE_BY``); ``None`` for any other node."""
+    if MADE_BY in node.meta:
+        found: list[fx.Node] = []
+        fx.node.map_arg(node.meta[MADE_BY][1:], found.append)
+        return found
+    if COLLECTIVE not in node.meta and node.target is not operator.getitem or \
+            not node.all_input_nodes:
+        return None
+    return node.all_input_nodes
 
 
 def _traced_op(node: fx.Node) -> bool:

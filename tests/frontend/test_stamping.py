@@ -471,6 +471,19 @@ def hf_gpt2():
     return gpt2().double()
 
 
+def hf_bert():
+    """Post-norm blocks inside an encoder module: the gradient sync of the first block's
+    input is made by the encoder's caller, which hands the encoder the synced value too."""
+    pytest.importorskip("transformers", reason="pip install -e '.[test]'")
+    from tests.model_code.test_huggingface import bert
+    return bert().double()
+
+
+def bert_plan():
+    from tests.model_code.test_huggingface import BERT_PLAN
+    return BERT_PLAN
+
+
 def gpt2_sp_plan():
     from tests.styles.test_sequence_parallel import HF_GPT2_SP_PLAN
     return HF_GPT2_SP_PLAN
@@ -485,14 +498,18 @@ def litgpt_plan():
     (litgpt, litgpt_plan, {"blocks.1.attn": "blocks.0.attn", "blocks.1.mlp": "blocks.0.mlp"},
      {}),
     (hf_gpt2, gpt2_sp_plan, {"transformer.h.1": "transformer.h.0"},
-     {"example_kwargs": {"use_cache": False}})],
-    ids=["output-reduced-by-the-caller", "input-from-a-module-made-later"])
+     {"example_kwargs": {"use_cache": False}}),
+    (hf_bert, bert_plan, {"bert.encoder.layer.1": "bert.encoder.layer.0"}, {})],
+    ids=["output-reduced-by-the-caller", "input-from-a-module-made-later",
+         "input-synced-by-the-callers-caller"])
 def test_blocks_are_stamped_whatever_their_caller_makes_of_their_values(
         fake_group, make_model, plan, copies, kwargs):
     """A stamped block's call is followed by a copy of the collectives its reference's
     caller made of the reference's outputs (litgpt's attention output all-reduced before
-    the residual add), and reads its input whichever module the plan makes first: the
-    programs and collectives of every block traced, with no fallback."""
+    the residual add), is preceded by a copy of those made of its reference's inputs
+    wherever they were made (BERT's input gradient sync, made above the encoder), and
+    reads its input whichever module the plan makes first: the programs and collectives
+    of every block traced, with no fallback."""
     fake_group(2)
     stamped, traced = stamped_and_traced(make_model, plan(), 2, strict=True, **kwargs)
     for copy, reference in copies.items():
