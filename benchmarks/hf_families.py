@@ -57,6 +57,9 @@ OWN = {  # what a family's config needs beyond SMALL to build and run small
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
     "gemma3n_text": dict(num_kv_shared_layers=0),  # its 15 shared layers of 2
     "longcat_flash": dict(head_dim=4),
+    # its NVFP4 keys need 16-wide heads; its indexer scores keys with query heads of one
+    # KV head, 2 at the small config's 8 heads over 4
+    "kolibri1_1": dict(head_dim=16, index_num_heads=2),
     "qwen4_exp_text": dict(indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=4,
                            indexer_budget=4, indexer_compress_ratio=2),  # its attention's
 }
