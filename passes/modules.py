@@ -294,7 +294,7 @@ def _call_stamp(graph: fx.Graph, part: list, fqn: str, reference, target: str,
             del outputs[i]
     reads, gives = reference
     args = [_passed(r, given, stamp) for r in reads]
-    after = {i: _collected(given.outputs[i], gives) for i in outputs}
+    after = {i: _collectives_between(gives, given.outputs[i]) for i in outputs}
     if any(a is None for a in args) or any(made is None for made in after.values()):
         raise StampMismatch(f"block '{fqn}' is stamped from '{given.reference}', whose "
                             f"module reads or returns other values than the block's")
@@ -307,8 +307,7 @@ def _call_stamp(graph: fx.Graph, part: list, fqn: str, reference, target: str,
         results = [call] if len(gives) == 1 else \
             [graph.call_function(operator.getitem, (call, i)) for i in range(len(gives))]
         given_as = dict(zip(gives, results))
-        for node in sorted({n for made in after.values() for n in made}):
-            given_as[node] = graph.node_copy(node, lambda n: given_as.get(n, n))
+        _made_again(graph, {n for made in after.values() for n in made}, given_as)
     call.meta = {"val": tuple(g.meta.get("val") for g in gives),
                  "nn_module_stack": dict(stamp.meta.get("nn_module_stack", {}))}
     renamed = {}
@@ -322,24 +321,6 @@ def _call_stamp(graph: fx.Graph, part: list, fqn: str, reference, target: str,
     _rename_done(done, renamed)
 
 
-def _collected(value: fx.Node, gives: list) -> Optional[set]:
-    """The collectives the caller made of ``gives`` (what a reference's module returns) to
-    give ``value``, the stamp's output (a row-wise output's all-reduce where the caller
-    adds the residual): copied after a stamped block's call, they give its output alike.
-    An empty set where the module returns ``value`` itself; ``None`` where ``value`` is
-    made otherwise."""
-    made, todo = set(), [value]
-    while todo:
-        node = todo.pop()
-        if node in gives or node in made:
-            continue
-        if COLLECTIVE not in node.meta or not node.all_input_nodes:
-            return None
-        made.add(node)
-        todo += node.all_input_nodes
-    return made
-
-
 def _passed(read: fx.Node, given: Stamp, stamp: fx.Node) -> Optional[fx.Node]:
     """What ``stamp`` passes where its reference's module reads ``read``: the stamp's own
     argument for one of the reference's inputs; where the caller made ``read`` of such
@@ -351,16 +332,8 @@ def _passed(read: fx.Node, given: Stamp, stamp: fx.Node) -> Optional[fx.Node]:
     inputs, args = given.inputs, stamp.args[0]
     if read in inputs:
         return args[inputs.index(read)]
-    made, todo = set(), [read]
-    while todo:
-        node = todo.pop()
-        if node in inputs or node in made:
-            continue
-        if _made_of(node) is None:
-            return None
-        made.add(node)
-        todo += _made_of(node)
-    if not read < stamp:
+    made = _collectives_between(inputs, read)
+    if made is None or not read < stamp:
         return None
     given_as = {i: a for i, a in zip(inputs, args)}
     sources = {n for m in made for n in _made_of(m) if n not in made}
@@ -368,17 +341,43 @@ def _passed(read: fx.Node, given: Stamp, stamp: fx.Node) -> Optional[fx.Node]:
         return read
     if any(placement_of(given_as[n]) != placement_of(n) for n in sources):
         return None  # the collectives would see another layout than the reference's did
-    graph, mapped = stamp.graph, lambda n: given_as.get(n, n)
-    with graph.inserting_before(stamp):
-        for node in sorted(made):
-            if MADE_BY in node.meta:  # the collective the placeholder stands for
-                target, args, kwargs = node.meta[MADE_BY]
-                given_as[node] = graph.call_function(
-                    target, *fx.node.map_arg((args, kwargs), mapped))
-                given_as[node].meta = {k: v for k, v in node.meta.items() if k != MADE_BY}
-            else:
-                given_as[node] = graph.node_copy(node, mapped)
+    with stamp.graph.inserting_before(stamp):
+        _made_again(stamp.graph, made, given_as)
     return given_as[read]
+
+
+def _collectives_between(ends: list, value: fx.Node) -> Optional[set[fx.Node]]:
+    """The collectives (and pieces of their results) that make ``value`` of ``ends``, the
+    values a reference's module reads or returns: what a caller made of them (a block's
+    input gradient sync, a row-wise output's all-reduce where the caller adds the
+    residual). Empty where ``value`` is one of ``ends``; ``None`` where it is made
+    otherwise."""
+    made, todo = set(), [value]
+    while todo:
+        node = todo.pop()
+        if node in ends or node in made:
+            continue
+        found = _made_of(node)
+        if found is None:
+            return None
+        made.add(node)
+        todo += found
+    return made
+
+
+def _made_again(graph: fx.Graph, made: set[fx.Node], given_as: dict) -> None:
+    """Copy the collectives ``made`` (in the graph's order) at the graph's insertion point,
+    each reading ``given_as[v]`` where it read ``v``; ``given_as`` then maps each to its
+    copy. A placeholder standing for a collective (``MADE_BY``) is made as that call."""
+    mapped = lambda n: given_as.get(n, n)  # noqa: E731
+    for node in sorted(made):
+        if MADE_BY in node.meta:
+            target, args, kwargs = node.meta[MADE_BY]
+            given_as[node] = graph.call_function(target,
+                                                 *fx.node.map_arg((args, kwargs), mapped))
+            given_as[node].meta = {k: v for k, v in node.meta.items() if k != MADE_BY}
+        else:
+            given_as[node] = graph.node_copy(node, mapped)
 
 
 def _made_of(node: fx.Node) -> Optional[list[fx.Node]]:
